@@ -1,0 +1,130 @@
+"""The only module in portarl that touches torch_npu.
+
+Everything Ascend-specific that portarl calls goes through the functions here, so that
+(1) the rest of the package imports without torch_npu or CANN, and (2) CPU tests can run
+the NPU backend's logic over a stand-in module that implements the documented semantics
+(:func:`use_module`). Documented API used, from the Ascend Extension for PyTorch
+reference ("torch_npu.npu_cross_entropy_loss", ptaoplist):
+
+    npu_cross_entropy_loss(input, target, weight=None, reduction="mean", ignore_index=-100,
+                           label_smoothing=0.0, lse_square_scale_for_zloss=0.0,
+                           return_zloss=False) -> (loss, log_prob, zloss, lse_for_zloss)
+
+input [N, C] fp16/bf16/fp32 with 0 < N <= 200000; target int64 [N] in [0, C); a negative
+ignore_index ignores nothing; only ``loss`` is differentiable; ``loss`` and ``log_prob``
+have the input's dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from types import ModuleType
+from typing import Iterator
+
+import torch
+
+#: npu_cross_entropy_loss accepts at most this many rows per call.
+CROSS_ENTROPY_MAX_ROWS = 200_000
+
+_SET_ENV_HINT = (
+    "source CANN's environment first (e.g. `source /usr/local/Ascend/ascend-toolkit/set_env.sh`)"
+)
+
+_module: ModuleType | None = None
+_import_error: str | None = None
+#: The device type the active module serves: "npu" for torch_npu, "cpu" for a test stand-in.
+device_type = "npu"
+
+
+def _load() -> ModuleType | None:
+    global _module, _import_error
+    if _module is not None or _import_error is not None:
+        return _module
+    try:
+        _module = importlib.import_module("torch_npu")
+    except ModuleNotFoundError as err:
+        if err.name not in (None, "torch_npu"):
+            # torch_npu exists but one of its own imports is missing.
+            _import_error = f"torch_npu is installed but failed to import ({err}); {_SET_ENV_HINT}"
+        else:
+            _import_error = (
+                "torch_npu is not installed: `pip install 'portarl[npu]'` (a torch-npu release "
+                f"matching torch {torch.__version__}) on a machine with CANN"
+            )
+    except (ImportError, OSError) as err:
+        _import_error = f"torch_npu failed to import ({err}): the CANN environment is not sourced; {_SET_ENV_HINT}"
+    return _module
+
+
+def unavailable_reason() -> str | None:
+    """None when an NPU is usable, else why not and what to do."""
+    module = _load()
+    if module is None:
+        return _import_error
+    if device_type != "npu":
+        return None
+    npu = getattr(torch, "npu", None)
+    if npu is None or not npu.is_available():
+        visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
+        where = f" (ASCEND_RT_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        return f"torch_npu imported but no NPU is visible{where}: check `npu-smi info` and the device mounts"
+    return None
+
+
+def device_count() -> int:
+    if _load() is None or device_type != "npu":
+        return 0
+    return torch.npu.device_count()
+
+
+def cross_entropy_loss(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row ``(loss, log_prob)`` from ``npu_cross_entropy_loss(reduction="none")``.
+
+    ``ignore_index=-1`` (negative) ignores nothing: callers mask padded rows themselves and
+    keep their targets in range. Only ``loss`` carries a gradient.
+    """
+    module = _load()
+    if module is None:
+        raise RuntimeError(_import_error)
+    loss, log_prob, _zloss, _lse = module.npu_cross_entropy_loss(
+        logits, target, reduction="none", ignore_index=-1
+    )
+    return loss, log_prob
+
+
+def environment() -> dict[str, str | None]:
+    """torch_npu, CANN and driver versions and the device name, for parity reports."""
+    module = _load()
+    info: dict[str, str | None] = {"torch_npu": None, "cann": None, "npu_driver": None, "npu_name": None}
+    if module is None or device_type != "npu":
+        return info
+    info["torch_npu"] = getattr(module, "__version__", None)
+    info["cann"] = getattr(torch.version, "cann", None)
+    with contextlib.suppress(Exception):
+        from torch_npu.npu.utils import get_cann_version  # type: ignore[import-not-found]
+
+        info["cann"] = get_cann_version(module="CANN") or info["cann"]
+        info["npu_driver"] = get_cann_version(module="DRIVER") or None
+    with contextlib.suppress(Exception):
+        info["npu_name"] = torch.npu.get_device_name(0)
+    return info
+
+
+@contextlib.contextmanager
+def use_module(module: ModuleType, *, serves_device_type: str = "cpu") -> Iterator[None]:
+    """Run with ``module`` in place of torch_npu (tests: a CPU stand-in). Not for hardware."""
+    global _module, _import_error, device_type
+    saved = (_module, _import_error, device_type)
+    _module, _import_error, device_type = module, None, serves_device_type
+    try:
+        yield
+    finally:
+        _module, _import_error, device_type = saved
+
+
+def reset() -> None:
+    """Forget the cached import result (tests that simulate import failures)."""
+    global _module, _import_error
+    _module, _import_error = None, None

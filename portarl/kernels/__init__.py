@@ -1,0 +1,31 @@
+"""Triton device code for portarl's fused ops.
+
+Importing this package requires triton. Host-side launch code lives in
+:mod:`portarl.backends.cuda`; this package holds only ``@triton.jit`` kernels.
+Whether the kernels were built for the Triton interpreter (``TRITON_INTERPRET=1``,
+which lets them run on CPU tensors) is decided by triton when the decorators run,
+so it is fixed for the life of the process: see :data:`INTERPRETED`.
+"""
+
+from portarl.kernels.logprobs import logprobs_backward_kernel, logprobs_forward_kernel
+from portarl.kernels.kl import kl_backward_kernel, kl_forward_kernel
+
+
+def _built_for_interpreter() -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - layout of very old triton
+        return False
+    return isinstance(logprobs_forward_kernel, InterpretedFunction)
+
+
+#: True when the kernels were decorated under ``TRITON_INTERPRET=1`` and so take CPU tensors.
+INTERPRETED: bool = _built_for_interpreter()
+
+__all__ = [
+    "INTERPRETED",
+    "kl_backward_kernel",
+    "kl_forward_kernel",
+    "logprobs_backward_kernel",
+    "logprobs_forward_kernel",
+]

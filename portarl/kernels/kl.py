@@ -1,0 +1,111 @@
+"""Triton kernels: per-token KL estimators k1, k2, k3 and their backward.
+
+Elementwise over flattened, contiguous inputs in blocks of ``BLOCK`` elements; fp32
+arithmetic whatever the input dtype. ``d = ref_logp - logp``.
+
+    k1 = -d                       dk/dd = -1
+    k2 = d * d / 2                dk/dd = d
+    k3 = exp(dc) - dc - 1         dc = clamp(d, -log_ratio_clamp, log_ratio_clamp)
+         then min(k3, max_value)  dk/dd = exp(dc) - 1 inside both clamps, else 0
+
+The clamps apply to k3 only and follow ``torch.clamp``'s gradient convention (the
+gradient passes at the boundary, inclusive). ``HAS_MASK``: masked-out positions give 0
+and zero gradient even where the inputs are NaN or inf. Clamps propagate NaN, so a NaN
+input on an unmasked position gives NaN, never a clamped finite number.
+"""
+
+import triton
+import triton.language as tl
+
+K1: tl.constexpr = 1
+K2: tl.constexpr = 2
+K3: tl.constexpr = 3
+
+
+@triton.jit
+def _k3_parts(d, log_ratio_clamp, max_value, CLAMP_RATIO: tl.constexpr, CLAMP_VALUE: tl.constexpr):
+    if CLAMP_RATIO:
+        dc = tl.minimum(
+            tl.maximum(d, -log_ratio_clamp, propagate_nan=tl.PropagateNan.ALL),
+            log_ratio_clamp,
+            propagate_nan=tl.PropagateNan.ALL,
+        )
+        passes = (d >= -log_ratio_clamp) & (d <= log_ratio_clamp)
+    else:
+        dc = d
+        passes = d == d
+    ed = tl.exp(dc)
+    value = ed - dc - 1.0
+    if CLAMP_VALUE:
+        passes = passes & (value <= max_value)
+        value = tl.minimum(value, max_value, propagate_nan=tl.PropagateNan.ALL)
+    return value, tl.where(passes, ed - 1.0, 0.0)
+
+
+@triton.jit
+def kl_forward_kernel(
+    logp_ptr,
+    ref_ptr,
+    mask_ptr,
+    out_ptr,
+    n_elements,
+    log_ratio_clamp,
+    max_value,
+    ESTIMATOR: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    CLAMP_RATIO: tl.constexpr,
+    CLAMP_VALUE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n_elements
+    logp = tl.load(logp_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    ref = tl.load(ref_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    d = ref - logp
+    if ESTIMATOR == 1:
+        value = -d
+    elif ESTIMATOR == 2:
+        value = 0.5 * d * d
+    else:
+        value, _ = _k3_parts(d, log_ratio_clamp, max_value, CLAMP_RATIO, CLAMP_VALUE)
+    if HAS_MASK:
+        keep = tl.load(mask_ptr + offs, mask=inside, other=0) != 0
+        value = tl.where(keep, value, 0.0)
+    tl.store(out_ptr + offs, value, mask=inside)
+
+
+@triton.jit
+def kl_backward_kernel(
+    logp_ptr,
+    ref_ptr,
+    mask_ptr,
+    grad_out_ptr,
+    grad_logp_ptr,
+    grad_ref_ptr,
+    n_elements,
+    log_ratio_clamp,
+    max_value,
+    ESTIMATOR: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    CLAMP_RATIO: tl.constexpr,
+    CLAMP_VALUE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n_elements
+    logp = tl.load(logp_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    ref = tl.load(ref_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    g = tl.load(grad_out_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    d = ref - logp
+    if ESTIMATOR == 1:
+        dk_dd = tl.full([BLOCK], -1.0, tl.float32)
+    elif ESTIMATOR == 2:
+        dk_dd = d
+    else:
+        _, dk_dd = _k3_parts(d, log_ratio_clamp, max_value, CLAMP_RATIO, CLAMP_VALUE)
+    grad_d = g * dk_dd
+    if HAS_MASK:
+        keep = tl.load(mask_ptr + offs, mask=inside, other=0) != 0
+        grad_d = tl.where(keep, grad_d, 0.0)
+    tl.store(grad_ref_ptr + offs, grad_d.to(grad_ref_ptr.dtype.element_ty), mask=inside)
+    tl.store(grad_logp_ptr + offs, (-grad_d).to(grad_logp_ptr.dtype.element_ty), mask=inside)

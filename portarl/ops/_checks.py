@@ -1,0 +1,56 @@
+"""Argument checks shared by the public ops: every error names the argument and the fix."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: Floating dtypes the ops accept. Compute is fp32 for all of them.
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_BACKEND_ATTR = "_portarl_backend"
+
+
+def check_tensor(name: str, value) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_float_dtype(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {tensor.dtype}, which portarl ops do not take; pass float32, "
+            f"bfloat16 or float16 (computation is fp32 either way; float64 references live in "
+            f"portarl.parity.float64)"
+        )
+
+
+def check_same_device(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        where = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors))
+        raise ValueError(f"all inputs must be on one device: {where}; move them with .to(device)")
+
+
+def check_positive(name: str, value, *, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, torch.Tensor) or not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        extra = " or None to disable it" if allow_none else ""
+        raise ValueError(f"{name} must be a finite number > 0{extra}, got {value}")
+    return float(value)
+
+
+def tag(tensor: torch.Tensor | None, backend_name: str) -> None:
+    """Mark an op result with the backend that computed it (read by :func:`computed_by`)."""
+    if tensor is not None:
+        setattr(tensor, _BACKEND_ATTR, backend_name)
+
+
+def computed_by(tensor: torch.Tensor) -> str | None:
+    """Name of the backend that computed this op result, or None if it is not an op result."""
+    return getattr(tensor, _BACKEND_ATTR, None)

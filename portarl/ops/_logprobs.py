@@ -1,0 +1,106 @@
+"""portarl.ops.logprobs: per-token log-probabilities (and entropy) from logits."""
+
+from __future__ import annotations
+
+import torch
+
+from portarl.backends.base import Backend
+from portarl.backends.dispatch import choose_backend
+from portarl.ops._checks import check_float_dtype, check_positive, check_same_device, check_tensor, tag
+
+
+def logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    backend: str | Backend | None = None,
+):
+    """Log-probability of each label under softmax(logits / temperature), and its entropy.
+
+    Contract (every backend, every device):
+        z = logits / temperature;  logp = z[label] - logsumexp(z);
+        H = logsumexp(z) - sum(softmax(z) * z)
+
+    Args:
+        logits: ``[..., V]`` float32, bfloat16 or float16; any strides (a slice such as
+            ``logits[:, :-1]`` is read in place, not copied).
+        labels: integer ``[...]`` equal to ``logits.shape[:-1]``; each in ``[0, V)`` or
+            equal to ``ignore_index``.
+        temperature: finite, > 0.
+        ignore_index: label value marking positions to ignore.
+        return_entropy: also return the entropy of each row.
+        backend: ``"reference"``, ``"cuda"``, ``"npu"`` or a Backend; default by device.
+
+    Returns:
+        ``logp`` float32 of shape ``labels.shape``, or ``(logp, entropy)`` when
+        ``return_entropy``. :func:`portarl.ops.computed_by` names the backend that ran.
+
+    Precision: accumulated in fp32 whatever the input dtype (online logsumexp / row max
+    shift), so bf16 inputs give fp32-accurate results on the bf16 input values: within
+    ``1e-5 * (1 + max|z|)`` of a float64 computation (see portarl.parity.tolerances).
+
+    Masking: ignored positions give logp = 0, H = 0 and a zero gradient, whatever their
+    logits hold.
+
+    Non-finite values: ``-inf`` logits (a masked vocabulary) are valid and get probability
+    0; a label on a -inf entry gives logp = -inf. A NaN or +inf anywhere in a row makes that
+    row's logp and H NaN (never a finite wrong number); so does a row that is entirely -inf.
+
+    Gradient: with respect to ``logits`` through logp and H, in the logits' dtype; the
+    backward allocates only that N x V gradient. The forward allocates O(N) plus bounded
+    chunks: never an N x V temporary.
+
+    Raises:
+        TypeError: a non-tensor argument, non-integer labels, or an unsupported logits dtype.
+        ValueError: mismatched shapes or devices, an empty vocabulary, a label outside
+            ``[0, V)`` other than ``ignore_index``, or ``temperature <= 0``.
+    """
+    check_tensor("logits", logits)
+    check_tensor("labels", labels)
+    check_float_dtype("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [..., V] with V >= 1, got shape {tuple(logits.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor (int64), got {labels.dtype}")
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal logits.shape[:-1] = {tuple(logits.shape[:-1])}"
+        )
+    check_same_device(("logits", "labels"), (logits, labels))
+    temperature = check_positive("temperature", temperature)
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+    n_cols = logits.shape[-1]
+    flat_labels = labels.reshape(-1).to(torch.int64)
+    bad = ((flat_labels < 0) | (flat_labels >= n_cols)) & (flat_labels != ignore_index)
+    if bool(bad.any()):
+        first = int(flat_labels[bad][0])
+        raise ValueError(
+            f"labels: {int(bad.sum())} value(s) outside [0, {n_cols}) that are not ignore_index="
+            f"{ignore_index} (first: {first}); fix the labels or pass the ignore_index you pad with"
+        )
+
+    chosen = choose_backend("logprobs", logits.device, backend)
+    if flat_labels.numel() == 0:
+        # No rows: keep the graph connected without launching anything.
+        logp = logits.float().sum(-1) * 0.0
+        entropy = logp.clone() if return_entropy else None
+    else:
+        logp, entropy = chosen.logprobs(
+            logits,
+            flat_labels,
+            temperature=temperature,
+            ignore_index=ignore_index,
+            return_entropy=return_entropy,
+        )
+        logp = logp.view(labels.shape)
+        entropy = entropy.view(labels.shape) if entropy is not None else None
+    tag(logp, chosen.name)
+    if not return_entropy:
+        return logp
+    tag(entropy, chosen.name)
+    return logp, entropy
