@@ -22,10 +22,18 @@ def _built_for_interpreter() -> bool:
 #: True when the kernels were decorated under ``TRITON_INTERPRET=1`` and so take CPU tensors.
 INTERPRETED: bool = _built_for_interpreter()
 
+
+def round_bf16_in_interpreter(dtype) -> bool:
+    """Whether a kernel storing ``dtype`` must round bf16 itself (see :mod:`portarl.kernels.rounding`)."""
+    import torch
+
+    return INTERPRETED and dtype == torch.bfloat16
+
 __all__ = [
     "INTERPRETED",
     "kl_backward_kernel",
     "kl_forward_kernel",
     "logprobs_backward_kernel",
     "logprobs_forward_kernel",
+    "round_bf16_in_interpreter",
 ]

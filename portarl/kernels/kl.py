@@ -17,6 +17,8 @@ input on an unmasked position gives NaN, never a clamped finite number.
 import triton
 import triton.language as tl
 
+from portarl.kernels.rounding import cast_for_store
+
 K1: tl.constexpr = 1
 K2: tl.constexpr = 2
 K3: tl.constexpr = 3
@@ -90,6 +92,8 @@ def kl_backward_kernel(
     CLAMP_RATIO: tl.constexpr,
     CLAMP_VALUE: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROUND_BF16_LOGP: tl.constexpr,
+    ROUND_BF16_REF: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n_elements
@@ -107,5 +111,5 @@ def kl_backward_kernel(
     if HAS_MASK:
         keep = tl.load(mask_ptr + offs, mask=inside, other=0) != 0
         grad_d = tl.where(keep, grad_d, 0.0)
-    tl.store(grad_ref_ptr + offs, grad_d.to(grad_ref_ptr.dtype.element_ty), mask=inside)
-    tl.store(grad_logp_ptr + offs, (-grad_d).to(grad_logp_ptr.dtype.element_ty), mask=inside)
+    tl.store(grad_ref_ptr + offs, cast_for_store(grad_d, grad_ref_ptr, ROUND_BF16_REF), mask=inside)
+    tl.store(grad_logp_ptr + offs, cast_for_store(-grad_d, grad_logp_ptr, ROUND_BF16_LOGP), mask=inside)

@@ -20,6 +20,8 @@ sum p * z directly would cancel two numbers of size |z|).
 import triton
 import triton.language as tl
 
+from portarl.kernels.rounding import cast_for_store
+
 
 @triton.jit
 def logprobs_forward_kernel(
@@ -93,6 +95,7 @@ def logprobs_backward_kernel(
     ignore_index,
     BLOCK_V: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     """grad_z = g_logp * (onehot - p) - g_H * p * (log p + H); grad_logits = grad_z / T.
 
@@ -107,7 +110,7 @@ def logprobs_backward_kernel(
         for start in range(0, n_cols, BLOCK_V):
             idx = start + cols
             zeros = tl.zeros([BLOCK_V], dtype=tl.float32)
-            tl.store(out_ptr + idx, zeros.to(grad_logits_ptr.dtype.element_ty), mask=idx < n_cols)
+            tl.store(out_ptr + idx, cast_for_store(zeros, grad_logits_ptr, ROUND_BF16), mask=idx < n_cols)
     else:
         lse = tl.load(lse_ptr + row)
         g_logp = tl.load(grad_logp_ptr + row)
@@ -125,4 +128,4 @@ def logprobs_backward_kernel(
             if WITH_ENTROPY:
                 grad -= tl.where(p > 0.0, g_h * p * (logp + h), 0.0)
             grad = grad * inv_temperature
-            tl.store(out_ptr + idx, grad.to(grad_logits_ptr.dtype.element_ty), mask=in_row)
+            tl.store(out_ptr + idx, cast_for_store(grad, grad_logits_ptr, ROUND_BF16), mask=in_row)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from portarl.kernels import kl_backward_kernel, kl_forward_kernel
+from portarl.kernels import kl_backward_kernel, kl_forward_kernel, round_bf16_in_interpreter
 
 _ESTIMATOR_CODE = {"k1": 1, "k2": 2, "k3": 3}
 BLOCK = 1024
@@ -50,7 +50,9 @@ class TritonKL(torch.autograd.Function):
         n = logp_c.numel()
         if n:
             kl_backward_kernel[(triton.cdiv(n, BLOCK),)](
-                logp_c, ref_c, mask_c, grad_out.contiguous(), grad_logp, grad_ref, n, *ctx.clamps, **ctx.params
+                logp_c, ref_c, mask_c, grad_out.contiguous(), grad_logp, grad_ref, n, *ctx.clamps, **ctx.params,
+                ROUND_BF16_LOGP=round_bf16_in_interpreter(grad_logp.dtype),
+                ROUND_BF16_REF=round_bf16_in_interpreter(grad_ref.dtype),
             )
         return grad_logp, grad_ref, None, None, None, None
 

@@ -6,7 +6,7 @@ import torch
 import triton
 
 from portarl.backends.rows import row_offsets
-from portarl.kernels import logprobs_backward_kernel, logprobs_forward_kernel
+from portarl.kernels import logprobs_backward_kernel, logprobs_forward_kernel, round_bf16_in_interpreter
 
 #: Largest tile of a row held at once (columns). Tiles depend on V only: batch invariance.
 MAX_BLOCK_V = 4096
@@ -74,6 +74,7 @@ class TritonLogprobs(torch.autograd.Function):
             ctx.ignore_index,
             BLOCK_V=block,
             WITH_ENTROPY=use_entropy,
+            ROUND_BF16=round_bf16_in_interpreter(grad.dtype),
             num_warps=_num_warps(block),
         )
         return grad, None, None, None, None

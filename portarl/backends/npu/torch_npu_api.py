@@ -79,6 +79,12 @@ def device_count() -> int:
     return torch.npu.device_count()
 
 
+def synchronize() -> None:
+    """Wait for queued NPU work (timing). No-op for a CPU stand-in."""
+    if _load() is not None and device_type == "npu":
+        torch.npu.synchronize()
+
+
 def cross_entropy_loss(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row ``(loss, log_prob)`` from ``npu_cross_entropy_loss(reduction="none")``.
 

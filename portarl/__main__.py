@@ -1,0 +1,5 @@
+import sys
+
+from portarl.cli import main
+
+sys.exit(main())

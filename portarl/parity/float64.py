@@ -1,0 +1,101 @@
+"""float64 references: the obviously-correct formulas, on CPU, with autograd.
+
+These define the numbers every backend is held to. They are row-chunked only so that
+larger hardware cases fit in host memory; rows are independent, so chunking changes
+nothing. They implement the ops' contracts for non-finite input explicitly (a row with
+NaN or +inf is NaN throughout).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def logprobs_float64(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    grad_logp: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """float64 ``logp``, ``entropy`` (shape of labels) and, given upstream gradients,
+    ``grad`` = d(sum(grad_logp * logp + grad_entropy * entropy)) / d logits (shape of logits)."""
+    n_cols = logits.shape[-1]
+    x_all = logits.detach().to("cpu", torch.float64).reshape(-1, n_cols)
+    y_all = labels.detach().to("cpu").reshape(-1)
+    want_grad = grad_logp is not None or grad_entropy is not None
+    g1_all = None if grad_logp is None else grad_logp.detach().to("cpu", torch.float64).reshape(-1)
+    g2_all = None if grad_entropy is None else grad_entropy.detach().to("cpu", torch.float64).reshape(-1)
+    logps, entropies, grads = [], [], []
+    step = max(1, _CHUNK_ELEMENTS // n_cols)
+    for start in range(0, x_all.shape[0], step):
+        x = x_all[start : start + step].clone().requires_grad_(want_grad)
+        y = y_all[start : start + step]
+        valid = y != ignore_index
+        bad_row = (torch.isnan(x) | (x == float("inf"))).any(dim=-1, keepdim=True)
+        z = torch.where(bad_row, float("nan"), x) / temperature
+        log_sm = torch.log_softmax(z, dim=-1)
+        logp = log_sm.gather(-1, torch.where(valid, y, 0).unsqueeze(-1)).squeeze(-1)
+        p = log_sm.exp()
+        safe_log_sm = torch.where(p > 0, log_sm, torch.zeros_like(log_sm))
+        entropy = -(p * safe_log_sm).sum(dim=-1)
+        logp = torch.where(valid, logp, 0.0)
+        entropy = torch.where(valid, entropy, 0.0)
+        if want_grad:
+            total = torch.zeros((), dtype=torch.float64)
+            if g1_all is not None:
+                total = total + (g1_all[start : start + step] * logp).sum()
+            if g2_all is not None:
+                total = total + (g2_all[start : start + step] * entropy).sum()
+            (g,) = torch.autograd.grad(total, x)
+            grads.append(g)
+        logps.append(logp.detach())
+        entropies.append(entropy.detach())
+    out = {
+        "logp": torch.cat(logps).reshape(labels.shape),
+        "entropy": torch.cat(entropies).reshape(labels.shape),
+    }
+    if want_grad:
+        out["grad"] = torch.cat(grads).reshape(logits.shape)
+    return out
+
+
+def kl_float64(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    *,
+    estimator: str = "k3",
+    mask: torch.Tensor | None = None,
+    log_ratio_clamp: float | None = 20.0,
+    max_value: float | None = 10.0,
+    grad_out: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """float64 ``value`` and, given ``grad_out``, ``grad_logp`` and ``grad_ref``."""
+    a = logp.detach().to("cpu", torch.float64).clone().requires_grad_(grad_out is not None)
+    b = ref_logp.detach().to("cpu", torch.float64).clone().requires_grad_(grad_out is not None)
+    keep = None if mask is None else mask.detach().to("cpu") != 0
+    d = b - a
+    if keep is not None:
+        d = torch.where(keep, d, 0.0)
+    if estimator == "k1":
+        value = -d
+    elif estimator == "k2":
+        value = d.square() / 2
+    elif estimator == "k3":
+        dc = d if log_ratio_clamp is None else d.clamp(-log_ratio_clamp, log_ratio_clamp)
+        value = dc.exp() - dc - 1
+        if max_value is not None:
+            value = value.clamp(max=max_value)
+    else:
+        raise ValueError(f"unknown estimator {estimator!r}")
+    if keep is not None:
+        value = torch.where(keep, value, 0.0)
+    out = {"value": value.detach()}
+    if grad_out is not None:
+        ga, gb = torch.autograd.grad((value * grad_out.detach().to("cpu", torch.float64)).sum(), (a, b))
+        out["grad_logp"], out["grad_ref"] = ga, gb
+    return out

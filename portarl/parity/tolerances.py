@@ -1,0 +1,62 @@
+"""Every tolerance portarl's parity tests and reports use, in one place.
+
+Principle: the ops accumulate in fp32 whatever the input dtype, and every float64
+reference is computed on the *same input values* (the low-precision inputs upcast), so a
+bf16 input excuses no bf16-sized error in a result. Two error sources remain:
+
+* fp32 arithmetic, which scales with the magnitude of what is summed or subtracted:
+  ``FP32_ACCUM_ATOL * (1 + scale)`` where ``scale`` is max|z| (z = logits / T) for the
+  log-prob op and max|input| for the KL op;
+* the final rounding of a result stored in a narrow dtype (gradients come back in the
+  input's dtype): the unit roundoff of that dtype, relative to the value, plus fp16's
+  subnormal spacing in absolute terms.
+
+An element passes when ``|actual - expected| <= atol + rtol * |expected|``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+#: Allowed fp32 accumulation error per unit of input scale.
+FP32_ACCUM_ATOL = 1e-5
+
+#: Relative rounding error of storing an exactly computed value in each dtype.
+STORAGE_RTOL = {
+    torch.float32: 1e-6,
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-11,
+}
+#: Absolute rounding error floor (fp16 subnormal spacing; bf16 shares fp32's exponent range).
+STORAGE_ATOL = {
+    torch.float32: 0.0,
+    torch.bfloat16: 0.0,
+    torch.float16: 2.0**-24,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+
+    def allowed(self, expected: torch.Tensor) -> torch.Tensor:
+        return self.atol + self.rtol * expected.abs()
+
+
+def fp32_result(scale: float) -> Tolerance:
+    """An fp32 output (log-probs, entropy, KL values) computed from inputs of magnitude ``scale``."""
+    return Tolerance(atol=FP32_ACCUM_ATOL * (1.0 + scale), rtol=0.0)
+
+
+def stored_gradient(scale: float, upstream: float, dtype: torch.dtype) -> Tolerance:
+    """A gradient computed in fp32 and stored in ``dtype``.
+
+    ``upstream`` bounds the incoming gradient times any chain factor (1 / temperature).
+    """
+    return Tolerance(
+        atol=FP32_ACCUM_ATOL * (1.0 + scale) * upstream + STORAGE_ATOL[dtype],
+        rtol=STORAGE_RTOL[dtype],
+    )
