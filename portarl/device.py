@@ -33,12 +33,25 @@ def cuda_unavailable_reason() -> str | None:
     )
 
 
-def _check_index(device: torch.device, count: int) -> None:
-    if device.index is not None and device.index >= count:
+def _check_index(kind: str, index: int | None, count: int) -> None:
+    if index is not None and index >= count:
         raise DeviceUnavailableError(
-            f"device {device} requested but only {count} {device.type} device(s) are visible "
-            f"(indices 0..{count - 1})"
+            f"device {kind}:{index} requested but only {count} {kind} device(s) are visible"
+            + (f" (indices 0..{count - 1})" if count else "")
         )
+
+
+def _parse(text: str, original) -> tuple[str, int | None]:
+    """'cuda' -> ('cuda', None), 'npu:1' -> ('npu', 1). Parsed here because torch only knows
+    the 'npu' device type once torch_npu is imported, and a missing torch_npu must give the
+    install hint, not a parse error."""
+    kind, _, index = text.partition(":")
+    if kind not in DEVICE_CHOICES[1:] or (index and not index.isdigit()):
+        raise ValueError(
+            f"device={original!r} is not a device; use one of {', '.join(DEVICE_CHOICES)} "
+            "(optionally with an index, e.g. 'cuda:1')"
+        )
+    return kind, int(index) if index else None
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -54,7 +67,9 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
             missing (torch_npu not installed, CANN environment not sourced, no visible device).
     """
     if isinstance(device, torch.device):
-        requested = device
+        kind, index = device.type, device.index
+        if kind not in DEVICE_CHOICES[1:]:
+            raise ValueError(f"device={device!r}: portarl runs on {', '.join(DEVICE_CHOICES[1:])}; {kind!r} is not supported")
     elif isinstance(device, str):
         text = device.strip().lower()
         if text == "auto":
@@ -63,34 +78,23 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
             if torch_npu_api.unavailable_reason() is None:
                 return torch.device("npu", 0)
             return torch.device("cpu")
-        try:
-            requested = torch.device(text)
-        except RuntimeError as err:
-            raise ValueError(
-                f"device={device!r} is not a device; use one of {', '.join(DEVICE_CHOICES)} "
-                "(optionally with an index, e.g. 'cuda:1')"
-            ) from err
+        kind, index = _parse(text, device)
     else:
         raise ValueError(
             f"device must be a string ({', '.join(DEVICE_CHOICES)}) or a torch.device, "
             f"got {type(device).__name__}"
         )
 
-    if requested.type == "cpu":
-        return requested
-    if requested.type == "cuda":
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda":
         reason = cuda_unavailable_reason()
         if reason is not None:
-            raise DeviceUnavailableError(f"device {str(requested)!r} requested but {reason}")
-        _check_index(requested, torch.cuda.device_count())
-        return requested
-    if requested.type == "npu":
-        reason = torch_npu_api.unavailable_reason()
-        if reason is not None:
-            raise DeviceUnavailableError(f"device {str(requested)!r} requested but {reason}")
-        _check_index(requested, torch_npu_api.device_count())
-        return requested
-    raise ValueError(
-        f"device={device!r}: portarl runs on {', '.join(DEVICE_CHOICES[1:])}; "
-        f"{requested.type!r} is not supported"
-    )
+            raise DeviceUnavailableError(f"device {device!s} requested but {reason}")
+        _check_index(kind, index, torch.cuda.device_count())
+        return torch.device("cuda", index if index is not None else torch.cuda.current_device())
+    reason = torch_npu_api.unavailable_reason()
+    if reason is not None:
+        raise DeviceUnavailableError(f"device {device!s} requested but {reason}")
+    _check_index(kind, index, torch_npu_api.device_count())
+    return torch.device("npu", index if index is not None else 0)

@@ -24,8 +24,15 @@ def _chunk_rows(n_cols: int) -> int:
 
 
 def _entropy_from_log_prob(log_prob: torch.Tensor) -> torch.Tensor:
+    """-sum p log p, with 0 log 0 = 0 and NaN kept (``p > 0`` would drop a NaN)."""
     p = torch.exp(log_prob)
-    return -torch.where(p > 0, p * log_prob, torch.zeros_like(p)).sum(dim=-1)
+    return -torch.where(p == 0, torch.zeros_like(p), p * log_prob).sum(dim=-1)
+
+
+def _bad_rows(z: torch.Tensor) -> torch.Tensor:
+    """Rows with no distribution (NaN, +inf, or all -inf): NaN by contract, whatever the
+    operator makes of them."""
+    return torch.isnan(z).any(dim=-1) | torch.isposinf(z).any(dim=-1) | torch.isneginf(z).all(dim=-1)
 
 
 class NpuLogprobs(torch.autograd.Function):
@@ -41,9 +48,11 @@ class NpuLogprobs(torch.autograd.Function):
             z = rows.float() * inv_temperature
             loss, log_prob = torch_npu_api.cross_entropy_loss(z, target[start:stop])
             keep = valid[start:stop]
-            logp[start:stop] = torch.where(keep, -loss.float(), 0.0)
+            bad = _bad_rows(z)
+            logp[start:stop] = torch.where(keep, torch.where(bad, float("nan"), -loss.float()), 0.0)
             if with_entropy:
-                entropy[start:stop] = torch.where(keep, _entropy_from_log_prob(log_prob.float()), 0.0)
+                h = torch.where(bad, float("nan"), _entropy_from_log_prob(log_prob.float()))
+                entropy[start:stop] = torch.where(keep, h, 0.0)
             del loss, log_prob
         ctx.save_for_backward(logits, target, valid, entropy)
         ctx.inv_temperature = inv_temperature
@@ -72,7 +81,7 @@ class NpuLogprobs(torch.autograd.Function):
                 p = torch.exp(log_prob)
                 g_h = torch.where(keep, g_entropy[start:stop], 0.0).unsqueeze(-1)
                 term = g_h * p * (log_prob + entropy[start:stop].unsqueeze(-1))
-                grad_z = grad_z - torch.where(p > 0, term, torch.zeros_like(term))
+                grad_z = grad_z - torch.where(p == 0, torch.zeros_like(term), term)
             flat[start:stop] = torch.where(keep.unsqueeze(-1), grad_z * ctx.inv_temperature, 0.0)
         return grad, None, None, None, None
 

@@ -1,0 +1,127 @@
+"""Shared test set-up: device-generic targets (one test body, every backend available here).
+
+A *target* is a backend plus the device its tensors live on:
+
+- ``reference-cpu``: the pure-PyTorch backend;
+- ``cuda-interpreted``: the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``
+  (how CI runs every kernel);
+- ``npu-standin``: the npu backend's logic over a CPU stand-in for torch_npu
+  (tests/npu_standin.py); marked ``npu_standin``; NOT hardware parity;
+- ``cuda-gpu`` / ``npu-hardware``: real devices, marked ``gpu`` / ``npu`` and skipped, with
+  the reason, where absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+# The Triton interpreter must be chosen before portarl's kernels are decorated; on a GPU
+# machine the kernels are compiled for the GPU instead.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import npu_standin  # noqa: E402
+
+from portarl.backends import get_backend_by_name  # noqa: E402
+from portarl.backends.npu import torch_npu_api  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    id: str
+    backend: str
+    device: str
+    standin: bool = False
+
+    @contextlib.contextmanager
+    def active(self):
+        if self.standin:
+            npu_standin.calls.clear()
+            with torch_npu_api.use_module(npu_standin, serves_device_type="cpu"):
+                yield self
+        else:
+            yield self
+
+
+def _cuda_interpreted() -> bool:
+    try:
+        return get_backend_by_name("cuda").unavailable_reason(torch.device("cpu")) is None
+    except Exception:
+        return False
+
+
+def _npu_hardware_reason() -> str | None:
+    return torch_npu_api.unavailable_reason()
+
+
+def _all_targets():
+    yield pytest.param(Target("reference-cpu", "reference", "cpu"), id="reference-cpu")
+    yield pytest.param(
+        Target("cuda-interpreted", "cuda", "cpu"),
+        id="cuda-interpreted",
+        marks=pytest.mark.skipif(not _cuda_interpreted(), reason="Triton kernels not built for the interpreter (set TRITON_INTERPRET=1)"),
+    )
+    yield pytest.param(Target("npu-standin", "npu", "cpu", standin=True), id="npu-standin", marks=pytest.mark.npu_standin)
+    yield pytest.param(Target("cuda-gpu", "cuda", "cuda"), id="cuda-gpu", marks=pytest.mark.gpu)
+    yield pytest.param(Target("npu-hardware", "npu", "npu"), id="npu-hardware", marks=pytest.mark.npu)
+
+
+ALL_TARGETS = list(_all_targets())
+#: Targets whose logprobs backend runs the Triton kernels (batch invariance is theirs).
+TRITON_TARGETS = [p for p in ALL_TARGETS if p.values[0].backend == "cuda"]
+HARDWARE_TARGETS = [p for p in ALL_TARGETS if p.values[0].device != "cpu"]
+
+
+@pytest.fixture(params=ALL_TARGETS)
+def target(request):
+    with request.param.active() as t:
+        yield t
+
+
+@pytest.fixture(params=TRITON_TARGETS)
+def triton_target(request):
+    with request.param.active() as t:
+        yield t
+
+
+@pytest.fixture(params=HARDWARE_TARGETS)
+def hardware_target(request):
+    with request.param.active() as t:
+        yield t
+
+
+@pytest.fixture
+def standin():
+    """Run the npu backend over the CPU stand-in (label: npu_standin, not hardware parity)."""
+    npu_standin.calls.clear()
+    with torch_npu_api.use_module(npu_standin, serves_device_type="cpu"):
+        yield npu_standin
+
+
+@pytest.fixture(autouse=True)
+def _clean_dispatch_state(monkeypatch):
+    from portarl.backends import clear_fallbacks
+
+    monkeypatch.delenv("PORTARL_BACKEND", raising=False)
+    clear_fallbacks()
+    yield
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda_reason = None if torch.cuda.is_available() else "needs an NVIDIA GPU (torch.cuda.is_available() is False)"
+    npu_reason = _npu_hardware_reason()
+    for item in items:
+        if cuda_reason and item.get_closest_marker("gpu") is not None:
+            item.add_marker(pytest.mark.skip(reason=cuda_reason))
+        if npu_reason and item.get_closest_marker("npu") is not None:
+            item.add_marker(pytest.mark.skip(reason=f"needs an Ascend NPU: {npu_reason}"))
