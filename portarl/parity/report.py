@@ -101,10 +101,22 @@ def format_table(records: Iterable[Record]) -> str:
 
 
 def summary(records: list[Record]) -> str:
+    """Per backend x dtype x op: checks, worst use of the tolerance; then the total."""
+    groups: dict[tuple[str, str, str], list[Record]] = {}
+    for r in records:
+        groups.setdefault((r.backend, r.dtype, r.op), []).append(r)
+    lines = [f"{'backend':<9} {'dtype':<5} {'op':<8} {'checks':>6} {'failed':>6} {'worst_of_tol':>12}"]
+    for (backend, dtype, op), rs in groups.items():
+        ratios = [r.worst_ratio for r in rs if r.worst_ratio is not None]
+        lines.append(
+            f"{backend:<9} {dtype:<5} {op:<8} {len(rs):>6} {sum(not r.passed for r in rs):>6} "
+            f"{_fmt(max(ratios) if ratios else None, '.2f'):>12}"
+        )
     failed = [r for r in records if not r.passed]
-    return f"{len(records) - len(failed)}/{len(records)} checks within tolerance" + (
+    lines.append(f"{len(records) - len(failed)}/{len(records)} checks within tolerance" + (
         f"; {len(failed)} FAILED" if failed else ""
-    )
+    ))
+    return "\n".join(lines)
 
 
 @dataclasses.dataclass
