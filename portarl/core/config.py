@@ -1,0 +1,147 @@
+"""``GRPOConfig``: every knob of the loss, validated when built.
+
+Defaults are GRPO with DAPO's clip-higher: group-normalised advantages, ``ppo_clip`` with
+eps 0.2 / 0.28 and dual clip 3, no KL (kl_coef 0; k3 when it is > 0), ``token-mean``
+aggregation, truncated importance sampling (C = 2) only when rollout log-probs are given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from portarl.core.advantages import ADVANTAGE_ESTIMATORS
+from portarl.core.aggregation import AGG_MODES
+from portarl.core.mismatch import MISMATCH_MODES
+from portarl.core.policy_losses import POLICY_LOSSES
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    # --- advantages (compute_advantages) ---
+    #: Estimator name in ADVANTAGE_ESTIMATORS: "grpo", "rloo", "reinforce_pp".
+    advantage_estimator: str = "grpo"
+    #: grpo only: "group" (GRPO), "batch", or "none" (Dr. GRPO: no std division).
+    advantage_scale: str = "group"
+    #: Added to the std before dividing (grpo, reinforce_pp).
+    advantage_eps: float = 1e-6
+    #: Drop groups whose rewards are all equal (DAPO dynamic sampling).
+    drop_zero_std_groups: bool = False
+
+    # --- policy loss (policy_loss) ---
+    #: Name in POLICY_LOSSES: "ppo_clip", "gspo", "reinforce".
+    policy_loss: str = "ppo_clip"
+    #: ppo_clip lower / upper clip: ratio clipped to [1 - clip_eps_low, 1 + clip_eps_high].
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    #: ppo_clip dual clip c (> 1) bounding the loss of negative-advantage tokens; None: off.
+    dual_clip: float | None = 3.0
+    #: gspo's sequence-ratio clip (GSPO paper values).
+    gspo_eps_low: float = 3e-4
+    gspo_eps_high: float = 4e-4
+    #: Log-ratios are clamped to +- this before exp.
+    log_ratio_clamp: float = 20.0
+
+    # --- KL to the reference policy ---
+    #: Weight of the KL term (0: no reference model needed).
+    kl_coef: float = 0.0
+    #: "k1", "k2" or "k3" (portarl.ops.kl).
+    kl_estimator: str = "k3"
+    #: Put k1 into the rewards (kl_penalized_rewards) instead of a loss term.
+    kl_in_reward: bool = False
+    #: k3 clamps (portarl.ops.kl): log-ratio clamp before exp and cap on the value.
+    kl_log_ratio_clamp: float | None = 20.0
+    kl_max_value: float | None = 10.0
+
+    # --- entropy bonus ---
+    #: loss -= entropy_coef * aggregated entropy (needs the entropy from ops.logprobs).
+    entropy_coef: float = 0.0
+
+    # --- aggregation (aggregate_loss), shared by every term ---
+    loss_agg_mode: str = "token-mean"
+    #: The constant of seq-mean-token-sum-norm (Dr. GRPO); required for that mode.
+    max_response_length: int | None = None
+
+    # --- rollout-mismatch correction (correct_mismatch), used when rollout log-probs are given ---
+    #: "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", or None (metrics only).
+    mismatch_mode: str | None = "token_truncate"
+    mismatch_truncate_c: float = 2.0
+    mismatch_mask_low: float = 0.5
+    mismatch_mask_high: float = 2.0
+
+    # --- stability guard ---
+    #: Leave out of the loss (and count) valid tokens whose logp / old_logp is not finite,
+    #: instead of letting one NaN poison the step. False raises instead.
+    drop_nonfinite_tokens: bool = True
+
+    def __post_init__(self):
+        def choice(field, allowed):
+            value = getattr(self, field)
+            if value not in allowed:
+                raise ValueError(f"GRPOConfig.{field}={value!r} is not one of {', '.join(map(repr, allowed))}")
+
+        def number(field, *, low=None, high=None, allow_none=False, strict=True):
+            value = getattr(self, field)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise ValueError(f"GRPOConfig.{field} must be a number, got {value!r}")
+            if low is not None and (value < low or (strict and value == low)):
+                raise ValueError(f"GRPOConfig.{field} must be {'>' if strict else '>='} {low}, got {value}")
+            if high is not None and value >= high:
+                raise ValueError(f"GRPOConfig.{field} must be < {high}, got {value}")
+
+        choice("advantage_estimator", ADVANTAGE_ESTIMATORS.names())
+        choice("advantage_scale", ("group", "batch", "none"))
+        choice("policy_loss", POLICY_LOSSES.names())
+        choice("kl_estimator", KL_ESTIMATORS)
+        choice("loss_agg_mode", AGG_MODES)
+        choice("mismatch_mode", (*MISMATCH_MODES, None))
+        number("advantage_eps", low=0.0, strict=False)
+        number("clip_eps_low", low=0.0, high=1.0)
+        number("clip_eps_high", low=0.0)
+        number("dual_clip", low=1.0, allow_none=True)
+        number("gspo_eps_low", low=0.0, high=1.0)
+        number("gspo_eps_high", low=0.0)
+        number("log_ratio_clamp", low=0.0)
+        number("kl_coef", low=0.0, strict=False)
+        number("kl_log_ratio_clamp", low=0.0, allow_none=True)
+        number("kl_max_value", low=0.0, allow_none=True)
+        number("entropy_coef", low=0.0, strict=False)
+        number("mismatch_truncate_c", low=1.0, strict=False)
+        number("mismatch_mask_low", low=0.0, high=1.0)
+        number("mismatch_mask_high", low=1.0)
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.max_response_length is None:
+            raise ValueError("GRPOConfig.loss_agg_mode='seq-mean-token-sum-norm' needs max_response_length")
+        number("max_response_length", low=0, allow_none=True)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "GRPOConfig":
+        """Build from a mapping (a YAML section, say); unknown keys are an error, not ignored."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown GRPOConfig field(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def policy_loss_options(self) -> dict[str, Any]:
+        if self.policy_loss == "ppo_clip":
+            return dict(eps_low=self.clip_eps_low, eps_high=self.clip_eps_high, dual_clip=self.dual_clip,
+                        log_ratio_clamp=self.log_ratio_clamp)
+        if self.policy_loss == "gspo":
+            return dict(eps_low=self.gspo_eps_low, eps_high=self.gspo_eps_high, log_ratio_clamp=self.log_ratio_clamp)
+        if self.policy_loss == "reinforce":
+            return dict(log_ratio_clamp=self.log_ratio_clamp)
+        return {}  # a user-registered loss takes its defaults
+
+    def advantage_options(self) -> dict[str, Any]:
+        if self.advantage_estimator == "grpo":
+            return dict(scale=self.advantage_scale, eps=self.advantage_eps)
+        if self.advantage_estimator == "reinforce_pp":
+            return dict(eps=self.advantage_eps)
+        return {}
