@@ -16,8 +16,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet "$(TRITON_SPEC)" -e ".[dev]"
 	touch $@
 
-# Main job (until the trainer lands): the parity sweep on the best available device.
+# Main job: GRPO on the built-in default (tiny Qwen2, character tokenizer, arithmetic),
+# a short supervised warm-up first. Metrics, TensorBoard logs, curves.png, checkpoints: runs/demo.
 demo: $(VENV)/.installed
+	rm -rf runs/demo
+	$(VENV)/bin/portarl train --output-dir runs/demo
+
+# The parity sweep on the best available device (fused ops vs float64, every backend and dtype).
+parity-report: $(VENV)/.installed
 	$(VENV)/bin/portarl parity --device auto --out parity-report.json
 
 # CPU suite; every Triton kernel runs under the interpreter (set before portarl imports).
@@ -29,4 +35,4 @@ test-hardware: $(VENV)/.installed
 	$(PY) -m pytest -q -m "gpu or npu" -rs
 
 clean:
-	rm -rf $(VENV) .pytest_cache parity-report.json
+	rm -rf $(VENV) .pytest_cache parity-report.json runs

@@ -6,10 +6,22 @@ from portarl.device import DeviceUnavailableError, resolve_device
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # The trainer needs transformers; import it only when asked for.
+    if name in ("GRPOTrainer", "TrainConfig"):
+        import portarl.trainer
+
+        return getattr(portarl.trainer, name)
+    raise AttributeError(f"module 'portarl' has no attribute {name!r}")
+
+
 __all__ = [
     "Backend",
     "BackendUnavailableError",
     "DeviceUnavailableError",
+    "GRPOTrainer",
+    "TrainConfig",
     "__version__",
     "get_backend",
     "ops",

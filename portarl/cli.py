@@ -3,9 +3,12 @@
     portarl parity [--device auto|cuda|npu|cpu] [--out report.json] [--backends ...]
                    [--dtypes ...] [--include-large] [--repeats N]
     portarl parity compare A.json B.json [--backend-a NAME] [--backend-b NAME]
+    portarl train [--config FILE.yaml] [--set key=value ...] [--device D] [--output-dir DIR] [--resume]
+    portarl sft   [--config FILE.yaml] [--set key=value ...] [--device D] [--output-dir DIR] [--steps N]
 
-Exit status: 0 when every check passes, 1 when a check fails, 2 for bad usage (argparse)
-or an unusable device.
+Exit status: 0 on success, 1 when a parity check fails, 2 for bad usage, a bad config or
+an unusable device, 3 when training stopped itself (persistent non-finite values; a
+checkpoint was saved), 130 on Ctrl-C (after saving a checkpoint).
 """
 
 from __future__ import annotations
@@ -88,6 +91,80 @@ def _cmd_compare(args) -> int:
     return 0 if all(r.passed for r in rows) else 1
 
 
+def _load_train_config(args):
+    from portarl.trainer.config import ConfigError, TrainConfig
+
+    overrides = list(args.set or [])
+    if args.device:
+        overrides.append(f"device={args.device}")
+    if args.output_dir:
+        overrides.append(f"output_dir={args.output_dir}")
+    try:
+        return TrainConfig.load(args.config, overrides)
+    except ConfigError as err:
+        _log(f"portarl {args.command}: config error: {err}")
+        return None
+
+
+def _setup_logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _cmd_train(args) -> int:
+    config = _load_train_config(args)
+    if config is None:
+        return 2
+    _setup_logging()
+    from portarl.device import DeviceUnavailableError
+    from portarl.trainer import GRPOTrainer, TrainingStopped, build_from_config
+
+    try:
+        model, tokenizer, examples = build_from_config(config)
+        trainer = GRPOTrainer(model, tokenizer, None, examples, config, device=config.device)
+    except (DeviceUnavailableError, ValueError, FileNotFoundError) as err:
+        _log(f"portarl train: {err}")
+        return 2
+    _log(f"portarl train: {config.model.path} model on {trainer.device}, output in {config.output_dir}")
+    try:
+        result = trainer.train(resume=args.resume)
+    except TrainingStopped as err:
+        _log(f"portarl train: {err}")
+        return 3
+    except KeyboardInterrupt:
+        _log("portarl train: interrupted; checkpoint saved, continue with --resume")
+        return 130
+    print(result.summary)
+    print(f"metrics: {config.output_dir}/metrics.jsonl   checkpoint: {result.checkpoint}")
+    return 0
+
+
+def _cmd_sft(args) -> int:
+    config = _load_train_config(args)
+    if config is None:
+        return 2
+    _setup_logging()
+    from portarl.device import resolve_device
+    from portarl.models import save_local
+    from portarl.tokenizer import as_codec
+    from portarl.trainer import build_from_config
+    from portarl.trainer.sft import run_sft
+
+    model, tokenizer, examples = build_from_config(config)
+    device = resolve_device(config.device)
+    model.to(device)
+    steps = args.steps or config.train.sft_warmup_steps or 100
+    losses = run_sft(model, as_codec(tokenizer), examples, steps=steps, batch_size=config.train.sft_batch_size,
+                     lr=config.train.sft_lr, device=device, seed=config.train.seed,
+                     on_step=lambda i, loss: _log(f"sft step {i}/{steps}: loss {loss:.4f}") if i % 10 == 0 else None)
+    out = f"{config.output_dir}/sft-model"
+    save_local(model, tokenizer, out)
+    print(f"sft: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {steps} steps; model saved to {out} "
+          f"(train on it with --set model.path={out})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="portarl", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +193,21 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--backend-a", help="backend of report A to compare (default: the device's own)")
     compare.add_argument("--backend-b", help="backend of report B to compare (default: the device's own)")
     compare.set_defaults(func=_cmd_compare)
+
+    for name, func, help_text in (
+        ("train", _cmd_train, "GRPO training (no config: the built-in tiny model on arithmetic)"),
+        ("sft", _cmd_sft, "supervised fine-tuning on (prompt, answer) data; saves a model directory"),
+    ):
+        p = commands.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--config", help="YAML config (sections: model, data, rollout, rewards, train, optim, ...)")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field, e.g. train.steps=10")
+        p.add_argument("--device", help="auto, cuda, npu or cpu (overrides the config)")
+        p.add_argument("--output-dir", help="where metrics, TensorBoard logs and checkpoints go")
+        if name == "train":
+            p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+        else:
+            p.add_argument("--steps", type=int, help="SFT steps (default: train.sft_warmup_steps or 100)")
+        p.set_defaults(func=func)
     return parser
 
 

@@ -1,0 +1,24 @@
+"""Rollout engines: sample G completions per prompt and record their log-probs."""
+
+from portarl.rollout.base import (
+    RolloutBatch,
+    RolloutEngine,
+    SamplingParams,
+    identical_group_fraction,
+    request_seeds,
+    sample_seed,
+)
+from portarl.rollout.hf import HFRollout
+
+ENGINES = {"hf": HFRollout}
+
+__all__ = [
+    "ENGINES",
+    "HFRollout",
+    "RolloutBatch",
+    "RolloutEngine",
+    "SamplingParams",
+    "identical_group_fraction",
+    "request_seeds",
+    "sample_seed",
+]

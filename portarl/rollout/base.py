@@ -1,0 +1,82 @@
+"""The rollout-engine interface: prompts in, G sampled completions and their log-probs out.
+
+Seeds: every sample gets its own seed, derived from (run seed, step, prompt index, sample
+index) by :func:`sample_seed`. One constant seed per request makes all G samples of a
+prompt identical (zero reward spread, zero loss): ``seed_mode="constant"`` exists only to
+reproduce that failure, and the identical-groups metric catches it.
+
+Rollout log-probs are those of the temperature-scaled full distribution, log softmax(z/T),
+computed with :func:`portarl.ops.logprobs` exactly as the trainer computes its own (top-k /
+top-p only restrict which tokens can be drawn).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    greedy: bool = False
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"rollout.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"rollout.top_k must be >= 0 (0: off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """One row per sample: ``prompt_ids`` and ``completion_ids`` (eos included when
+    generated, no padding), ``logprobs`` (one per completion token), ``finished``."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finished: list[bool]
+
+
+def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit seed unique to one sample of one prompt at one step of one run."""
+    digest = hashlib.blake2b(f"{run_seed}/{step}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def request_seeds(run_seed: int, step: int, num_prompts: int, group_size: int, mode: str = "per_sample") -> list[int]:
+    if mode == "per_sample":
+        return [sample_seed(run_seed, step, p, s) for p in range(num_prompts) for s in range(group_size)]
+    if mode == "constant":
+        return [run_seed] * (num_prompts * group_size)
+    raise ValueError(f"rollout.seed_mode={mode!r} must be 'per_sample' or 'constant'")
+
+
+class RolloutEngine(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> RolloutBatch:
+        """Sample one completion per entry of ``prompts`` (repeat a prompt G times for a group)."""
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Make the engine sample from ``model``'s current weights (a no-op when it shares them)."""
+
+
+def identical_group_fraction(completions: list[list[int]], group_size: int) -> float:
+    """Fraction of groups whose completions are all identical (seeding gone wrong, or collapse)."""
+    if group_size < 2 or not completions:
+        return 0.0
+    groups = [completions[i : i + group_size] for i in range(0, len(completions), group_size)]
+    return sum(all(c == g[0] for c in g) for g in groups) / len(groups)

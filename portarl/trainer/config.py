@@ -1,0 +1,349 @@
+"""Training configuration: nested sections, loaded from YAML, overridable with
+``--set section.field=value``, validated with errors that name the field.
+
+Sections: ``model``, ``data``, ``rollout``, ``rewards``, ``train``, ``optim``,
+``precision``, ``guards``, ``checkpoint``, ``logging``, ``loss`` (a
+:class:`portarl.core.GRPOConfig`). The defaults are the built-in demo: the tiny Qwen2 on
+single-digit addition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from portarl.core import GRPOConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field (``section.field``)."""
+
+
+def _check(cond: bool, field: str, message: str, value) -> None:
+    if not cond:
+        raise ConfigError(f"{field} {message}, got {value!r}")
+
+
+def _positive_int(obj, section: str, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        ok = isinstance(v, int) and not isinstance(v, bool) and (v >= 0 if allow_zero else v > 0)
+        _check(ok, f"{section}.{name}", "must be an integer " + (">= 0" if allow_zero else "> 0"), v)
+
+
+def _number(obj, section: str, name: str, low: float | None = None, strict: bool = True, allow_none: bool = False):
+    v = getattr(obj, name)
+    if v is None and allow_none:
+        return
+    if isinstance(v, str):  # YAML 1.1 reads 5e-4 (no dot) as a string
+        try:
+            v = float(v)
+            setattr(obj, name, v)
+        except ValueError:
+            pass
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    _check(ok, f"{section}.{name}", "must be a finite number", v)
+    if low is not None:
+        _check(v > low if strict else v >= low, f"{section}.{name}", f"must be {'>' if strict else '>='} {low}", v)
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    #: "tiny" (built-in tiny Qwen2 + character tokenizer) or a local HF model directory.
+    path: str = "tiny"
+    hidden_size: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate_size: int = 192
+    init_seed: int = 0
+
+    def validate(self):
+        _check(isinstance(self.path, str) and bool(self.path), "model.path", "must be 'tiny' or a directory", self.path)
+        _positive_int(self, "model", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
+
+
+@dataclasses.dataclass
+class DataConfig:
+    #: JSONL / Parquet file with prompt and answer fields; None: synthetic arithmetic.
+    path: str | None = None
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    synthetic_size: int = 4000
+    max_operand: int = 9
+    operators: str = "+"
+
+    def validate(self):
+        _positive_int(self, "data", "synthetic_size", "max_operand")
+        _check(bool(self.operators) and set(self.operators) <= set("+-*"), "data.operators", "must use + - *", self.operators)
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    #: G: completions sampled per prompt.
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 4
+    #: "per_sample" (a seed per sample); "constant" reproduces the identical-samples failure.
+    seed_mode: str = "per_sample"
+    #: Warn when more than this fraction of groups have all-identical completions.
+    identical_warn_frac: float = 0.5
+
+    def validate(self):
+        _check(self.engine in ("hf", "vllm"), "rollout.engine", "must be 'hf' or 'vllm'", self.engine)
+        _positive_int(self, "rollout", "group_size", "max_new_tokens")
+        _positive_int(self, "rollout", "top_k", allow_zero=True)
+        _number(self, "rollout", "temperature", low=0.0)
+        _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
+        _check(self.seed_mode in ("per_sample", "constant"), "rollout.seed_mode", "must be 'per_sample' or 'constant'", self.seed_mode)
+        _check(0 <= self.identical_warn_frac <= 1, "rollout.identical_warn_frac", "must be in [0, 1]", self.identical_warn_frac)
+
+
+@dataclasses.dataclass
+class TrainSection:
+    #: GRPO iterations (each: rollout, rewards, advantages, ppo_epochs optimizer steps).
+    steps: int = 300
+    prompts_per_step: int = 16
+    #: mu: passes (optimizer steps) over each rollout batch.
+    ppo_epochs: int = 1
+    #: Sequences per forward/backward; gradients accumulate over the batch.
+    micro_batch_size: int = 64
+    seed: int = 0
+    #: Supervised warm-up steps on (prompt, answer) before GRPO (0: none).
+    sft_warmup_steps: int = 40
+    sft_batch_size: int = 64
+    sft_lr: float = 3e-3
+
+    def validate(self):
+        _positive_int(self, "train", "steps", "prompts_per_step", "ppo_epochs", "micro_batch_size", "sft_batch_size")
+        _positive_int(self, "train", "sft_warmup_steps", "seed", allow_zero=True)
+        _number(self, "train", "sft_lr", low=0.0)
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    #: "constant" or "cosine" (after warm-up, down to min_lr_ratio * lr).
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.1
+    #: Gradient-norm clipping (None: off).
+    grad_clip: float | None = 1.0
+
+    def validate(self):
+        _number(self, "optim", "lr", low=0.0)
+        _number(self, "optim", "weight_decay", low=0.0, strict=False)
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2", "must be in [0, 1)", (self.beta1, self.beta2))
+        _positive_int(self, "optim", "warmup_steps", allow_zero=True)
+        _check(self.schedule in ("constant", "cosine"), "optim.schedule", "must be 'constant' or 'cosine'", self.schedule)
+        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
+        _number(self, "optim", "grad_clip", low=0.0, allow_none=True)
+
+
+@dataclasses.dataclass
+class PrecisionConfig:
+    #: Parameters and compute: "fp32", "bf16" or "fp16".
+    dtype: str = "fp32"
+    #: Keep fp32 master weights and optimizer state next to low-precision parameters.
+    master_weights_fp32: bool = False
+    #: fp16 loss scaling: "dynamic", a fixed number, or None (off). Ignored for fp32 / bf16.
+    loss_scale: Any = "dynamic"
+    #: lm-head logits: "fp32" (head computed in fp32) or "model" (model dtype; the log-prob
+    #: op still accumulates in fp32).
+    logits: str = "fp32"
+
+    def validate(self):
+        _check(self.dtype in ("fp32", "bf16", "fp16"), "precision.dtype", "must be fp32, bf16 or fp16", self.dtype)
+        _check(self.logits in ("fp32", "model"), "precision.logits", "must be 'fp32' or 'model'", self.logits)
+        ok = self.loss_scale in (None, "dynamic") or (
+            isinstance(self.loss_scale, (int, float)) and not isinstance(self.loss_scale, bool) and self.loss_scale > 0
+        )
+        _check(ok, "precision.loss_scale", "must be 'dynamic', a positive number or null", self.loss_scale)
+
+
+@dataclasses.dataclass
+class GuardsConfig:
+    #: Stop (with a checkpoint) after this many skipped steps in a row.
+    max_consecutive_skips: int = 3
+    #: Spike detectors: rolling window, minimum history, and factor on the MAD.
+    spike_window: int = 20
+    spike_min_history: int = 5
+    spike_factor: float = 6.0
+    #: A completion of at least this many tokens, all the same token, is degenerate.
+    degenerate_min_tokens: int = 4
+    #: Event when the degenerate fraction rises this much above its rolling median.
+    degenerate_rise: float = 0.25
+
+    def validate(self):
+        _positive_int(self, "guards", "max_consecutive_skips", "spike_window", "spike_min_history", "degenerate_min_tokens")
+        _number(self, "guards", "spike_factor", low=0.0)
+        _check(0 < self.degenerate_rise <= 1, "guards.degenerate_rise", "must be in (0, 1]", self.degenerate_rise)
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    #: Save every this many steps (and at the end, on stop, and on Ctrl-C).
+    every: int = 50
+    keep_last: int = 2
+
+    def validate(self):
+        _positive_int(self, "checkpoint", "every", "keep_last")
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    progress: bool = True
+    plot: bool = True
+
+
+@dataclasses.dataclass
+class RewardSpec:
+    #: Built-in ("math_exact", "format") or "module:function".
+    name: str
+    weight: float = 1.0
+
+
+def _default_rewards():
+    return [RewardSpec("math_exact", 1.0), RewardSpec("format", 0.1)]
+
+
+def _default_loss():
+    # A small k3 KL to the post-warm-up model: keeps the demo's policy near its start and
+    # makes `kl` in the logs a real number.
+    return GRPOConfig(kl_coef=0.001)
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    output_dir: str = "runs/demo"
+    device: str = "auto"
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    rewards: list[RewardSpec] = dataclasses.field(default_factory=_default_rewards)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    guards: GuardsConfig = dataclasses.field(default_factory=GuardsConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    loss: GRPOConfig = dataclasses.field(default_factory=_default_loss)
+
+    def validate(self) -> "TrainConfig":
+        _check(isinstance(self.output_dir, str) and bool(self.output_dir), "output_dir", "must be a directory path", self.output_dir)
+        _check(isinstance(self.device, str), "device", "must be auto, cuda, npu or cpu", self.device)
+        for section in (self.model, self.data, self.rollout, self.train, self.optim, self.precision,
+                        self.guards, self.checkpoint):
+            section.validate()
+        _check(bool(self.rewards), "rewards", "must list at least one reward", self.rewards)
+        for i, spec in enumerate(self.rewards):
+            _check(isinstance(spec.name, str) and bool(spec.name), f"rewards[{i}].name", "must be a string", spec.name)
+            _check(isinstance(spec.weight, (int, float)) and math.isfinite(spec.weight), f"rewards[{i}].weight",
+                   "must be a finite number", spec.weight)
+        if self.rollout.group_size < 2 and self.loss.advantage_estimator in ("grpo", "rloo"):
+            raise ConfigError(f"rollout.group_size must be >= 2 for {self.loss.advantage_estimator} advantages, got {self.rollout.group_size}")
+        return self
+
+    # ---- dict / YAML round trip ----
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict | None) -> "TrainConfig":
+        values = dict(values or {})
+        kwargs: dict[str, Any] = {}
+        sections = {f.name: f for f in dataclasses.fields(cls)}
+        for key, value in values.items():
+            if key not in sections:
+                raise ConfigError(f"unknown config field {key!r}; known: {', '.join(sections)}")
+            if key == "loss":
+                try:
+                    kwargs[key] = GRPOConfig.from_dict(_mapping(key, value))
+                except (ValueError, TypeError) as err:
+                    raise ConfigError(f"loss: {err}") from None
+            elif key == "rewards":
+                if not isinstance(value, list):
+                    raise ConfigError(f"rewards must be a list of {{name, weight}}, got {value!r}")
+                kwargs[key] = [_build(RewardSpec, f"rewards[{i}]", _mapping(f"rewards[{i}]", v)) for i, v in enumerate(value)]
+            elif key in _SECTION_CLASSES:
+                kwargs[key] = _build(_SECTION_CLASSES[key], key, _mapping(key, value))
+            else:
+                kwargs[key] = value
+        return cls(**kwargs).validate()
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "TrainConfig":
+        values: dict = {}
+        if path is not None:
+            path = Path(path)
+            if not path.exists():
+                raise ConfigError(f"config file {path} does not exist")
+            loaded = yaml.safe_load(path.read_text())
+            if loaded is not None and not isinstance(loaded, dict):
+                raise ConfigError(f"config file {path} must hold a mapping of sections")
+            values = loaded or {}
+        for item in overrides or []:
+            apply_override(values, item)
+        return cls.from_dict(values)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+_SECTION_CLASSES = {
+    "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "train": TrainSection,
+    "optim": OptimConfig, "precision": PrecisionConfig, "guards": GuardsConfig,
+    "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+}
+
+
+def _mapping(name: str, value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a mapping of fields, got {value!r}")
+    return value
+
+
+def _build(section_cls, section: str, values: dict):
+    known = {f.name for f in dataclasses.fields(section_cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown config field {section}.{unknown[0]}; {section} has: {', '.join(sorted(known))}")
+    try:
+        return section_cls(**values)
+    except TypeError as err:
+        raise ConfigError(f"{section}: {err}") from None
+
+
+def apply_override(values: dict, item: str) -> None:
+    """Apply ``section.field=value`` (value parsed as YAML) to a config mapping in place."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: use section.field=value")
+    key, _, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {item!r}: bad field name {key!r}")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    node = values
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {item!r}: {part} is not a section")
+    node[parts[-1]] = value

@@ -1,0 +1,513 @@
+"""GRPOTrainer: rollout -> rewards -> log-probs -> advantages -> clipped policy updates.
+
+Per iteration (``step``): sample ``prompts_per_step`` prompts (seeded by run seed and step),
+G completions each from the rollout engine (a seed per sample), rewards, old (and
+reference) log-probs through :mod:`portarl.ops`, advantages, then ``ppo_epochs`` optimizer
+steps, each accumulating gradients over micro-batches of
+:func:`portarl.core.compute_loss` with global normalisers.
+
+Guards: every named tensor (reward, old_logp, ref_logp, advantage, loss, gradient) is
+checked; a non-finite one skips the optimizer step with weights and optimizer state
+untouched, counts it, logs it; ``guards.max_consecutive_skips`` in a row stop the run with
+a checkpoint and :class:`TrainingStopped` naming the first bad tensor. KL and grad-norm
+spikes and degenerate outputs are logged as events. Ctrl-C saves a checkpoint first.
+
+Test hooks: ``trainer.hooks[point]`` (points: ``reward``, ``old_logp``, ``ref_logp``,
+``advantage``, ``loss``, ``grad``) lists ``fn(step, tensor) -> tensor`` applied at that
+point, e.g. to inject a NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import math
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from portarl.core import compute_advantages, compute_loss, kl_penalized_rewards, sequence_count, token_count
+from portarl.data import Example, arithmetic_examples, load_examples
+from portarl.device import resolve_device
+from portarl.rewards import resolve_reward
+from portarl.rollout import ENGINES, SamplingParams, identical_group_fraction, request_seeds
+from portarl.tokenizer import as_codec
+from portarl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
+from portarl.trainer.config import TrainConfig
+from portarl.trainer.guards import (
+    DegenerateDetector,
+    NonFiniteError,
+    SpikeDetector,
+    check_finite,
+    first_nonfinite_gradient,
+)
+from portarl.trainer.precision import DTYPES, PrecisionPlan
+from portarl.trainer.runlog import RunLogger, plot_curves, read_metrics, summarize
+from portarl.trainer.sequences import build_batch, completion_logprobs
+from portarl.trainer.sft import run_sft
+
+log = logging.getLogger("portarl.train")
+
+HOOK_POINTS = ("reward", "old_logp", "ref_logp", "advantage", "loss", "grad")
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped itself (persistent non-finite values); a checkpoint was saved."""
+
+    def __init__(self, message: str, tensor_name: str, checkpoint: Path | None):
+        super().__init__(message)
+        self.tensor_name = tensor_name
+        self.checkpoint = checkpoint
+
+
+@dataclasses.dataclass
+class TrainResult:
+    steps: int
+    checkpoint: Path | None
+    summary: str
+
+
+def _lr_lambda(cfg: TrainConfig, total: int):
+    warm, floor = cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
+
+    def factor(i: int) -> float:
+        if warm and i < warm:
+            return (i + 1) / warm
+        if cfg.optim.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (i - warm) / max(1, total - warm))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class GRPOTrainer:
+    def __init__(self, model, tokenizer, reward_fns, train_data, config: TrainConfig | None = None, device="auto",
+                 rollout_engine=None):
+        self.config = (config or TrainConfig()).validate()
+        self.device = resolve_device(device)
+        dtype = DTYPES[self.config.precision.dtype]
+        self.model = model.to(self.device, dtype=dtype)
+        self.model.train()
+        self.tokenizer = tokenizer
+        self.codec = as_codec(tokenizer)
+        self.reward_fns = self._resolve_rewards(reward_fns)
+        self.examples: list[Example] = list(train_data)
+        if not self.examples:
+            raise ValueError("train_data is empty")
+        self.output_dir = Path(self.config.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoints = CheckpointManager(self.output_dir, self.config.checkpoint.keep_last)
+        self.precision = PrecisionPlan(self.model, self.config.precision.dtype, self.config.precision.master_weights_fp32,
+                                       self.config.precision.loss_scale)
+        o = self.config.optim
+        self.optimizer = torch.optim.AdamW(self.precision.optimizer_params(), lr=o.lr, betas=(o.beta1, o.beta2),
+                                           eps=o.eps, weight_decay=o.weight_decay)
+        total = self.config.train.steps * self.config.train.ppo_epochs
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(self.config, total))
+        if rollout_engine is None:
+            if self.config.rollout.engine != "hf":
+                raise ValueError(f"rollout.engine={self.config.rollout.engine!r} needs an engine object passed as rollout_engine")
+            rollout_engine = ENGINES["hf"](self.model, self.codec.eos_token_id, self.codec.pad_token_id)
+        self.rollout = rollout_engine
+        r = self.config.rollout
+        self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                       max_new_tokens=r.max_new_tokens)
+        g = self.config.guards
+        self.kl_spikes = SpikeDetector("kl", g.spike_window, g.spike_min_history, g.spike_factor)
+        self.grad_spikes = SpikeDetector("grad_norm", g.spike_window, g.spike_min_history, g.spike_factor)
+        self.degenerate = DegenerateDetector(self.codec.eos_token_id, g.degenerate_min_tokens, g.degenerate_rise)
+        self.hooks: dict[str, list] = {p: [] for p in HOOK_POINTS}
+        self.step = 0
+        self.sft_done = self.config.train.sft_warmup_steps == 0
+        self.skipped_total = 0
+        self.consecutive_skips = 0
+        self.streak_first_bad: str | None = None
+        self.ref_model = None
+        self._hook_step = 0
+        self._stop_requested = False
+
+    # ------------------------------------------------------------------ set-up
+    def _resolve_rewards(self, reward_fns):
+        if reward_fns is None:
+            reward_fns = [(spec.name, spec.weight) for spec in self.config.rewards]
+        out = []
+        for item in reward_fns:
+            name, weight = item if isinstance(item, tuple) else (item, 1.0)
+            fn = resolve_reward(name)
+            out.append((getattr(fn, "__name__", str(name)) if callable(name) else str(name), fn, float(weight)))
+        return out
+
+    def _uses_reference(self) -> bool:
+        return self.config.loss.kl_coef > 0
+
+    def _make_reference(self):
+        ref = copy.deepcopy(self.model)
+        ref.eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    def _apply_hooks(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
+        for fn in self.hooks[point]:
+            tensor = fn(self._hook_step, tensor)
+        return tensor
+
+    # ------------------------------------------------------------- checkpoints
+    def _state(self) -> dict:
+        return {
+            "step": self.step,
+            "sft_done": self.sft_done,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "precision": self.precision.state_dict(),
+            "rng": rng_state(),
+            "kl_spikes": self.kl_spikes.state_dict(),
+            "grad_spikes": self.grad_spikes.state_dict(),
+            "degenerate": self.degenerate.state_dict(),
+            "skipped_total": self.skipped_total,
+            "consecutive_skips": self.consecutive_skips,
+            "streak_first_bad": self.streak_first_bad,
+            "ref_model": {k: v.detach().cpu() for k, v in self.ref_model.state_dict().items()} if self.ref_model is not None else None,
+            "config": self.config.to_dict(),
+        }
+
+    def save_checkpoint(self) -> Path:
+        path = self.checkpoints.save(self.step, self.model, self.tokenizer, self._state())
+        log.info("checkpoint saved: %s", path)
+        return path
+
+    def resume(self) -> int:
+        """Load the latest complete checkpoint; returns its step (0 when there is none)."""
+        for removed in self.checkpoints.clean_partial():
+            log.warning("removed an incomplete checkpoint left by an interrupted write: %s", removed)
+        latest = self.checkpoints.latest()
+        if latest is None:
+            log.info("no checkpoint in %s: starting from scratch", self.checkpoints.root)
+            return 0
+        state = self.checkpoints.load_state(latest)
+        self.checkpoints.load_weights(self.model, latest)
+        self.precision = PrecisionPlan(self.model, self.config.precision.dtype, self.config.precision.master_weights_fp32,
+                                       self.config.precision.loss_scale)
+        self.precision.load_state_dict(state["precision"])
+        if self.precision.use_master:
+            self.optimizer.param_groups[0]["params"] = self.precision.optimizer_params()
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        self.kl_spikes.load_state_dict(state["kl_spikes"])
+        self.grad_spikes.load_state_dict(state["grad_spikes"])
+        self.degenerate.load_state_dict(state["degenerate"])
+        self.step, self.sft_done = state["step"], state["sft_done"]
+        self.skipped_total, self.consecutive_skips = state["skipped_total"], state["consecutive_skips"]
+        self.streak_first_bad = state["streak_first_bad"]
+        if state["ref_model"] is not None:
+            self.ref_model = self._make_reference()
+            self.ref_model.load_state_dict(state["ref_model"])
+        log.info("resumed from %s (step %d)", latest, self.step)
+        return self.step
+
+    # ---------------------------------------------------------------- one step
+    def _prompts_for_step(self, step: int) -> list[Example]:
+        rng = random.Random(f"{self.config.train.seed}/prompts/{step}")
+        n = self.config.train.prompts_per_step
+        return rng.sample(self.examples, n) if n <= len(self.examples) else [rng.choice(self.examples) for _ in range(n)]
+
+    def _rewards(self, examples: list[Example], texts: list[str]) -> tuple[torch.Tensor, dict]:
+        g = self.config.rollout.group_size
+        total = torch.zeros(len(texts), dtype=torch.float32)
+        metrics = {}
+        for name, fn, weight in self.reward_fns:
+            values = torch.tensor(
+                [float(fn(examples[i // g].prompt, text, examples[i // g].answer)) for i, text in enumerate(texts)],
+                dtype=torch.float32,
+            )
+            metrics[f"reward/{name}"] = float(values.mean())
+            total += weight * values
+        return total, metrics
+
+    def _logprobs(self, model, batch, *, with_entropy=False):
+        return completion_logprobs(model, batch, temperature=self.config.rollout.temperature,
+                                   logits_policy=self.config.precision.logits, with_entropy=with_entropy)
+
+    def _no_grad_logprobs(self, model, batch) -> torch.Tensor:
+        mb = self.config.train.micro_batch_size
+        with torch.no_grad():
+            parts = [self._logprobs(model, batch.rows(slice(i, i + mb))) for i in range(0, batch.labels.shape[0], mb)]
+        return torch.cat(parts)
+
+    def _optimizer_step(self, batch, old_logp, ref_logp, rollout_logp, advantages) -> tuple[dict, bool]:
+        """One optimizer step over the whole batch (micro-batched). Returns (metrics, overflow)."""
+        cfg = self.config
+        mb = cfg.train.micro_batch_size
+        n = batch.labels.shape[0]
+        norms = dict(num_global_tokens=token_count(batch.mask), num_global_seqs=sequence_count(batch.mask))
+        want_entropy = cfg.loss.entropy_coef > 0
+        self.precision.zero_grad()
+        sums: dict[str, float] = {}
+        for start in range(0, n, mb):
+            rows = slice(start, start + mb)
+            part = batch.rows(rows)
+            out = self._logprobs(self.model, part, with_entropy=want_entropy)
+            logp, entropy = out if want_entropy else (out, None)
+            loss, metrics = compute_loss(
+                logp, old_logp[rows], advantages[rows], part.mask, config=cfg.loss,
+                ref_logp=None if ref_logp is None else ref_logp[rows],
+                rollout_logp=None if rollout_logp is None else rollout_logp[rows],
+                entropy=entropy, **norms,
+            )
+            loss = self._apply_hooks("loss", loss)
+            check_finite("loss", loss)
+            self.precision.scale_loss(loss).backward()
+            share = part.labels.shape[0] / n
+            for k, v in metrics.items():
+                if k == "loss" or k.endswith("/loss"):
+                    sums[k] = sums.get(k, 0.0) + float(v)  # already a share of the batch loss
+                else:
+                    sums[k] = sums.get(k, 0.0) + share * float(v)
+        params = self.precision.params
+        if self.hooks["grad"] and params[0].grad is not None:
+            params[0].grad = self._apply_hooks("grad", params[0].grad)
+        bad = first_nonfinite_gradient(self.model)
+        if bad is not None:
+            if self.precision.dynamic:
+                self.precision.update_scale(overflow=True)
+                self.precision.zero_grad()
+                return {**sums, "precision/overflow": 1.0, "precision/loss_scale": self.precision.scale}, True
+            raise NonFiniteError("gradient", f"parameter {bad}")
+        self.precision.unscale_grads()
+        targets = self.precision.optimizer_params()
+        clip = cfg.optim.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(targets, clip if clip is not None else float("inf"))
+        if not torch.isfinite(grad_norm):
+            raise NonFiniteError("gradient", "norm")
+        self.optimizer.step()
+        self.scheduler.step()
+        self.precision.after_step()
+        self.precision.update_scale(overflow=False)
+        self.precision.zero_grad()
+        sums["grad_norm"] = float(grad_norm)
+        sums["precision/loss_scale"] = self.precision.scale
+        return sums, False
+
+    def train_step(self) -> dict:
+        """Run iteration ``self.step + 1``; returns its metrics (``skipped`` = 1 when skipped)."""
+        cfg = self.config
+        step = self.step + 1
+        self._hook_step = step
+        started = time.perf_counter()
+        g = cfg.rollout.group_size
+        examples = self._prompts_for_step(step)
+        prompts = [self.codec.encode_prompt(ex.prompt) for ex in examples for _ in range(g)]
+        seeds = request_seeds(cfg.train.seed, step, len(examples), g, cfg.rollout.seed_mode)
+        self.rollout.sync_weights(self.model)
+        rollout = self.rollout.generate(prompts, seeds, self.sampling)
+        texts = [self.codec.decode(c) for c in rollout.completion_ids]
+        metrics: dict = {"step": step, "phase": "grpo"}
+        identical = identical_group_fraction(rollout.completion_ids, g)
+        degenerate_frac, degenerate_event = self.degenerate.update(rollout.completion_ids)
+        lengths = [len(c) for c in rollout.completion_ids]
+        metrics.update({
+            "rollout/identical_group_frac": identical, "rollout/degenerate_frac": degenerate_frac,
+            "completion/len_mean": sum(lengths) / len(lengths),
+            "completion/finished_frac": sum(rollout.finished) / len(rollout.finished),
+        })
+        events = []
+        if identical > cfg.rollout.identical_warn_frac:
+            events.append(("identical_samples", f"{identical:.0%} of groups have all-identical completions "
+                           f"(seed_mode={cfg.rollout.seed_mode!r}; a constant seed per request gives identical samples)", {}))
+        if degenerate_event:
+            events.append(("degenerate_rise", f"degenerate completions (one token repeated) jumped to {degenerate_frac:.0%} "
+                           f"from a median of {degenerate_event['median']:.0%}", degenerate_event))
+
+        skipped, overflow = False, False
+        try:
+            rewards, reward_metrics = self._rewards(examples, texts)
+            metrics.update(reward_metrics)
+            rewards = self._apply_hooks("reward", rewards)
+            check_finite("reward", rewards)
+            metrics["reward/mean"] = float(rewards.mean())
+            metrics["reward/std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
+            batch = build_batch(rollout.prompt_ids, rollout.completion_ids, self.codec.pad_token_id, self.device)
+            rollout_logp = torch.zeros(batch.labels.shape, dtype=torch.float32)
+            for i, lp in enumerate(rollout.logprobs):
+                rollout_logp[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+            rollout_logp = rollout_logp.to(self.device)
+            old_logp = self._apply_hooks("old_logp", self._no_grad_logprobs(self.model, batch))
+            check_finite("old_logp", old_logp, batch.mask)
+            ref_logp = None
+            if self._uses_reference():
+                if self.ref_model is None:
+                    self.ref_model = self._make_reference()
+                ref_logp = self._apply_hooks("ref_logp", self._no_grad_logprobs(self.ref_model, batch))
+                check_finite("ref_logp", ref_logp, batch.mask)
+                if cfg.loss.kl_in_reward:
+                    rewards, kl_metrics = kl_penalized_rewards(rewards.to(self.device), old_logp, ref_logp, batch.mask,
+                                                               cfg.loss.kl_coef)
+                    rewards = rewards.cpu()
+                    metrics.update({k: float(v) for k, v in kl_metrics.items()})
+            adv = compute_advantages(rewards, g, cfg.loss.advantage_estimator, drop_zero_std=cfg.loss.drop_zero_std_groups,
+                                     **cfg.loss.advantage_options())
+            metrics.update({f"adv/{k}": float(v) for k, v in adv.metrics.items()})
+            advantages = self._apply_hooks("advantage", adv.advantages.to(self.device))
+            check_finite("advantage", advantages)
+            keep = adv.keep.to(self.device)
+            if not bool(keep.all()):
+                index = torch.nonzero(keep).flatten()
+                batch = dataclasses.replace(
+                    batch, input_ids=batch.input_ids[index], attention_mask=batch.attention_mask[index],
+                    position_ids=batch.position_ids[index], labels=batch.labels[index], mask=batch.mask[index],
+                )
+                old_logp, rollout_logp, advantages = old_logp[index], rollout_logp[index], advantages[index]
+                ref_logp = None if ref_logp is None else ref_logp[index]
+            if batch.labels.shape[0] == 0:
+                metrics.update({"grad_norm": 0.0, "note/empty_batch": 1.0})
+            else:
+                for _ in range(cfg.train.ppo_epochs):
+                    step_metrics, overflow = self._optimizer_step(batch, old_logp, ref_logp, rollout_logp, advantages)
+                    metrics.update(step_metrics)
+        except NonFiniteError as err:
+            skipped = True
+            self.precision.zero_grad()
+            self.skipped_total += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips == 1:
+                self.streak_first_bad = err.tensor_name
+            metrics["guard/nonfinite_tensor"] = err.tensor_name
+            events.append(("skipped_step", f"skipped the optimizer step: {err}; weights and optimizer state untouched", {}))
+        else:
+            self.consecutive_skips = 0
+            self.streak_first_bad = None
+        metrics["skipped"] = int(skipped)
+        metrics["guard/skipped_total"] = self.skipped_total
+        metrics["guard/consecutive_skips"] = self.consecutive_skips
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        kl = metrics.get("kl/value", metrics.get("pg/approx_kl", float("nan")))
+        metrics["kl"] = kl
+        metrics.setdefault("grad_norm", float("nan"))
+        spike = 0
+        if not skipped and not overflow:
+            for detector, value in ((self.kl_spikes, kl), (self.grad_spikes, metrics["grad_norm"])):
+                event = detector.update(value)
+                if event:
+                    spike = 1
+                    events.append((event["kind"], f"{detector.name} spike: {value:.4g} > median {event['median']:.4g} + "
+                                   f"{cfg.guards.spike_factor:g} x MAD {event['mad']:.3g}", event))
+        metrics["guard/spike"] = spike
+        metrics["time/step_s"] = time.perf_counter() - started
+        metrics["_events"] = events
+        self.step = step
+        return metrics
+
+    # ------------------------------------------------------------------- loop
+    def warmup_sft(self, logger: RunLogger | None = None) -> None:
+        cfg = self.config.train
+        if self.sft_done:
+            return
+
+        def on_step(step, loss):
+            if logger is not None and (step % 10 == 0 or step == cfg.sft_warmup_steps):
+                log.info("sft warm-up %d/%d: loss %.4f", step, cfg.sft_warmup_steps, loss)
+
+        run_sft(self.model, self.codec, self.examples, steps=cfg.sft_warmup_steps, batch_size=cfg.sft_batch_size,
+                lr=cfg.sft_lr, device=self.device, seed=cfg.seed, on_step=on_step, logits_policy=self.config.precision.logits)
+        self.sft_done = True
+
+    def request_stop(self) -> None:
+        """Finish the current step, save a checkpoint, and raise KeyboardInterrupt (Ctrl-C)."""
+        self._stop_requested = True
+
+    @contextlib.contextmanager
+    def _graceful_sigint(self):
+        """First Ctrl-C: stop after the current step (never half a step). Second: at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            log.warning("Ctrl-C: finishing step %d, then saving a checkpoint (Ctrl-C again to abort now)", self.step + 1)
+            self._stop_requested = True
+
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _run_loop(self, logger: RunLogger, last_ckpt: Path | None) -> Path | None:
+        cfg = self.config
+        if not self.sft_done:
+            self.warmup_sft(logger)
+            self.ref_model = self._make_reference() if self._uses_reference() else None
+        elif self._uses_reference() and self.ref_model is None:
+            self.ref_model = self._make_reference()
+        while self.step < cfg.train.steps:
+            metrics = self.train_step()
+            events = metrics.pop("_events")
+            logger.step(metrics)
+            for kind, message, fields in events:
+                logger.event(self.step, kind, message, **{k: v for k, v in fields.items() if k != "kind"})
+            if self.consecutive_skips >= cfg.guards.max_consecutive_skips:
+                last_ckpt = self.save_checkpoint()
+                message = (f"stopping at step {self.step}: {self.consecutive_skips} steps in a row skipped; the first "
+                           f"non-finite tensor was {self.streak_first_bad}. Checkpoint: {last_ckpt}")
+                logger.event(self.step, "stopped", message)
+                raise TrainingStopped(message, self.streak_first_bad or "unknown", last_ckpt)
+            if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps:
+                last_ckpt = self.save_checkpoint()
+            if self._stop_requested:
+                if self.checkpoints.latest() != self.checkpoints.root / f"step-{self.step:06d}":
+                    last_ckpt = self.save_checkpoint()
+                logger.event(self.step, "interrupted", f"stopped on request after step {self.step}; checkpoint {last_ckpt}")
+                raise KeyboardInterrupt
+        return last_ckpt
+
+    def train(self, resume: bool = False) -> TrainResult:
+        cfg = self.config
+        if resume:
+            self.resume()
+        else:
+            self.checkpoints.clean_partial()
+        cfg.save(self.output_dir / "config.yaml")
+        logger = RunLogger(self.output_dir, total_steps=cfg.train.steps, resume_step=self.step,
+                           tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress)
+        last_ckpt = self.checkpoints.latest()
+        self._stop_requested = False
+        try:
+            with self._graceful_sigint():
+                last_ckpt = self._run_loop(logger, last_ckpt)
+        finally:
+            logger.close()
+        rows = read_metrics(self.output_dir / "metrics.jsonl")
+        summary = summarize(rows)
+        (self.output_dir / "summary.txt").write_text(summary + "\n")
+        if cfg.logging.plot:
+            plot_curves(rows, self.output_dir / "curves.png")
+        return TrainResult(self.step, last_ckpt, summary)
+
+
+def build_from_config(config: TrainConfig):
+    """``(model, tokenizer, examples)`` as the config names them (built-in tiny model and
+    synthetic arithmetic by default)."""
+    from portarl.models import build_tiny, load_local
+
+    m = config.model
+    if m.path == "tiny":
+        model, tokenizer = build_tiny(seed=m.init_seed, hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
+                                      kv_heads=m.kv_heads, intermediate_size=m.intermediate_size)
+    else:
+        model, tokenizer = load_local(m.path)
+    d = config.data
+    if d.path is None:
+        examples = arithmetic_examples(d.synthetic_size, seed=config.train.seed, max_operand=d.max_operand, ops=d.operators)
+    else:
+        examples = load_examples(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)
+    return model, tokenizer, examples

@@ -1,0 +1,145 @@
+"""Run logging: metrics.jsonl, events.jsonl, TensorBoard, a progress bar, a summary, a plot.
+
+``metrics.jsonl`` holds one JSON object per step (at least ``step``, ``reward/mean``,
+``kl``, ``grad_norm``, ``skipped``), flushed every line so a crash loses nothing written.
+On resume from step S the lines after S are dropped first, so the file continues without
+duplicates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+
+log = logging.getLogger("portarl.train")
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line torn by a crash: everything before it is intact
+    return rows
+
+
+class RunLogger:
+    def __init__(self, output_dir: Path, *, total_steps: int, resume_step: int = 0, tensorboard: bool = True,
+                 progress: bool = True):
+        self.output_dir = output_dir
+        self.metrics_path = output_dir / "metrics.jsonl"
+        self.events_path = output_dir / "events.jsonl"
+        for path in (self.metrics_path, self.events_path):
+            kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step]
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._metrics = self.metrics_path.open("a")
+        self._events = self.events_path.open("a")
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=resume_step + 1)
+            except ImportError:
+                log.warning("tensorboard is not installed: `pip install tensorboard` for TensorBoard logs")
+        self.bar = None
+        if progress:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total_steps, initial=resume_step, desc="grpo", unit="step",
+                                file=sys.stderr, dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def step(self, metrics: dict) -> None:
+        row = {k: _clean(float(v) if not isinstance(v, (str, int)) else v) for k, v in metrics.items()}
+        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.flush()
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(key, value, metrics["step"])
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+                                 kl=f"{metrics.get('kl', float('nan')):.2e}",
+                                 gnorm=f"{metrics.get('grad_norm', float('nan')):.2f}",
+                                 skip=int(metrics.get("guard/skipped_total", 0)))
+
+    def event(self, step: int, kind: str, message: str, **fields) -> None:
+        row = {"step": step, "kind": kind, "message": message, **{k: _clean(v) for k, v in fields.items()}}
+        self._events.write(json.dumps(row) + "\n")
+        self._events.flush()
+        log.warning("step %d: %s", step, message)
+        if self.bar is not None:
+            self.bar.write(f"[step {step}] {message}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        self._metrics.close()
+        self._events.close()
+
+
+def summarize(rows: list[dict], window: int = 10) -> str:
+    """Reward and accuracy at the start and end of the run, and what the guards saw."""
+    if not rows:
+        return "no steps logged"
+    grpo = [r for r in rows if r.get("phase", "grpo") == "grpo"]
+    head, tail = grpo[:window], grpo[-window:]
+
+    def mean(rs, key):
+        vals = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    lines = [
+        f"steps logged: {len(grpo)} (GRPO)",
+        f"reward/mean   first {len(head)} steps: {mean(head, 'reward/mean'):.3f}   last {len(tail)} steps: {mean(tail, 'reward/mean'):.3f}",
+        f"accuracy      first {len(head)} steps: {mean(head, 'reward/math_exact'):.3f}   last {len(tail)} steps: {mean(tail, 'reward/math_exact'):.3f}",
+        f"kl (last): {mean(tail, 'kl'):.3e}   grad_norm (last): {mean(tail, 'grad_norm'):.3f}",
+        f"skipped steps: {int(sum(r.get('skipped', 0) for r in grpo))}   spikes: {int(sum(r.get('guard/spike', 0) for r in grpo))}"
+        f"   identical-group frac (mean): {mean(grpo, 'rollout/identical_group_frac'):.3f}",
+    ]
+    return "\n".join(lines)
+
+
+def plot_curves(rows: list[dict], path: Path) -> Path | None:
+    """reward, kl and grad-norm against step, as a PNG (needs matplotlib; skipped without)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    grpo = [r for r in rows if r.get("phase", "grpo") == "grpo"]
+    if not grpo:
+        return None
+    keys = [("reward/mean", "reward"), ("reward/math_exact", "accuracy"), ("kl", "kl"), ("grad_norm", "grad norm")]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3))
+    for ax, (key, title) in zip(axes, keys):
+        pts = [(r["step"], r[key]) for r in grpo if isinstance(r.get(key), (int, float))]
+        if pts:
+            ax.plot(*zip(*pts))
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

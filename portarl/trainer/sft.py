@@ -1,0 +1,45 @@
+"""Supervised fine-tuning on (prompt, answer) pairs: the demo's warm-up, and ``portarl sft``.
+
+The loss is the mean negative log-prob of the answer tokens (and EOS), computed with
+:func:`portarl.ops.logprobs` like every other log-prob in portarl.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from portarl.data import Example
+from portarl.tokenizer import TextCodec
+from portarl.trainer.sequences import build_batch, completion_logprobs
+
+
+def sft_batch(codec: TextCodec, examples: list[Example], device):
+    prompts = [codec.encode_prompt(ex.prompt) for ex in examples]
+    answers = [codec.encode_continuation(ex.answer) + [codec.eos_token_id] for ex in examples]
+    return build_batch(prompts, answers, codec.pad_token_id, device)
+
+
+def run_sft(model, codec: TextCodec, examples: list[Example], *, steps: int, batch_size: int, lr: float,
+            device, seed: int = 0, on_step=None, logits_policy: str = "fp32") -> list[float]:
+    """``steps`` AdamW steps on random batches; returns the losses. ``on_step(step, loss)``."""
+    rng = random.Random(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    losses = []
+    model.train()
+    for step in range(1, steps + 1):
+        batch = sft_batch(codec, rng.sample(examples, min(batch_size, len(examples))), device)
+        logp = completion_logprobs(model, batch, temperature=1.0, logits_policy=logits_policy)
+        loss = -(logp * batch.mask).sum() / batch.mask.sum()
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"SFT loss is {loss.item()} at step {step}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(step, float(loss.detach()))
+    return losses
