@@ -49,7 +49,7 @@ from portarl.trainer.guards import (
 )
 from portarl.trainer.precision import DTYPES, PrecisionPlan
 from portarl.trainer.runlog import RunLogger, plot_curves, read_metrics, summarize
-from portarl.trainer.sequences import build_batch, completion_logprobs
+from portarl.trainer.sequences import build_batch, completion_logits, completion_logprobs
 from portarl.trainer.sft import run_sft
 
 log = logging.getLogger("portarl.train")
@@ -242,6 +242,16 @@ class GRPOTrainer:
             parts = [self._logprobs(model, batch.rows(slice(i, i + mb))) for i in range(0, batch.labels.shape[0], mb)]
         return torch.cat(parts)
 
+    def _blame_logits(self, batch, logp: torch.Tensor) -> None:
+        """When log-probs are non-finite, name the logits if they are the source (the model
+        itself produced NaN/inf: overflow in the forward, corrupted weights)."""
+        rows = torch.nonzero((~torch.isfinite(logp) & batch.mask).any(dim=-1)).flatten()
+        with torch.no_grad():
+            logits = completion_logits(self.model, batch.rows(rows), self.config.precision.logits)
+        bad = ~torch.isfinite(logits).all(dim=-1) & batch.mask[rows]
+        if bool(bad.any()):
+            raise NonFiniteError("logits", f"{int(bad.sum())} positions in {rows.numel()} sequences")
+
     def _optimizer_step(self, batch, old_logp, ref_logp, rollout_logp, advantages) -> tuple[dict, bool]:
         """One optimizer step over the whole batch (micro-batched). Returns (metrics, overflow)."""
         cfg = self.config
@@ -340,7 +350,11 @@ class GRPOTrainer:
                 rollout_logp[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
             rollout_logp = rollout_logp.to(self.device)
             old_logp = self._apply_hooks("old_logp", self._no_grad_logprobs(self.model, batch))
-            check_finite("old_logp", old_logp, batch.mask)
+            try:
+                check_finite("old_logp", old_logp, batch.mask)
+            except NonFiniteError:
+                self._blame_logits(batch, old_logp)
+                raise
             ref_logp = None
             if self._uses_reference():
                 if self.ref_model is None:

@@ -64,6 +64,15 @@ def test_nan_mid_run_skips_that_step_only(make_trainer, point):
     assert not torch.equal(before[0]["model.embed_tokens.weight"], trainer.model.get_input_embeddings().weight)
 
 
+def test_nan_logits_are_named(make_trainer):
+    """A model that emits NaN logits: the skip names the logits, not just old_logp."""
+    trainer = make_trainer()
+    with torch.no_grad():
+        trainer.model.get_input_embeddings().weight[5:] = float("nan")  # every character token
+    metrics = trainer.train_step()
+    assert metrics["skipped"] == 1 and metrics["guard/nonfinite_tensor"] == "logits"
+
+
 def test_nan_in_ref_logp_is_named(make_trainer):
     trainer = make_trainer("loss.kl_coef=0.01")
     trainer.ref_model = trainer._make_reference()
