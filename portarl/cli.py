@@ -165,6 +165,68 @@ def _cmd_sft(args) -> int:
     return 0
 
 
+def _device_slug(name: str) -> str:
+    import re
+
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+
+def _cmd_bench_kernels(args) -> int:
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from portarl.device import DeviceUnavailableError, resolve_device
+
+    try:
+        device = resolve_device(args.device)
+    except (DeviceUnavailableError, ValueError) as err:
+        _log(f"portarl bench kernels: {err}")
+        return 2
+    from portarl import envinfo
+    from portarl.bench.kernels import QUICK_SHAPES, markdown_table, run_kernels
+
+    env = envinfo.environment(device)
+    shapes = QUICK_SHAPES if args.quick else None
+    results, bandwidth = run_kernels(device, shapes=shapes, dtypes=args.dtypes, repeats=args.repeats, progress=_log)
+    table = markdown_table(results, env["device_name"], bandwidth)
+    print(table)
+    out = Path(args.out) if args.out else Path("bench/results") / f"kernels-{_device_slug(env['device_name'])}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"environment": env, "copy_bandwidth_bytes_per_s": bandwidth,
+                               "results": [dataclasses.asdict(r) for r in results]}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(f"# Kernel benchmarks: {env['device_name']}\n\n" + table)
+    print(f"written: {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+def _cmd_bench_stability(args) -> int:
+    from portarl.bench.stability import parse_runs, run_stability
+    from portarl.trainer.config import ConfigError
+
+    try:
+        specs = parse_runs(args.runs)
+    except ValueError as err:
+        _log(f"portarl bench stability: {err}")
+        return 2
+    _setup_logging()
+    import logging
+
+    logging.getLogger("portarl.train").setLevel(logging.ERROR)  # events go to the report
+    try:
+        analysis, report = run_stability(
+            specs, steps=args.steps, seed=args.seed, config_path=args.config, overrides=args.set or [],
+            out_dir=args.out, replay=args.replay_rollouts, threshold=args.threshold, progress=_log,
+        )
+    except ConfigError as err:
+        _log(f"portarl bench stability: config error: {err}")
+        return 2
+    for run in analysis["runs"]:
+        print(run["verdict"])
+    print(f"report: {report}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="portarl", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -208,6 +270,28 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--steps", type=int, help="SFT steps (default: train.sft_warmup_steps or 100)")
         p.set_defaults(func=func)
+
+    bench = commands.add_parser("bench", help="kernel speed / memory, and training stability across settings")
+    bench_cmds = bench.add_subparsers(dest="bench_command", required=True)
+    k = bench_cmds.add_parser("kernels", help="logprobs and kl: portarl backends vs eager, row loop, Liger")
+    k.add_argument("--device", default="auto")
+    k.add_argument("--out", help="JSON output (a .md table is written beside it); default bench/results/kernels-<device>.json")
+    k.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32", "fp16"])
+    k.add_argument("--repeats", type=int, default=5)
+    k.add_argument("--quick", action="store_true", help="one tiny shape (smoke test)")
+    k.set_defaults(func=_cmd_bench_kernels)
+    st = bench_cmds.add_parser("stability", help="train one config under several settings and compare the runs")
+    st.add_argument("--runs", default="cpu:fp32,cpu:bf16,cpu:bf16:npu-emulated",
+                    help="comma-separated device:dtype[:backend-or-profile], e.g. cuda:bf16,npu:bf16 or cpu:bf16:npu-emulated")
+    st.add_argument("--steps", type=int, default=100)
+    st.add_argument("--seed", type=int, default=0)
+    st.add_argument("--config", help="training config YAML (default: the built-in demo config)")
+    st.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override for every run")
+    st.add_argument("--out", default="bench/results/stability", help="output directory (report.md, stability.png, stability.json)")
+    st.add_argument("--replay-rollouts", action="store_true",
+                    help="record the first run's rollouts and feed them to the others (isolates trainer numerics)")
+    st.add_argument("--threshold", type=float, default=0.1, help="parting threshold, as a fraction of a metric's typical size")
+    st.set_defaults(func=_cmd_bench_stability)
     return parser
 
 

@@ -9,12 +9,15 @@ from portarl.rollout.base import (
     sample_seed,
 )
 from portarl.rollout.hf import HFRollout
+from portarl.rollout.replay import RecordingRollout, ReplayRollout
 
 ENGINES = {"hf": HFRollout}
 
 __all__ = [
     "ENGINES",
     "HFRollout",
+    "RecordingRollout",
+    "ReplayRollout",
     "RolloutBatch",
     "RolloutEngine",
     "SamplingParams",

@@ -162,8 +162,21 @@ class PrecisionConfig:
     #: lm-head logits: "fp32" (head computed in fp32) or "model" (model dtype; the log-prob
     #: op still accumulates in fp32).
     logits: str = "fp32"
+    #: Numerics: "portarl" (the fp32 contract), or an EMULATION profile of an Ascend stack
+    #: ("npu-emulated", "npu-emulated-hf32"; see portarl.emulation), or a list of switches.
+    numerics: Any = "portarl"
+    #: Force one ops backend ("reference", "cuda", "npu"); None: by device.
+    backend: str | None = None
 
     def validate(self):
+        from portarl.emulation import resolve_profile
+
+        try:
+            resolve_profile(self.numerics)
+        except ValueError as err:
+            raise ConfigError(f"precision.numerics: {err}") from None
+        _check(self.backend in (None, "reference", "cuda", "npu"), "precision.backend",
+               "must be reference, cuda, npu or null", self.backend)
         _check(self.dtype in ("fp32", "bf16", "fp16"), "precision.dtype", "must be fp32, bf16 or fp16", self.dtype)
         _check(self.logits in ("fp32", "model"), "precision.logits", "must be 'fp32' or 'model'", self.logits)
         ok = self.loss_scale in (None, "dynamic") or (

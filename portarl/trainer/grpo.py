@@ -35,6 +35,7 @@ import torch
 from portarl.core import compute_advantages, compute_loss, kl_penalized_rewards, sequence_count, token_count
 from portarl.data import Example, arithmetic_examples, load_examples
 from portarl.device import resolve_device
+from portarl.emulation import resolve_profile
 from portarl.rewards import resolve_reward
 from portarl.rollout import ENGINES, SamplingParams, identical_group_fraction, request_seeds
 from portarl.tokenizer import as_codec
@@ -131,6 +132,10 @@ class GRPOTrainer:
         self.streak_first_bad: str | None = None
         self.ref_model = None
         self._hook_step = 0
+        self.emulate = resolve_profile(self.config.precision.numerics)
+        if self.emulate:
+            log.warning("NPU numerics EMULATION on (%s): not portarl's fp32 path and not Ascend hardware",
+                        ", ".join(sorted(self.emulate)))
         self._stop_requested = False
 
     # ------------------------------------------------------------------ set-up
@@ -234,7 +239,8 @@ class GRPOTrainer:
 
     def _logprobs(self, model, batch, *, with_entropy=False):
         return completion_logprobs(model, batch, temperature=self.config.rollout.temperature,
-                                   logits_policy=self.config.precision.logits, with_entropy=with_entropy)
+                                   logits_policy=self.config.precision.logits, with_entropy=with_entropy,
+                                   emulate=self.emulate)
 
     def _no_grad_logprobs(self, model, batch) -> torch.Tensor:
         mb = self.config.train.micro_batch_size
@@ -258,7 +264,7 @@ class GRPOTrainer:
         mb = cfg.train.micro_batch_size
         n = batch.labels.shape[0]
         norms = dict(num_global_tokens=token_count(batch.mask), num_global_seqs=sequence_count(batch.mask))
-        want_entropy = cfg.loss.entropy_coef > 0
+        want_entropy = True  # cheap with the fused op; logged, and in the loss when entropy_coef > 0
         self.precision.zero_grad()
         sums: dict[str, float] = {}
         for start in range(0, n, mb):
@@ -464,7 +470,8 @@ class GRPOTrainer:
         elif self._uses_reference() and self.ref_model is None:
             self.ref_model = self._make_reference()
         while self.step < cfg.train.steps:
-            metrics = self.train_step()
+            with _forced_backend(cfg.precision.backend):
+                metrics = self.train_step()
             events = metrics.pop("_events")
             logger.step(metrics)
             for kind, message, fields in events:
@@ -506,6 +513,27 @@ class GRPOTrainer:
         if cfg.logging.plot:
             plot_curves(rows, self.output_dir / "curves.png")
         return TrainResult(self.step, last_ckpt, summary)
+
+
+@contextlib.contextmanager
+def _forced_backend(name: str | None):
+    """Route every portarl op to one backend (``precision.backend``) for the duration."""
+    if name is None:
+        yield
+        return
+    import os
+
+    from portarl.backends import BACKEND_ENV
+
+    previous = os.environ.get(BACKEND_ENV)
+    os.environ[BACKEND_ENV] = name
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(BACKEND_ENV, None)
+        else:
+            os.environ[BACKEND_ENV] = previous
 
 
 def build_from_config(config: TrainConfig):

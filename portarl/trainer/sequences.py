@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from portarl import ops
+from portarl.emulation import bf16_valued, entropy_in_logits_dtype, matmul_context
 
 
 @dataclasses.dataclass
@@ -67,9 +68,20 @@ def completion_logits(model, batch: TokenBatch, logits_policy: str = "fp32") -> 
 
 
 def completion_logprobs(model, batch: TokenBatch, *, temperature: float, logits_policy: str = "fp32",
-                        with_entropy: bool = False, logits_hook=None):
-    """fp32 log-probs [B, T] (0 on padding) and optionally entropy, through portarl.ops."""
-    logits = completion_logits(model, batch, logits_policy)
-    if logits_hook is not None:
-        logits = logits_hook(logits)
-    return ops.logprobs(logits, batch.labels, temperature=temperature, return_entropy=with_entropy)
+                        with_entropy: bool = False, emulate: frozenset = frozenset()):
+    """fp32 log-probs [B, T] (0 on padding) and optionally entropy, through portarl.ops.
+
+    ``emulate``: switches of :mod:`portarl.emulation` (NPU numerics emulation); empty for
+    portarl's own path.
+    """
+    with matmul_context(emulate):
+        policy = "model" if "bf16_logprobs" in emulate else logits_policy
+        logits = completion_logits(model, batch, policy)
+    no_upcast = with_entropy and "entropy_no_upcast" in emulate
+    out = ops.logprobs(logits, batch.labels, temperature=temperature, return_entropy=with_entropy and not no_upcast)
+    logp, entropy = (out if with_entropy and not no_upcast else (out, None))
+    if "bf16_logprobs" in emulate and logits.dtype == torch.bfloat16:
+        logp = bf16_valued(logp)
+    if no_upcast:
+        entropy = torch.where(batch.mask, entropy_in_logits_dtype(logits, temperature), 0.0)
+    return (logp, entropy) if with_entropy else logp

@@ -1,0 +1,1 @@
+"""Benchmarks: kernel speed and memory (kernels.py), training stability across settings (stability.py)."""
