@@ -10,7 +10,7 @@ Per run: per-step reward, policy loss, KL, grad-norm, entropy, |d logp| rollout 
 skipped steps; the trainer's own spike events and NaN skips. Against the first run: the
 first step where each metric parts by more than ``threshold`` x its typical size. Output:
 ``report.md`` (a verdict line per run, a table, the figure), ``stability.png`` and
-``stability.json``.
+``stability.json``; each run's own logs and checkpoints under ``runs/``.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _train_one(spec: RunSpec, base_overrides: list[str], config_path, out_dir: P
     from portarl.trainer import GRPOTrainer, TrainConfig, TrainingStopped, build_from_config
     from portarl.trainer.runlog import read_metrics
 
-    run_dir = out_dir / spec.label.replace(":", "_")
+    run_dir = out_dir / "runs" / spec.label.replace(":", "_")
     overrides = [*base_overrides, *spec.overrides(), f"output_dir={run_dir}",
                  "logging.progress=false", "logging.tensorboard=false", "logging.plot=false"]
     config = TrainConfig.load(config_path, overrides)
@@ -249,7 +249,7 @@ def _shared_start_model(config_path, overrides: list[str], out_dir: Path, progre
             progress(f"shared start: {config.train.sft_warmup_steps} supervised warm-up steps (fp32, cpu)")
         run_sft(model, as_codec(tokenizer), examples, steps=config.train.sft_warmup_steps,
                 batch_size=config.train.sft_batch_size, lr=config.train.sft_lr, device="cpu", seed=config.train.seed)
-    path = out_dir / "start-model"
+    path = out_dir / "runs" / "start-model"
     save_local(model, tokenizer, path)
     return path
 
@@ -294,7 +294,7 @@ def run_stability(
         result, _ = _train_one(spec, base_overrides, config_path, out_dir, engine_factory(i))
         results.append(result)
         if replay and i == 0:
-            recorded[0].save(out_dir / "rollouts.pt")
+            recorded[0].save(out_dir / "runs" / "rollouts.pt")
     analysis = analyse(results, threshold, replay)
     figure = plot(results, out_dir / "stability.png")
     (out_dir / "stability.json").write_text(json.dumps(analysis, indent=1, default=str) + "\n")
