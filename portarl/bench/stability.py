@@ -31,6 +31,8 @@ METRICS = (
     ("grad_norm", "grad norm"),
     ("entropy", "entropy"),
     ("mismatch/abs_diff_mean", "|d logp| rollout vs trainer"),
+    ("mismatch/kl_k3", "k3 KL(rollout || trainer)"),
+    ("mismatch/masked_frac", "mismatch: fraction masked"),
 )
 BACKENDS = ("reference", "cuda", "npu")
 
@@ -148,7 +150,7 @@ def analyse(results: list[RunResult], threshold: float, replay: bool) -> dict:
     base = results[0]
     runs = []
     for r in results:
-        parts = {key: first_divergence(base, r, key, threshold) for key, _ in METRICS if key != "mismatch/abs_diff_mean"}
+        parts = {key: first_divergence(base, r, key, threshold) for key, _ in METRICS if not key.startswith("mismatch/")}
         parted = {k: v for k, v in parts.items() if v is not None}
         first = min(parted.items(), key=lambda kv: kv[1]) if parted and r is not base else None
         kl_spikes, grad_spikes = r.spikes("kl_spike"), r.spikes("grad_norm_spike")
@@ -182,7 +184,7 @@ def plot(results: list[RunResult], path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
+    fig, axes = plt.subplots(2, 4, figsize=(19, 7))
     for ax, (key, title) in zip(axes.flat, METRICS):
         for r in results:
             pts = r.series(key)

@@ -60,3 +60,14 @@ def stored_gradient(scale: float, upstream: float, dtype: torch.dtype) -> Tolera
         atol=FP32_ACCUM_ATOL * (1.0 + scale) * upstream + STORAGE_ATOL[dtype],
         rtol=STORAGE_RTOL[dtype],
     )
+
+
+#: Rollout engine vs trainer, fp32, same weights and temperature: two different fp32
+#: implementations of the same forward (vLLM's attention / fused kernels vs the HF model)
+#: differ by accumulated rounding, ~1e-6 per layer on small models; 1e-4 nats per token
+#: bounds it with room for the reduction-order differences of multi-threaded CPU kernels.
+ROLLOUT_FP32_ATOL = 1e-4
+#: A bf16 engine must differ measurably from an fp32 trainer (the point of the mismatch
+#: metrics): its *mean* per-token |d logp| exceeds twice the bound on the fp32 engine's
+#: *maximum* difference, so it cannot be mistaken for fp32 rounding.
+ROLLOUT_BF16_MIN_MEAN_DIFF = 2 * ROLLOUT_FP32_ATOL

