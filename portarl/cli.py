@@ -127,6 +127,8 @@ def _cmd_train(args) -> int:
         _log(f"portarl train: {err}")
         return 2
     _log(f"portarl train: {config.model.path} model on {trainer.device}, output in {config.output_dir}")
+    from portarl import distributed as pdist
+
     try:
         result = trainer.train(resume=args.resume)
     except TrainingStopped as err:
@@ -135,6 +137,10 @@ def _cmd_train(args) -> int:
     except KeyboardInterrupt:
         _log("portarl train: interrupted; checkpoint saved, continue with --resume")
         return 130
+    finally:
+        pdist.shutdown()
+    if not trainer.dist.is_main:
+        return 0
     print(result.summary)
     print(f"metrics: {config.output_dir}/metrics.jsonl   checkpoint: {result.checkpoint}")
     return 0

@@ -47,6 +47,9 @@ class HFRollout(RolloutEngine):
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int):
         self.model = model
+        #: ``flag -> bool``: whether every process is done (several FSDP ranks decode in
+        #: lock step because each forward is collective). Default: this process alone.
+        self.finished_everywhere = lambda flag: flag
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
 
@@ -82,7 +85,7 @@ class HFRollout(RolloutEngine):
                     completions[i].append(int(tokens[i]))
                     logprobs[i].append(float(lp[i]))
                 done |= tokens == self.eos_token_id
-                if bool(done.all()):
+                if self.finished_everywhere(bool(done.all())):
                     break
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
                 out = model(

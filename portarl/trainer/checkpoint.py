@@ -98,6 +98,56 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
+    def save_sharded(self, step: int, model, optimizer, tokenizer, state: dict, ctx) -> Path:
+        """Every rank writes its shards with torch.distributed.checkpoint (DCP: loadable on any
+        number of ranks, or on one process); rank 0 writes the trainer state and ``COMPLETE``
+        and renames the directory into place."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from portarl import distributed as pdist
+
+        final = self.root / f"step-{step:06d}"
+        tmp = self.root / f".tmp-step-{step:06d}"
+        if ctx.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        pdist.barrier(ctx)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        pdist.barrier(ctx)
+        if ctx.is_main:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            torch.save(state, tmp / "trainer_state.pt")
+            (tmp / "COMPLETE").write_text(f"{step}\n")
+            _fsync_tree(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            for old in self.complete()[: -self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        pdist.barrier(ctx)
+        return final
+
+    @staticmethod
+    def is_sharded(directory: Path) -> bool:
+        return (directory / "dcp").is_dir()
+
+    @staticmethod
+    def load_sharded(directory: Path, model, optimizer) -> None:
+        """Load a DCP checkpoint into ``model`` / ``optimizer``, sharded or not (resharding to
+        this run's number of ranks)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(directory / "dcp"))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
     @staticmethod
     def load_state(directory: Path) -> dict:
         return torch.load(directory / "trainer_state.pt", map_location="cpu", weights_only=False)

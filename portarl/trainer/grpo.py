@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import logging
 import math
+import os
 import random
 import signal
 import threading
@@ -34,6 +35,7 @@ import torch
 
 from portarl.core import compute_advantages, compute_loss, kl_penalized_rewards, sequence_count, token_count
 from portarl.data import Example, arithmetic_examples, load_examples
+from portarl import distributed as pdist
 from portarl.device import resolve_device
 from portarl.emulation import resolve_profile
 from portarl.rewards import resolve_reward
@@ -56,6 +58,7 @@ from portarl.trainer.sft import run_sft
 log = logging.getLogger("portarl.train")
 
 HOOK_POINTS = ("reward", "old_logp", "ref_logp", "advantage", "loss", "grad")
+FAULT_ENV = "PORTARL_FAULT_INJECT"
 
 
 class TrainingStopped(RuntimeError):
@@ -92,9 +95,24 @@ class GRPOTrainer:
     def __init__(self, model, tokenizer, reward_fns, train_data, config: TrainConfig | None = None, device="auto",
                  rollout_engine=None):
         self.config = (config or TrainConfig()).validate()
-        self.device = resolve_device(device)
+        # Under torchrun: process group (nccl / hccl / gloo), this rank's device, FSDP2.
+        self.dist, self.device = pdist.init_distributed(resolve_device(device))
         dtype = DTYPES[self.config.precision.dtype]
-        self.model = model.to(self.device, dtype=dtype)
+        self._initial_reference = None
+        if self.dist.enabled:
+            self._check_distributed_config()
+            if self.config.loss.kl_coef > 0:
+                self._initial_reference = copy.deepcopy(model).to(self.device, dtype=dtype)
+            if self.config.precision.master_weights_fp32 and dtype != torch.float32:
+                self.model = pdist.shard(model.to(self.device, dtype=torch.float32), param_dtype=dtype)
+            else:
+                self.model = pdist.shard(model.to(self.device, dtype=dtype))
+            if self._initial_reference is not None:
+                for p in self._initial_reference.parameters():
+                    p.requires_grad_(False)
+                self._initial_reference = pdist.shard(self._initial_reference)
+        else:
+            self.model = model.to(self.device, dtype=dtype)
         self.model.train()
         self.tokenizer = tokenizer
         self.codec = as_codec(tokenizer)
@@ -105,8 +123,11 @@ class GRPOTrainer:
         self.output_dir = Path(self.config.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = CheckpointManager(self.output_dir, self.config.checkpoint.keep_last)
-        self.precision = PrecisionPlan(self.model, self.config.precision.dtype, self.config.precision.master_weights_fp32,
-                                       self.config.precision.loss_scale)
+        if self.dist.enabled:  # FSDP2 holds the fp32 master copy (mixed-precision policy) when asked
+            self.precision = PrecisionPlan(self.model, "fp32", False, None)
+        else:
+            self.precision = PrecisionPlan(self.model, self.config.precision.dtype,
+                                           self.config.precision.master_weights_fp32, self.config.precision.loss_scale)
         o = self.config.optim
         self.optimizer = torch.optim.AdamW(self.precision.optimizer_params(), lr=o.lr, betas=(o.beta1, o.beta2),
                                            eps=o.eps, weight_decay=o.weight_decay)
@@ -115,6 +136,8 @@ class GRPOTrainer:
         self._rollout = rollout_engine
         if rollout_engine is None and self.config.rollout.engine == "hf":
             self._rollout = ENGINES["hf"](self.model, self.codec.eos_token_id, self.codec.pad_token_id)
+            if self.dist.enabled:  # FSDP forwards are collective: every rank decodes until all are done
+                self._rollout.finished_everywhere = lambda flag: not pdist.any_rank(self.dist, not flag)
         r = self.config.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens)
@@ -130,6 +153,9 @@ class GRPOTrainer:
         self.streak_first_bad: str | None = None
         self.ref_model = None
         self._hook_step = 0
+        self._pending_bad = None
+        self._local_offset = 0
+        self._install_fault_injection(os.environ.get(FAULT_ENV))
         self.emulate = resolve_profile(self.config.precision.numerics)
         if self.emulate:
             log.warning("NPU numerics EMULATION on (%s): not portarl's fp32 path and not Ascend hardware",
@@ -160,10 +186,55 @@ class GRPOTrainer:
             out.append((getattr(fn, "__name__", str(name)) if callable(name) else str(name), fn, float(weight)))
         return out
 
+    def _install_fault_injection(self, spec: str | None) -> None:
+        """TEST ONLY: ``PORTARL_FAULT_INJECT="point@step[@rank]"`` puts a NaN into that tensor
+        (``reward``, ``old_logp``, ``ref_logp``, ``advantage``, ``loss``, ``grad``) at that
+        step, on one rank or all: how the subprocess tests reach the guards."""
+        if not spec:
+            return
+        for item in spec.split(","):
+            parts = item.strip().split("@")
+            point, at_step = parts[0], int(parts[1])
+            only_rank = int(parts[2]) if len(parts) > 2 else None
+            if point not in HOOK_POINTS:
+                raise ValueError(f"{FAULT_ENV}: {point!r} is not one of {', '.join(HOOK_POINTS)}")
+            if only_rank is not None and only_rank != self.dist.rank:
+                continue
+
+            def poison(step, tensor, at_step=at_step):
+                if step != at_step:
+                    return tensor
+                tensor = tensor.clone()
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                local.view(-1)[0] = float("nan")
+                return tensor
+
+            self.hooks[point].append(poison)
+            log.warning("fault injection (test only): NaN into %s at step %d%s", point, at_step,
+                        "" if only_rank is None else f" on rank {only_rank}")
+
+    def _check_distributed_config(self) -> None:
+        from portarl.trainer.config import ConfigError
+
+        cfg, world = self.config, self.dist.world_size
+        if cfg.train.prompts_per_step % world:
+            raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the "
+                              f"{world} ranks (each rank rolls out whole groups)")
+        if cfg.precision.dtype == "fp16":
+            raise ConfigError("precision.dtype=fp16 is not supported with several ranks yet (fp16 loss scaling under "
+                              "FSDP2); use bf16")
+        if cfg.train.sft_warmup_steps:
+            raise ConfigError("train.sft_warmup_steps must be 0 with several ranks: run `portarl sft` once and set "
+                              "model.path to its output")
+        if cfg.rollout.engine != "hf":
+            raise ConfigError("rollout.engine must be 'hf' with several ranks for now")
+
     def _uses_reference(self) -> bool:
         return self.config.loss.kl_coef > 0
 
     def _make_reference(self):
+        if self._initial_reference is not None:  # distributed: the sharded copy made before training
+            return self._initial_reference
         ref = copy.deepcopy(self.model)
         ref.eval()
         for p in ref.parameters():
@@ -195,20 +266,34 @@ class GRPOTrainer:
         }
 
     def save_checkpoint(self) -> Path:
+        if self.dist.enabled:
+            state = self._state()
+            state.pop("optimizer")  # in the DCP shards
+            state["ref_model"] = None  # the reference is the initial model: rebuilt from model.path
+            path = self.checkpoints.save_sharded(self.step, self.model, self.optimizer, self.tokenizer, state, self.dist)
+            if self.dist.is_main:
+                log.info("checkpoint saved (DCP, %d ranks): %s", self.dist.world_size, path)
+            return path
         path = self.checkpoints.save(self.step, self.model, self.tokenizer, self._state())
         log.info("checkpoint saved: %s", path)
         return path
 
     def resume(self) -> int:
         """Load the latest complete checkpoint; returns its step (0 when there is none)."""
-        for removed in self.checkpoints.clean_partial():
+        if self.dist.enabled:
+            pdist.barrier(self.dist)
+        for removed in (self.checkpoints.clean_partial() if self.dist.is_main else []):
             log.warning("removed an incomplete checkpoint left by an interrupted write: %s", removed)
         latest = self.checkpoints.latest()
         if latest is None:
             log.info("no checkpoint in %s: starting from scratch", self.checkpoints.root)
             return 0
         state = self.checkpoints.load_state(latest)
-        self.checkpoints.load_weights(self.model, latest)
+        if self.checkpoints.is_sharded(latest):
+            self.checkpoints.load_sharded(latest, self.model, self.optimizer)
+            state["optimizer"] = self.optimizer.state_dict()
+        else:
+            self.checkpoints.load_weights(self.model, latest)
         self.precision = PrecisionPlan(self.model, self.config.precision.dtype, self.config.precision.master_weights_fp32,
                                        self.config.precision.loss_scale)
         self.precision.load_state_dict(state["precision"])
@@ -223,7 +308,7 @@ class GRPOTrainer:
         self.step, self.sft_done = state["step"], state["sft_done"]
         self.skipped_total, self.consecutive_skips = state["skipped_total"], state["consecutive_skips"]
         self.streak_first_bad = state["streak_first_bad"]
-        if state["ref_model"] is not None:
+        if state["ref_model"] is not None and not self.dist.enabled:
             self.ref_model = self._make_reference()
             self.ref_model.load_state_dict(state["ref_model"])
         log.info("resumed from %s (step %d)", latest, self.step)
@@ -259,9 +344,35 @@ class GRPOTrainer:
             parts = [self._logprobs(model, batch.rows(slice(i, i + mb))) for i in range(0, batch.labels.shape[0], mb)]
         return torch.cat(parts)
 
+    _GUARD_ORDER = ("logits", "reward", "old_logp", "ref_logp", "advantage", "loss", "gradient")
+
+    def _guard(self, name: str, tensor: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """check_finite; with several ranks the failure is only recorded, and every rank
+        learns of it at the next :meth:`_sync_guard` (they must all reach the same collectives)."""
+        if not self.dist.enabled:
+            check_finite(name, tensor, mask)
+            return
+        try:
+            check_finite(name, tensor, mask)
+        except NonFiniteError:
+            if self._pending_bad is None:
+                self._pending_bad = name
+
+    def _sync_guard(self) -> None:
+        if not self.dist.enabled:
+            return
+        none = len(self._GUARD_ORDER)
+        code = self._GUARD_ORDER.index(self._pending_bad) if self._pending_bad else none
+        self._pending_bad = None
+        first = pdist.first_code(self.dist, code)
+        if first < none:
+            raise NonFiniteError(self._GUARD_ORDER[first], "on at least one rank; every rank skips")
+
     def _blame_logits(self, batch, logp: torch.Tensor) -> None:
         """When log-probs are non-finite, name the logits if they are the source (the model
         itself produced NaN/inf: overflow in the forward, corrupted weights)."""
+        if self.dist.enabled:
+            return  # an extra forward on one rank only would break FSDP's collectives
         rows = torch.nonzero((~torch.isfinite(logp) & batch.mask).any(dim=-1)).flatten()
         with torch.no_grad():
             logits = completion_logits(self.model, batch.rows(rows), self.config.precision.logits)
@@ -274,7 +385,8 @@ class GRPOTrainer:
         cfg = self.config
         mb = cfg.train.micro_batch_size
         n = batch.labels.shape[0]
-        norms = dict(num_global_tokens=token_count(batch.mask), num_global_seqs=sequence_count(batch.mask))
+        counts = pdist.all_reduce(self.dist, torch.tensor([float(token_count(batch.mask)), float(sequence_count(batch.mask))]))
+        norms = dict(num_global_tokens=int(counts[0]), num_global_seqs=int(counts[1]))
         want_entropy = True  # cheap with the fused op; logged, and in the loss when entropy_coef > 0
         self.precision.zero_grad()
         sums: dict[str, float] = {}
@@ -290,8 +402,10 @@ class GRPOTrainer:
                 entropy=entropy, **norms,
             )
             loss = self._apply_hooks("loss", loss)
-            check_finite("loss", loss)
-            self.precision.scale_loss(loss).backward()
+            self._guard("loss", loss)
+            # FSDP2 averages gradients over ranks; each rank's loss is its share of the global
+            # loss, so scale by the world size to reduce to the global batch's gradient.
+            self.precision.scale_loss(loss * self.dist.world_size if self.dist.enabled else loss).backward()
             share = part.labels.shape[0] / n
             for k, v in metrics.items():
                 if k == "loss" or k.endswith("/loss"):
@@ -302,6 +416,10 @@ class GRPOTrainer:
         if self.hooks["grad"] and params[0].grad is not None:
             params[0].grad = self._apply_hooks("grad", params[0].grad)
         bad = first_nonfinite_gradient(self.model)
+        if self.dist.enabled:
+            if bad is not None and self._pending_bad is None:
+                self._pending_bad = "gradient"
+            self._sync_guard()
         if bad is not None:
             if self.precision.dynamic:
                 self.precision.update_scale(overflow=True)
@@ -312,6 +430,8 @@ class GRPOTrainer:
         targets = self.precision.optimizer_params()
         clip = cfg.optim.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(targets, clip if clip is not None else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2: the global norm
+            grad_norm = grad_norm.full_tensor()
         if not torch.isfinite(grad_norm):
             raise NonFiniteError("gradient", "norm")
         self.optimizer.step()
@@ -330,9 +450,13 @@ class GRPOTrainer:
         self._hook_step = step
         started = time.perf_counter()
         g = cfg.rollout.group_size
-        examples = self._prompts_for_step(step)
+        everyone = self._prompts_for_step(step)
+        seeds = request_seeds(cfg.train.seed, step, len(everyone), g, cfg.rollout.seed_mode)
+        per_rank = len(everyone) // self.dist.world_size
+        self._local_offset = self.dist.rank * per_rank
+        examples = everyone[self._local_offset : self._local_offset + per_rank]  # whole groups per rank
+        seeds = seeds[self._local_offset * g : (self._local_offset + per_rank) * g]
         prompts = [self.codec.encode_prompt(ex.prompt) for ex in examples for _ in range(g)]
-        seeds = request_seeds(cfg.train.seed, step, len(examples), g, cfg.rollout.seed_mode)
         self.rollout.sync_weights(self.model)
         rollout = self.rollout.generate(prompts, seeds, self.sampling)
         texts = [self.codec.decode(c) for c in rollout.completion_ids]
@@ -354,13 +478,12 @@ class GRPOTrainer:
                            f"from a median of {degenerate_event['median']:.0%}", degenerate_event))
 
         skipped, overflow = False, False
+        self._pending_bad = None
         try:
             rewards, reward_metrics = self._rewards(examples, texts)
             metrics.update(reward_metrics)
             rewards = self._apply_hooks("reward", rewards)
-            check_finite("reward", rewards)
-            metrics["reward/mean"] = float(rewards.mean())
-            metrics["reward/std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
+            self._guard("reward", rewards)
             batch = build_batch(rollout.prompt_ids, rollout.completion_ids, self.codec.pad_token_id, self.device)
             rollout_logp = torch.zeros(batch.labels.shape, dtype=torch.float32)
             for i, lp in enumerate(rollout.logprobs):
@@ -368,7 +491,7 @@ class GRPOTrainer:
             rollout_logp = rollout_logp.to(self.device)
             old_logp = self._apply_hooks("old_logp", self._no_grad_logprobs(self.model, batch))
             try:
-                check_finite("old_logp", old_logp, batch.mask)
+                self._guard("old_logp", old_logp, batch.mask)
             except NonFiniteError:
                 self._blame_logits(batch, old_logp)
                 raise
@@ -377,32 +500,30 @@ class GRPOTrainer:
                 if self.ref_model is None:
                     self.ref_model = self._make_reference()
                 ref_logp = self._apply_hooks("ref_logp", self._no_grad_logprobs(self.ref_model, batch))
-                check_finite("ref_logp", ref_logp, batch.mask)
+                self._guard("ref_logp", ref_logp, batch.mask)
                 if cfg.loss.kl_in_reward:
                     rewards, kl_metrics = kl_penalized_rewards(rewards.to(self.device), old_logp, ref_logp, batch.mask,
                                                                cfg.loss.kl_coef)
                     rewards = rewards.cpu()
                     metrics.update({k: float(v) for k, v in kl_metrics.items()})
+            # Advantages see every sample of every group on every rank: gather the rewards.
+            rewards = pdist.all_gather_cat(self.dist, rewards)
+            self._sync_guard()
+            metrics["reward/mean"] = float(rewards.mean())
+            metrics["reward/std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
             adv = compute_advantages(rewards, g, cfg.loss.advantage_estimator, drop_zero_std=cfg.loss.drop_zero_std_groups,
                                      **cfg.loss.advantage_options())
             metrics.update({f"adv/{k}": float(v) for k, v in adv.metrics.items()})
-            advantages = self._apply_hooks("advantage", adv.advantages.to(self.device))
+            mine = slice(self._local_offset * g, (self._local_offset + len(examples)) * g)
+            advantages = self._apply_hooks("advantage", adv.advantages[mine].to(self.device))
             check_finite("advantage", advantages)
-            keep = adv.keep.to(self.device)
-            if not bool(keep.all()):
-                index = torch.nonzero(keep).flatten()
-                batch = dataclasses.replace(
-                    batch, input_ids=batch.input_ids[index], attention_mask=batch.attention_mask[index],
-                    position_ids=batch.position_ids[index], labels=batch.labels[index], mask=batch.mask[index],
-                )
-                old_logp, rollout_logp, advantages = old_logp[index], rollout_logp[index], advantages[index]
-                ref_logp = None if ref_logp is None else ref_logp[index]
-            if batch.labels.shape[0] == 0:
-                metrics.update({"grad_norm": 0.0, "note/empty_batch": 1.0})
-            else:
-                for _ in range(cfg.train.ppo_epochs):
-                    step_metrics, overflow = self._optimizer_step(batch, old_logp, ref_logp, rollout_logp, advantages)
-                    metrics.update(step_metrics)
+            # Dropped groups (DAPO dynamic sampling) are masked out, not removed, so every rank
+            # runs the same number of micro-batches (FSDP forwards are collective).
+            keep = adv.keep[mine].to(self.device)
+            batch = dataclasses.replace(batch, mask=batch.mask & keep[:, None])
+            for _ in range(cfg.train.ppo_epochs):
+                step_metrics, overflow = self._optimizer_step(batch, old_logp, ref_logp, rollout_logp, advantages)
+                metrics.update(step_metrics)
         except NonFiniteError as err:
             skipped = True
             self.precision.zero_grad()
@@ -432,6 +553,10 @@ class GRPOTrainer:
                                    f"{cfg.guards.spike_factor:g} x MAD {event['mad']:.3g}", event))
         metrics["guard/spike"] = spike
         metrics["time/step_s"] = time.perf_counter() - started
+        if self.dist.enabled:
+            for key in [k for k in metrics if k == "loss" or k.endswith("/loss")]:
+                metrics[key] = metrics[key] * self.dist.world_size  # shares: the mean of world x share is the sum
+            metrics = pdist.mean_metrics(self.dist, metrics)
         metrics["_events"] = events
         self.step = step
         return metrics
@@ -508,9 +633,12 @@ class GRPOTrainer:
             self.resume()
         else:
             self.checkpoints.clean_partial()
-        cfg.save(self.output_dir / "config.yaml")
-        logger = RunLogger(self.output_dir, total_steps=cfg.train.steps, resume_step=self.step,
-                           tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress)
+        if self.dist.is_main:
+            cfg.save(self.output_dir / "config.yaml")
+            logger = RunLogger(self.output_dir, total_steps=cfg.train.steps, resume_step=self.step,
+                               tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress)
+        else:  # only rank 0 writes logs
+            logger = _SilentLogger()
         last_ckpt = self.checkpoints.latest()
         self._stop_requested = False
         try:
@@ -518,6 +646,8 @@ class GRPOTrainer:
                 last_ckpt = self._run_loop(logger, last_ckpt)
         finally:
             logger.close()
+        if not self.dist.is_main:
+            return TrainResult(self.step, last_ckpt, "")
         rows = read_metrics(self.output_dir / "metrics.jsonl")
         summary = summarize(rows)
         (self.output_dir / "summary.txt").write_text(summary + "\n")
@@ -526,13 +656,25 @@ class GRPOTrainer:
         return TrainResult(self.step, last_ckpt, summary)
 
 
+class _SilentLogger:
+    """What ranks other than 0 log: nothing."""
+
+    def step(self, metrics):
+        pass
+
+    def event(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
 @contextlib.contextmanager
 def _forced_backend(name: str | None):
     """Route every portarl op to one backend (``precision.backend``) for the duration."""
     if name is None:
         yield
         return
-    import os
 
     from portarl.backends import BACKEND_ENV
 

@@ -33,7 +33,10 @@ def check_finite(name: str, tensor: torch.Tensor, mask: torch.Tensor | None = No
 
 def first_nonfinite_gradient(model: torch.nn.Module) -> str | None:
     for name, p in model.named_parameters():
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+        grad = p.grad
+        if grad is not None and hasattr(grad, "to_local"):  # FSDP2 DTensor: this rank's shard
+            grad = grad.to_local()
+        if grad is not None and not bool(torch.isfinite(grad).all()):
             return name
     return None
 

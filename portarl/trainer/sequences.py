@@ -53,12 +53,29 @@ def build_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: 
                       (labels != -100).to(device), width_p)
 
 
+def _is_sharded(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, FSDPModule)
+
+
 def completion_logits(model, batch: TokenBatch, logits_policy: str = "fp32") -> torch.Tensor:
-    """Logits [B, T, V] for the completion positions only."""
+    """Logits [B, T, V] for the completion positions only.
+
+    Under FSDP2 the model's own forward must run (it gathers the sharded parameters), so the
+    head is computed there, on the last T + 1 positions (``logits_to_keep``), in the
+    parameters' compute dtype; the log-prob op still accumulates in fp32.
+    """
+    t = batch.labels.shape[1]
+    if _is_sharded(model):
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                    logits_to_keep=t + 1)
+        return out.logits[:, :-1]
     hidden = model.get_decoder()(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
     ).last_hidden_state
-    t = batch.labels.shape[1]
     h = hidden[:, batch.prompt_width - 1 : batch.prompt_width - 1 + t]
     head = model.get_output_embeddings()
     if logits_policy == "fp32":

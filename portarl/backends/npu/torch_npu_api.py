@@ -79,6 +79,13 @@ def device_count() -> int:
     return torch.npu.device_count()
 
 
+def set_device(index: int) -> None:
+    """Pin this process to NPU ``index`` (distributed ranks)."""
+    if _load() is None:
+        raise RuntimeError(_import_error)
+    torch.npu.set_device(index)
+
+
 def synchronize() -> None:
     """Wait for queued NPU work (timing). No-op for a CPU stand-in."""
     if _load() is not None and device_type == "npu":

@@ -1,0 +1,149 @@
+"""torch.distributed for portarl: process group from torchrun, FSDP2 sharding, collectives.
+
+``init_distributed`` reads torchrun's environment (``WORLD_SIZE``, ``RANK``,
+``LOCAL_RANK``), picks the backend that fits the device (``nccl`` on CUDA, ``hccl`` on
+Ascend, ``gloo`` on CPU), pins the rank to its device and returns a :class:`DistContext`.
+Without torchrun it returns a single-process context and nothing else changes.
+
+Design choices the trainer relies on:
+- groups are never split across ranks (each rank rolls out whole groups), and rewards are
+  all-gathered so advantages are computed on the global batch, identically on every rank;
+- the global valid-token and sequence counts are all-reduced, and each rank's loss is its
+  share of the global loss; FSDP2 averages gradients over ranks, so the loss is scaled by
+  the world size to make the reduced gradient the global batch's gradient;
+- skip decisions are collective: a rank that sees a non-finite value keeps taking part in
+  every collective and the decision is all-reduced at two sync points.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+BACKEND_FOR_DEVICE = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+SINGLE = DistContext()
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_distributed(device: torch.device) -> tuple[DistContext, torch.device]:
+    """Initialise the process group (when launched with torchrun) and pin this rank's device."""
+    if not launched_by_torchrun():
+        return SINGLE, device
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    backend = BACKEND_FOR_DEVICE.get(device.type)
+    if backend is None:
+        raise ValueError(f"no distributed backend for device type {device.type!r}")
+    if device.type == "cuda":
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    elif device.type == "npu":
+        from portarl.backends.npu import torch_npu_api
+
+        torch_npu_api.set_device(local)
+        device = torch.device("npu", local)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(minutes=int(os.environ.get("PORTARL_DIST_TIMEOUT_MIN", "30"))))
+    return DistContext(rank, world, local, backend), device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard(model: torch.nn.Module, *, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """FSDP2: ``fully_shard`` every decoder layer, then the root. ``param_dtype`` (mixed
+    precision) computes in that dtype over fp32 parameters, gradients reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: cannot find decoder layers to shard")
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def _device_for(ctx: DistContext, tensor: torch.Tensor) -> torch.device:
+    # gloo reduces CPU tensors; nccl / hccl need the accelerator's.
+    if ctx.backend == "gloo":
+        return torch.device("cpu")
+    return torch.device(torch.cuda.current_device()) if ctx.backend == "nccl" else tensor.device
+
+
+def all_reduce(ctx: DistContext, value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if not ctx.enabled:
+        return value
+    t = value.detach().clone().to(_device_for(ctx, value))
+    dist.all_reduce(t, op=op)
+    return t.to(value.device)
+
+
+def all_gather_cat(ctx: DistContext, value: torch.Tensor) -> torch.Tensor:
+    """Concatenate equal-shaped tensors from every rank, in rank order."""
+    if not ctx.enabled:
+        return value
+    local = value.detach().contiguous().to(_device_for(ctx, value))
+    parts = [torch.empty_like(local) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, local)
+    return torch.cat(parts).to(value.device)
+
+
+def any_rank(ctx: DistContext, flag: bool) -> bool:
+    return bool(all_reduce(ctx, torch.tensor([1.0 if flag else 0.0]), op=dist.ReduceOp.MAX).item())
+
+
+def first_code(ctx: DistContext, code: int) -> int:
+    """The smallest code over ranks (codes order pipeline stages; large = nothing)."""
+    return int(all_reduce(ctx, torch.tensor([float(code)]), op=dist.ReduceOp.MIN).item())
+
+
+def mean_metrics(ctx: DistContext, metrics: dict) -> dict:
+    """Average numeric metrics over ranks (keys from every rank; non-numbers from rank 0)."""
+    if not ctx.enabled:
+        return metrics
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, {k: v for k, v in metrics.items() if not k.startswith("_")})
+    out = dict(metrics)
+    keys = set().union(*(g.keys() for g in gathered))
+    for key in keys:
+        values = [g[key] for g in gathered if key in g]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) and key != "step":
+            out[key] = sum(values) / len(values)
+            if key in ("skipped", "guard/skipped_total", "guard/consecutive_skips"):
+                out[key] = max(values)
+        elif key not in out:
+            out[key] = values[0]
+    return out
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.enabled:
+        dist.barrier()
