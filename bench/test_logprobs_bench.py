@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import bench_device, bench_shapes
+from bench_setup import bench_device, bench_shapes
 from portarl.bench import kernels
 from portarl.parity.sweep import synchronize
 

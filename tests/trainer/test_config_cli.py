@@ -49,7 +49,7 @@ def test_cli_reports_bad_config(capsys, tmp_path):
 
 
 def test_cli_train_runs_and_summarises(capsys, tmp_path):
-    from conftest import FAST
+    from trainer_fast import FAST
 
     args = ["train", "--device", "cpu", "--output-dir", str(tmp_path / "run")]
     for item in FAST:
@@ -60,7 +60,7 @@ def test_cli_train_runs_and_summarises(capsys, tmp_path):
 
 
 def test_cli_stops_with_exit_3(tmp_path, capsys):
-    from conftest import FAST
+    from trainer_fast import FAST
 
     args = ["train", "--device", "cpu", "--output-dir", str(tmp_path / "run"), "--set", "train.steps=10",
             "--set", "rewards=[{name: 'tests_trainer_nan_reward:always_nan'}]"]
@@ -72,7 +72,7 @@ def test_cli_stops_with_exit_3(tmp_path, capsys):
 
 
 def test_cli_sft_saves_a_loadable_model(tmp_path, capsys):
-    from conftest import FAST
+    from trainer_fast import FAST
 
     args = ["sft", "--device", "cpu", "--output-dir", str(tmp_path), "--steps", "3"]
     for item in FAST:

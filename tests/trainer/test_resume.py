@@ -13,7 +13,7 @@ from pathlib import Path
 
 from portarl.trainer.checkpoint import CheckpointManager
 
-from conftest import FAST  # noqa: E402
+from trainer_fast import FAST  # noqa: E402
 
 COMPARED = ("reward/mean", "loss", "grad_norm", "kl", "completion/len_mean")
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import NO_VLLM, TINY
+from vllm_tiny import NO_VLLM, TINY
 
 pytest.importorskip("vllm.entrypoints.llm", reason=NO_VLLM)
 

@@ -1,0 +1,26 @@
+"""Fast trainer settings shared by the trainer tests (a plain module: several conftest.py
+files exist, so ``from conftest import`` would be ambiguous)."""
+
+from __future__ import annotations
+
+from portarl.trainer import TrainConfig
+
+FAST = [
+    "train.steps=3",
+    "train.prompts_per_step=4",
+    "train.sft_warmup_steps=0",
+    "train.micro_batch_size=8",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=3",
+    "data.synthetic_size=64",
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "logging.plot=false",
+    "optim.lr=1e-3",
+]
+
+
+def fast_config(tmp_path, *overrides: str) -> TrainConfig:
+    return TrainConfig.load(None, [*FAST, f"output_dir={tmp_path / 'run'}", *overrides])
