@@ -138,6 +138,7 @@ def _cmd_train(args) -> int:
         _log("portarl train: interrupted; checkpoint saved, continue with --resume")
         return 130
     finally:
+        trainer.close()
         pdist.shutdown()
     if not trainer.dist.is_main:
         return 0

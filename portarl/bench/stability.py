@@ -125,6 +125,8 @@ def _train_one(spec: RunSpec, base_overrides: list[str], config_path, out_dir: P
         trainer.train()
     except TrainingStopped as err:
         stopped = str(err)
+    finally:
+        trainer.close()  # a vllm engine holds device memory and process-wide state: one at a time
     result = RunResult(spec, read_metrics(run_dir / "metrics.jsonl"), read_metrics(run_dir / "events.jsonl"),
                        stopped, device_name(trainer.device))
     return result, trainer

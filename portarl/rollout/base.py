@@ -73,6 +73,18 @@ class RolloutEngine(abc.ABC):
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Make the engine sample from ``model``'s current weights (a no-op when it shares them)."""
 
+    # Lifecycle hooks the trainer calls; no-ops for engines that share the trainer's model.
+    def mark_trainer_updated(self) -> None:
+        """The trainer took an optimizer step: the engine's weights are stale until the next
+        :meth:`sync_weights` (an engine with its own copy refuses to generate until then)."""
+
+    def sleep(self) -> None:
+        """The trainer is about to compute: release what the engine can (KV cache) until
+        the next :meth:`sync_weights` or :meth:`generate`."""
+
+    def close(self) -> None:
+        """Release the engine for good (processes, device memory, process-wide state)."""
+
 
 def identical_group_fraction(completions: list[list[int]], group_size: int) -> float:
     """Fraction of groups whose completions are all identical (seeding gone wrong, or collapse)."""

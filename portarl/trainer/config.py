@@ -102,6 +102,9 @@ class RolloutConfig:
     vllm_enforce_eager: bool = True
     #: engine "vllm": free vLLM's KV cache while the trainer runs (CUDA sleep mode).
     vllm_sleep_mode: bool = False
+    #: engine "vllm": platform-plugin options (vLLM's ``additional_config``), e.g. for
+    #: vllm-ascend ``{rl_config: {enabled: true}}``. ``enable_reduce_sample`` is refused.
+    vllm_additional_config: dict | None = None
 
     def validate(self):
         _check(self.engine in ("hf", "vllm"), "rollout.engine", "must be 'hf' or 'vllm'", self.engine)
@@ -114,6 +117,14 @@ class RolloutConfig:
         _check(0 < self.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization", "must be in (0, 1]",
                self.vllm_gpu_memory_utilization)
         _positive_int(self, "rollout", *(["vllm_max_model_len"] if self.vllm_max_model_len is not None else []))
+        _check(self.vllm_additional_config is None or isinstance(self.vllm_additional_config, dict),
+               "rollout.vllm_additional_config", "must be a mapping or null", self.vllm_additional_config)
+        if self.engine == "vllm":
+            # vLLM's processed log-probs are renormalised over the top-k / top-p set, the
+            # trainer's over the full vocabulary: every mismatch weight would be biased.
+            _check(self.top_k == 0 and self.top_p == 1, "rollout.top_k / rollout.top_p",
+                   "must be 0 / 1 with engine 'vllm' (its log-probs are renormalised over the kept tokens, the "
+                   "trainer's are not); sample from the full distribution", (self.top_k, self.top_p))
 
 
 @dataclasses.dataclass

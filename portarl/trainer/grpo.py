@@ -134,10 +134,6 @@ class GRPOTrainer:
         total = self.config.train.steps * self.config.train.ppo_epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(self.config, total))
         self._rollout = rollout_engine
-        if rollout_engine is None and self.config.rollout.engine == "hf":
-            self._rollout = ENGINES["hf"](self.model, self.codec.eos_token_id, self.codec.pad_token_id)
-            if self.dist.enabled:  # FSDP forwards are collective: every rank decodes until all are done
-                self._rollout.finished_everywhere = lambda flag: not pdist.any_rank(self.dist, not flag)
         r = self.config.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens)
@@ -165,12 +161,21 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ set-up
     @property
     def rollout(self):
-        """The rollout engine; the vllm engine starts on first use (after any SFT warm-up)."""
+        """The rollout engine, built on first use (vllm: after any SFT warm-up, from the
+        weights of that moment) unless one was passed in."""
         if self._rollout is None:
+            self._rollout = self._make_rollout()
+        return self._rollout
+
+    def _make_rollout(self):
+        if self.config.rollout.engine == "vllm":
             from portarl.rollout.vllm import engine_from_trainer
 
-            self._rollout = engine_from_trainer(self)
-        return self._rollout
+            return engine_from_trainer(self)
+        engine = ENGINES["hf"](self.model, self.codec.eos_token_id, self.codec.pad_token_id)
+        if self.dist.enabled:  # FSDP forwards are collective: every rank decodes until all are done
+            engine.finished_everywhere = lambda flag: not pdist.any_rank(self.dist, not flag)
+        return engine
 
     @rollout.setter
     def rollout(self, engine) -> None:
@@ -435,6 +440,7 @@ class GRPOTrainer:
         if not torch.isfinite(grad_norm):
             raise NonFiniteError("gradient", "norm")
         self.optimizer.step()
+        self.rollout.mark_trainer_updated()
         self.scheduler.step()
         self.precision.after_step()
         self.precision.update_scale(overflow=False)
@@ -459,6 +465,7 @@ class GRPOTrainer:
         prompts = [self.codec.encode_prompt(ex.prompt) for ex in examples for _ in range(g)]
         self.rollout.sync_weights(self.model)
         rollout = self.rollout.generate(prompts, seeds, self.sampling)
+        self.rollout.sleep()  # the trainer computes now: the engine frees what it can (vLLM: KV cache)
         texts = [self.codec.decode(c) for c in rollout.completion_ids]
         metrics: dict = {"step": step, "phase": "grpo"}
         identical = identical_group_fraction(rollout.completion_ids, g)
@@ -579,6 +586,22 @@ class GRPOTrainer:
         """Finish the current step, save a checkpoint, and raise KeyboardInterrupt (Ctrl-C)."""
         self._stop_requested = True
 
+    def _stop_requested_anywhere(self) -> bool:
+        """A stop is collective: a rank that saw Ctrl-C (or a scheduler's signal) before the
+        others must not save alone, since saving is a collective (DCP) and the others would
+        wait in the next step's collectives forever. One all-reduce per step."""
+        if not self.dist.enabled:
+            return self._stop_requested
+        self._stop_requested = pdist.any_rank(self.dist, self._stop_requested)
+        return self._stop_requested
+
+    def close(self) -> None:
+        """Release the rollout engine (vLLM: its processes and device memory). The trainer
+        can train again afterwards; a vllm engine then starts anew."""
+        if self._rollout is not None:
+            self._rollout.close()
+            self._rollout = None
+
     @contextlib.contextmanager
     def _graceful_sigint(self):
         """First Ctrl-C: stop after the current step (never half a step). Second: at once."""
@@ -620,7 +643,7 @@ class GRPOTrainer:
                 raise TrainingStopped(message, self.streak_first_bad or "unknown", last_ckpt)
             if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps:
                 last_ckpt = self.save_checkpoint()
-            if self._stop_requested:
+            if self._stop_requested_anywhere():
                 if self.checkpoints.latest() != self.checkpoints.root / f"step-{self.step:06d}":
                     last_ckpt = self.save_checkpoint()
                 logger.event(self.step, "interrupted", f"stopped on request after step {self.step}; checkpoint {last_ckpt}")

@@ -36,6 +36,7 @@ def test_sequence_modes_use_the_geometric_mean():
     torch.testing.assert_close(out.weights, torch.tensor([[g0] * 3, [1.2, 1.2, 0.0]]))
     out = correct_mismatch(OLD, ROLL, MASK, "sequence_mask", mask_low=0.95, mask_high=2.0)
     assert out.mask.tolist() == [[False, False, False], [True, True, False]]
+    torch.testing.assert_close(out.weights[1, :2], torch.tensor([g1, g1]))
 
 
 def test_metrics():

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,7 +111,49 @@ def test_nan_on_one_rank_makes_both_skip(tmp_path):
     rows = _rows(tmp_path)
     assert rows[0]["skipped"] == 1 and rows[0]["guard/nonfinite_tensor"] == "old_logp"
     assert rows[1]["skipped"] == 0
-    assert CheckpointManager.load_state(CheckpointManager(tmp_path).complete()[0])["step"] == 1
+    first = CheckpointManager(tmp_path).complete()[0]
+    assert CheckpointManager.load_state(first)["step"] == 1
+    # Both ranks skipped: every shard of the parameters is still the initial model's.
+    after_skip, start = _params_from(first), _params_from_init()
+    assert all(torch.equal(after_skip[k], start[k]) for k in start)
+
+
+def _worker_pids(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of torchrun's worker processes (its children with RANK in their environment)."""
+    found = {}
+    for child in Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split():
+        env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        ranks = [e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")]
+        if ranks:
+            found[int(ranks[0])] = int(child)
+    return found
+
+
+def test_ctrl_c_on_one_rank_stops_both_with_one_checkpoint(tmp_path):
+    """A signal that reaches one rank first (Ctrl-C races, a scheduler signalling one process):
+    the stop is agreed by every rank at the end of the step, then all save one checkpoint."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "portarl", "train",
+           "--device", "cpu", "--output-dir", str(tmp_path)]
+    for item in (*FAST, "train.steps=400", "checkpoint.every=1000"):
+        cmd += ["--set", item]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group: a hang is cleaned up whole
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        os.kill(_worker_pids(proc.pid)[1], signal.SIGINT)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
+    assert "interrupted; checkpoint saved" in output, output[-4000:]
+    last = _rows(tmp_path)[-1]["step"]
+    assert last < 400, "the run must stop early"
+    latest = CheckpointManager(tmp_path).latest()
+    assert CheckpointManager.is_sharded(latest) and CheckpointManager.load_state(latest)["step"] == last
 
 
 def test_save_on_two_ranks_resume_on_one(tmp_path):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ from vllm_tiny import NO_VLLM, TINY
 pytest.importorskip("vllm.entrypoints.llm", reason=NO_VLLM)
 
 from portarl.models import build_tiny, save_local
-from portarl.parity.tolerances import ROLLOUT_BF16_MIN_MEAN_DIFF, ROLLOUT_FP32_ATOL
+from portarl.parity.tolerances import ROLLOUT_BF16_MIN_MEAN_DIFF
 from portarl.rollout import SamplingParams, request_seeds
 from portarl.rollout.vllm import VLLMRollout
 from portarl.trainer.sequences import build_batch, completion_logprobs

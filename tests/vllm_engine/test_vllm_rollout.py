@@ -3,7 +3,6 @@ with the trainer (fp32) and measurable difference (bf16), GRPO steps with trunca
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
