@@ -10,7 +10,7 @@ Guards: every named tensor (reward, old_logp, ref_logp, advantage, loss, gradien
 checked; a non-finite one skips the optimizer step with weights and optimizer state
 untouched, counts it, logs it; ``guards.max_consecutive_skips`` in a row stop the run with
 a checkpoint and :class:`TrainingStopped` naming the first bad tensor. KL and grad-norm
-spikes and degenerate outputs are logged as events. Ctrl-C saves a checkpoint first.
+spikes and degenerate outputs are logged as events. SIGINT and SIGTERM save a checkpoint first (:mod:`portarl.trainer.signals`).
 
 Test hooks: ``trainer.hooks[point]`` (points: ``reward``, ``old_logp``, ``ref_logp``,
 ``advantage``, ``loss``, ``grad``) lists ``fn(step, tensor) -> tensor`` applied at that
@@ -26,8 +26,6 @@ import logging
 import math
 import os
 import random
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -41,7 +39,8 @@ from portarl.emulation import resolve_profile
 from portarl.rewards import resolve_reward
 from portarl.rollout import ENGINES, SamplingParams, identical_group_fraction, request_seeds
 from portarl.tokenizer import as_codec
-from portarl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
+from portarl.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from portarl.trainer.checkpoint import step_of as state_step
 from portarl.trainer.config import TrainConfig
 from portarl.trainer.guards import (
     DegenerateDetector,
@@ -54,6 +53,7 @@ from portarl.trainer.precision import DTYPES, PrecisionPlan
 from portarl.trainer.runlog import RunLogger, plot_curves, read_metrics, summarize
 from portarl.trainer.sequences import build_batch, completion_logits, completion_logprobs
 from portarl.trainer.sft import run_sft
+from portarl.trainer.signals import StopRequested, graceful_stop
 
 log = logging.getLogger("portarl.train")
 
@@ -157,6 +157,7 @@ class GRPOTrainer:
             log.warning("NPU numerics EMULATION on (%s): not portarl's fp32 path and not Ascend hardware",
                         ", ".join(sorted(self.emulate)))
         self._stop_requested = False
+        self._stop_signal: int | None = None
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -289,11 +290,18 @@ class GRPOTrainer:
             pdist.barrier(self.dist)
         for removed in (self.checkpoints.clean_partial() if self.dist.is_main else []):
             log.warning("removed an incomplete checkpoint left by an interrupted write: %s", removed)
-        latest = self.checkpoints.latest()
-        if latest is None:
+        # Newest checkpoint that verifies against its manifest (damaged ones are skipped,
+        # named and moved aside by rank 0); every rank must pick the same one.
+        found = self.checkpoints.load_newest_verified(quarantine=self.dist.is_main)
+        if self.dist.enabled:
+            chosen = -1 if found is None else state_step(found[0])
+            if pdist.first_code(self.dist, chosen) != -pdist.first_code(self.dist, -chosen):
+                raise CheckpointError(f"ranks chose different checkpoints to resume from in {self.checkpoints.root} "
+                                      f"(rank {self.dist.rank}: step {chosen}); is the directory shared by every rank?")
+        if found is None:
             log.info("no checkpoint in %s: starting from scratch", self.checkpoints.root)
             return 0
-        state = self.checkpoints.load_state(latest)
+        latest, state = found
         if self.checkpoints.is_sharded(latest):
             self.checkpoints.load_sharded(latest, self.model, self.optimizer)
             state["optimizer"] = self.optimizer.state_dict()
@@ -583,7 +591,7 @@ class GRPOTrainer:
         self.sft_done = True
 
     def request_stop(self) -> None:
-        """Finish the current step, save a checkpoint, and raise KeyboardInterrupt (Ctrl-C)."""
+        """Finish the current step, save a checkpoint, and raise StopRequested (a KeyboardInterrupt), as on SIGINT or SIGTERM."""
         self._stop_requested = True
 
     def _stop_requested_anywhere(self) -> bool:
@@ -601,25 +609,6 @@ class GRPOTrainer:
         if self._rollout is not None:
             self._rollout.close()
             self._rollout = None
-
-    @contextlib.contextmanager
-    def _graceful_sigint(self):
-        """First Ctrl-C: stop after the current step (never half a step). Second: at once."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def handler(signum, frame):
-            if self._stop_requested:
-                raise KeyboardInterrupt
-            log.warning("Ctrl-C: finishing step %d, then saving a checkpoint (Ctrl-C again to abort now)", self.step + 1)
-            self._stop_requested = True
-
-        previous = signal.signal(signal.SIGINT, handler)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
 
     def _run_loop(self, logger: RunLogger, last_ckpt: Path | None) -> Path | None:
         cfg = self.config
@@ -647,7 +636,7 @@ class GRPOTrainer:
                 if self.checkpoints.latest() != self.checkpoints.root / f"step-{self.step:06d}":
                     last_ckpt = self.save_checkpoint()
                 logger.event(self.step, "interrupted", f"stopped on request after step {self.step}; checkpoint {last_ckpt}")
-                raise KeyboardInterrupt
+                raise StopRequested(self._stop_signal, self.step, last_ckpt)
         return last_ckpt
 
     def train(self, resume: bool = False) -> TrainResult:
@@ -663,9 +652,9 @@ class GRPOTrainer:
         else:  # only rank 0 writes logs
             logger = _SilentLogger()
         last_ckpt = self.checkpoints.latest()
-        self._stop_requested = False
+        self._stop_requested, self._stop_signal = False, None
         try:
-            with self._graceful_sigint():
+            with graceful_stop(self):  # SIGINT and SIGTERM: finish the step, save, stop
                 last_ckpt = self._run_loop(logger, last_ckpt)
         finally:
             logger.close()
