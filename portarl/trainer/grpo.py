@@ -96,7 +96,7 @@ class GRPOTrainer:
                  rollout_engine=None):
         self.config = (config or TrainConfig()).validate()
         # Under torchrun: process group (nccl / hccl / gloo), this rank's device, FSDP2.
-        self.dist, self.device = pdist.init_distributed(resolve_device(device))
+        self.dist, self.device = pdist.init_distributed(resolve_device(device), self.config.distributed.timeout_s)
         dtype = DTYPES[self.config.precision.dtype]
         self._initial_reference = None
         if self.dist.enabled:
