@@ -303,10 +303,10 @@ class GRPOTrainer:
             return 0
         latest, state = found
         if self.checkpoints.is_sharded(latest):
-            self.checkpoints.load_sharded(latest, self.model, self.optimizer)
+            self.checkpoints.load_sharded(latest, self.model, self.optimizer, verify=False)  # just verified
             state["optimizer"] = self.optimizer.state_dict()
         else:
-            self.checkpoints.load_weights(self.model, latest)
+            self.checkpoints.load_weights(self.model, latest, verify=False)
         self.precision = PrecisionPlan(self.model, self.config.precision.dtype, self.config.precision.master_weights_fp32,
                                        self.config.precision.loss_scale)
         self.precision.load_state_dict(state["precision"])

@@ -83,7 +83,7 @@ def test_planted_pickle_is_refused_and_never_runs(trained, tmp_path, name):
     # Re-hashed (manifest and COMPLETE rewritten too): the loaders still never unpickle.
     _plant(ckpt / name, marker, rehash=True)
     with pytest.raises((UnsafeStateError, CheckpointError), match=name):
-        state = CheckpointManager.load_state(ckpt)
+        CheckpointManager.load_state(ckpt)
         CheckpointManager.load_weights(trained.model, ckpt)
     assert not marker.exists(), "the planted pickle ran"
 

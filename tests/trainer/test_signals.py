@@ -20,12 +20,12 @@ from trainer_fast import FAST  # noqa: E402
 HERE = Path(__file__).parent
 
 
-def _start(out: Path, *sets: str) -> subprocess.Popen:
+def _start(out: Path, *sets: str, **env_extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "portarl", "train", "--device", "cpu", "--output-dir", str(out)]
     for item in (*FAST, "train.steps=400", "checkpoint.every=1000", *sets):
         cmd += ["--set", item]
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), **env_extra}
     env.pop("TRITON_INTERPRET", None)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -61,15 +61,23 @@ def test_sigterm_finishes_the_step_saves_and_exits_143(tmp_path):
 
 
 def test_second_signal_aborts_at_once_and_says_nothing_was_saved(tmp_path):
-    proc = _start(tmp_path, "rewards=[{name: 'slow_rewards:slow_zero'}]")  # ~1 s steps
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    proc = _start(tmp_path / "run", "rewards=[{name: 'slow_rewards:held_zero'}]", HOLD_DIR=str(gate))
     try:
-        _wait_for_steps(proc, tmp_path, 1)
+        _wait_for_steps(proc, tmp_path / "run", 1)
+        (gate / "hold").touch()  # the next reward call holds its step open
+        deadline = time.monotonic() + 120
+        while not (gate / "holding").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the held step never started"
+            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.2)  # well inside the step the first signal asked to finish
+        time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=30)  # well before the held reward would return
     finally:
         proc.kill()
+    tmp_path = tmp_path / "run"
     assert proc.returncode == 130, err[-3000:]
     step = _rows(tmp_path)[-1]["step"]
     assert f"aborted by a second SIGINT: no checkpoint saved for step {step}; there is no checkpoint yet" in err

@@ -192,14 +192,16 @@ class CheckpointManager:
         return safe_state.load_state(directory)
 
     @staticmethod
-    def load_sharded(directory: Path, model, optimizer) -> None:
+    def load_sharded(directory: Path, model, optimizer, *, verify: bool = True) -> None:
         """Load a DCP checkpoint into ``model`` / ``optimizer``, sharded or not (resharding to
         this run's number of ranks). The manifest is verified first: DCP unpickles
-        ``.metadata`` (and non-tensor items), so only files the manifest vouches for reach it."""
+        ``.metadata`` (and non-tensor items), so only files the manifest vouches for reach it
+        (``verify=False``: the caller has just verified it, e.g. :meth:`load_newest_verified`)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        mf.verify(directory)
+        if verify:
+            mf.verify(directory)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(directory / "dcp"))
@@ -210,9 +212,13 @@ class CheckpointManager:
         return (directory / "dcp").is_dir()
 
     @staticmethod
-    def load_weights(model, directory: Path) -> None:
+    def load_weights(model, directory: Path, *, verify: bool = True) -> None:
+        """Load ``model.safetensors`` into ``model`` (after verifying the manifest unless the
+        caller just did)."""
         from safetensors.torch import load_model
 
+        if verify:
+            mf.verify(directory)
         path = directory / "model.safetensors"
         try:
             missing, unexpected = load_model(model, str(path), strict=False)
