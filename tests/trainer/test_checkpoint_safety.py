@@ -188,3 +188,22 @@ def test_sharded_checkpoint_verified_before_dcp_reads_metadata(make_trainer, tmp
     with pytest.raises(CheckpointError, match=r"dcp/__9_0.distcp is not in the manifest"):
         CheckpointManager.load_sharded(path2, trainer.model, trainer.optimizer)
     assert not marker.exists()
+
+
+def test_sharded_metadata_is_unpickled_with_an_allow_list(make_trainer, tmp_path):
+    """Even with the manifest rewritten to match, DCP's pickles cannot run code: ``.metadata``
+    goes through an allow-list unpickler, non-tensor items through weights_only=True."""
+    from portarl.distributed import SINGLE
+    from portarl.trainer.checkpoint.safe_dcp import load_metadata_safely
+
+    trainer = make_trainer("train.steps=1")
+    path = CheckpointManager(tmp_path / "sharded").save_sharded(1, trainer.model, trainer.optimizer, None, {"step": 1},
+                                                                SINGLE)
+    metadata = load_metadata_safely((path / "dcp" / ".metadata").read_bytes(), "x")  # the real one passes
+    assert "model.model.embed_tokens.weight" in metadata.state_dict_metadata
+    marker = tmp_path / "ran"
+    _plant(path / "dcp" / ".metadata", marker, rehash=True)
+    mf.verify(path)  # the manifest was forged to match
+    with pytest.raises(CheckpointError, match=r"dcp/\.metadata refers to pathlib.Path.touch"):
+        CheckpointManager.load_sharded(path, trainer.model, trainer.optimizer)
+    assert not marker.exists()

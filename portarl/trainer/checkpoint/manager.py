@@ -194,9 +194,10 @@ class CheckpointManager:
     @staticmethod
     def load_sharded(directory: Path, model, optimizer, *, verify: bool = True) -> None:
         """Load a DCP checkpoint into ``model`` / ``optimizer``, sharded or not (resharding to
-        this run's number of ranks). The manifest is verified first: DCP unpickles
-        ``.metadata`` (and non-tensor items), so only files the manifest vouches for reach it
-        (``verify=False``: the caller has just verified it, e.g. :meth:`load_newest_verified`)."""
+        this run's number of ranks). The manifest is verified first, so only files it vouches
+        for reach DCP (``verify=False``: the caller has just verified it, e.g.
+        :meth:`load_newest_verified`); and DCP's pickles are read with allow-lists
+        (:mod:`.safe_dcp`), so even a file whose manifest was rewritten cannot run code."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -204,7 +205,11 @@ class CheckpointManager:
             mf.verify(directory)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(directory / "dcp"))
+        from portarl.trainer.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, load_metadata_safely
+
+        meta = directory / "dcp" / ".metadata"  # checked here first: DCP would wrap our error in its own
+        load_metadata_safely(meta.read_bytes(), str(meta))
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(directory / "dcp")), planner=SafeLoadPlanner())
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     @staticmethod
