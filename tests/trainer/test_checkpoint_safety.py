@@ -207,3 +207,17 @@ def test_sharded_metadata_is_unpickled_with_an_allow_list(make_trainer, tmp_path
     with pytest.raises(CheckpointError, match=r"dcp/\.metadata refers to pathlib.Path.touch"):
         CheckpointManager.load_sharded(path, trainer.model, trainer.optimizer)
     assert not marker.exists()
+
+
+def test_cleanup_reports_what_it_could_not_remove(trained, monkeypatch, caplog):
+    root = trained.checkpoints.root
+    partial = root / ".tmp-step-000009-1"
+    (partial / "sub").mkdir(parents=True)
+
+    def failing_rmtree(path, onerror=None, **kwargs):
+        onerror(os.rmdir, str(path), (OSError, OSError(16, "Device or resource busy"), None))
+
+    monkeypatch.setattr(mf.shutil, "rmtree", failing_rmtree)
+    with caplog.at_level(logging.WARNING, logger="portarl.train"):
+        assert CheckpointManager(trained.output_dir).clean_partial() == []  # not reported as removed
+    assert "could not remove the incomplete checkpoint" in caplog.text and "busy" in caplog.text
