@@ -10,7 +10,8 @@ Guards: every named tensor (reward, old_logp, ref_logp, advantage, loss, gradien
 checked; a non-finite one skips the optimizer step with weights and optimizer state
 untouched, counts it, logs it; ``guards.max_consecutive_skips`` in a row stop the run with
 a checkpoint and :class:`TrainingStopped` naming the first bad tensor. KL and grad-norm
-spikes and degenerate outputs are logged as events. SIGINT and SIGTERM save a checkpoint first (:mod:`portarl.trainer.signals`).
+spikes and degenerate outputs are logged as events. SIGINT and SIGTERM save a checkpoint
+first (:mod:`portarl.trainer.signals`).
 
 Test hooks: ``trainer.hooks[point]`` (points: ``reward``, ``old_logp``, ``ref_logp``,
 ``advantage``, ``loss``, ``grad``) lists ``fn(step, tensor) -> tensor`` applied at that
@@ -591,7 +592,8 @@ class GRPOTrainer:
         self.sft_done = True
 
     def request_stop(self) -> None:
-        """Finish the current step, save a checkpoint, and raise StopRequested (a KeyboardInterrupt), as on SIGINT or SIGTERM."""
+        """Finish the current step, save a checkpoint, and raise StopRequested (a
+        KeyboardInterrupt), as on SIGINT or SIGTERM."""
         self._stop_requested = True
 
     def _stop_requested_anywhere(self) -> bool:
