@@ -221,3 +221,14 @@ def test_cleanup_reports_what_it_could_not_remove(trained, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="portarl.train"):
         assert CheckpointManager(trained.output_dir).clean_partial() == []  # not reported as removed
     assert "could not remove the incomplete checkpoint" in caplog.text and "busy" in caplog.text
+
+
+def test_resaving_a_step_never_leaves_it_missing(trained):
+    root = trained.checkpoints.root
+    trained.save_checkpoint()  # step 3 again (as after a crash right after its save)
+    mf.verify(root / "step-000003")
+    assert not list(root.glob(".replaced-*")) and not list(root.glob(".tmp-*"))
+    # A kill after the old copy was moved aside and before the new one took its place:
+    os.rename(root / "step-000003", root / ".replaced-step-000003")
+    assert CheckpointManager(trained.output_dir).clean_partial() == []
+    mf.verify(root / "step-000003")  # restored, whole

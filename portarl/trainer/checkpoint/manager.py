@@ -32,6 +32,7 @@ from portarl.trainer.checkpoint.manifest import CheckpointError
 
 log = logging.getLogger("portarl.train")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_REPLACED = ".replaced-"
 
 
 def step_of(directory: Path) -> int:
@@ -50,7 +51,12 @@ class CheckpointManager:
         removed = []
         if self.root.exists():
             for path in sorted(self.root.iterdir()):
-                if path.name.startswith(".tmp-") or (_STEP_DIR.match(path.name) and not (path / mf.COMPLETE).exists()):
+                if path.name.startswith(_REPLACED) and not (self.root / path.name[len(_REPLACED):]).exists():
+                    os.rename(path, self.root / path.name[len(_REPLACED):])  # a re-save was interrupted
+                    log.warning("restored %s, whose replacement was interrupted", path.name[len(_REPLACED):])
+                    continue
+                partial = _STEP_DIR.match(path.name) and not (path / mf.COMPLETE).exists()
+                if path.name.startswith((".tmp-", _REPLACED)) or partial:
                     problems = mf.remove_checkpoint(path)
                     if problems:
                         log.warning("could not remove the incomplete checkpoint %s: %s", path, "; ".join(problems))
@@ -92,12 +98,21 @@ class CheckpointManager:
         digest = mf.write_manifest(tmp, step)
         mf.write_complete(tmp, step, digest)
         mf.fsync_tree(tmp)
+        replaced = None
         if final.exists():  # re-saving a step (resume after a crash right after a save)
-            problems = mf.remove_checkpoint(final)
-            if problems:
-                raise CheckpointError(f"cannot replace {final}: " + "; ".join(problems), final)
+            # Moved aside, not deleted, until the new one is in place: a kill in between leaves
+            # it recoverable by clean_partial (with keep_last=1 it may be the only checkpoint).
+            replaced = self.root / f"{_REPLACED}{final.name}"
+            if replaced.exists():
+                mf.remove_checkpoint(replaced)
+            os.rename(final, replaced)
+            mf.fsync_dir(self.root)
         os.rename(tmp, final)
         mf.fsync_dir(self.root)
+        if replaced is not None:
+            problems = mf.remove_checkpoint(replaced)
+            if problems:
+                log.warning("could not remove the replaced checkpoint %s: %s", replaced, "; ".join(problems))
         self.prune(protect=final)
         return final
 
