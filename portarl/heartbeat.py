@@ -98,7 +98,7 @@ def start_heartbeat(rank: int, world_size: int, timeout_s: float) -> Heartbeat |
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         return None
-    store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=max(1.0, timeout_s / 4)),
+    store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=max(1.0, timeout_s / 2)),
                           wait_for_workers=False)
     run = os.environ.get("TORCHELASTIC_RUN_ID", "run"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return Heartbeat(store, rank, world_size, timeout_s, prefix=f"portarl/heartbeat/{run[0]}/{run[1]}").start()
