@@ -16,6 +16,7 @@ rank whose process runs but whose device hangs is caught by the collective timeo
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -46,10 +47,13 @@ class Heartbeat:
     def start(self) -> "Heartbeat":
         self.store.set(self._key(self.rank), "0")
         self._thread.start()
+        atexit.register(self.stop)  # a rank that exits normally is done, not frozen
         return self
 
     def stop(self) -> None:
         """This rank is done (normal exit): the others stop watching it."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.interval + 1)
