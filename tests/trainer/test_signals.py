@@ -85,10 +85,22 @@ def test_second_signal_aborts_at_once_and_says_nothing_was_saved(tmp_path):
     assert CheckpointManager(tmp_path).latest() is None
 
 
+def _wait_until_cli_catches_sigterm(proc) -> None:
+    """The CLI's main() has started once SIGTERM is caught (bit 15 of SigCgt in /proc)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught & (1 << (signal.SIGTERM - 1)):
+            return
+        time.sleep(0.01)
+    raise AssertionError("the CLI never started")
+
+
 def test_signal_during_start_up_exits_cleanly(tmp_path):
     for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
         proc = _start(tmp_path / sig.name)
-        time.sleep(1.5)  # importing torch / building the model
+        _wait_until_cli_catches_sigterm(proc)  # then importing torch / building the model
         assert not (tmp_path / sig.name / "metrics.jsonl").exists(), "start-up was too quick to interrupt"
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
