@@ -8,13 +8,16 @@
 
 Exit status: 0 on success, 1 when a parity check fails, 2 for bad usage, a bad config or
 an unusable device, 3 when training stopped itself (persistent non-finite values; a
-checkpoint was saved), 130 on Ctrl-C (after saving a checkpoint).
+checkpoint was saved), 2 as well when no checkpoint verifies on --resume, 128 + the signal
+number on SIGINT (130) or SIGTERM (143): after the current step and a checkpoint on the first
+signal, at once on a second (the message says whether a checkpoint exists for the last step).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 
@@ -119,6 +122,8 @@ def _cmd_train(args) -> int:
     _setup_logging()
     from portarl.device import DeviceUnavailableError
     from portarl.trainer import GRPOTrainer, TrainingStopped, build_from_config
+    from portarl.trainer.checkpoint import CheckpointError
+    from portarl.trainer.signals import AbortNow, StopRequested, abort_message, exit_code
 
     try:
         model, tokenizer, examples = build_from_config(config)
@@ -134,9 +139,18 @@ def _cmd_train(args) -> int:
     except TrainingStopped as err:
         _log(f"portarl train: {err}")
         return 3
-    except KeyboardInterrupt:
-        _log("portarl train: interrupted; checkpoint saved, continue with --resume")
-        return 130
+    except CheckpointError as err:
+        _log(f"portarl train: {err}")
+        return 2
+    except StopRequested as err:
+        _log(f"portarl train: {err}; continue with --resume")
+        return exit_code(err.signum)
+    except AbortNow as err:
+        _log(f"portarl train: {abort_message(err, trainer)}")
+        return exit_code(err.signum)
+    except KeyboardInterrupt as err:  # during resume, before the loop: nothing new to save
+        _log(f"portarl train: interrupted ({err or 'SIGINT'}) before training began; no checkpoint saved")
+        return exit_code(getattr(err, "signum", None))
     finally:
         trainer.close()
         pdist.shutdown()
@@ -302,11 +316,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sigterm_at_startup(signum, frame):
+    err = KeyboardInterrupt("SIGTERM")
+    err.signum = signum
+    raise err
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if (getattr(args, "repeats", None) or 0) < 0:
         build_parser().error("--repeats must be >= 0")
-    return args.func(args)
+    if args.func is _cmd_train:  # SIGTERM before training starts: a clean exit, like SIGINT
+        signal.signal(signal.SIGTERM, _sigterm_at_startup)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt as err:  # Ctrl-C / SIGTERM during imports or set-up: no traceback
+        _log(f"portarl {args.command}: interrupted during start-up ({err or 'SIGINT'}); nothing was saved")
+        return 128 + int(getattr(err, "signum", 2))
 
 
 if __name__ == "__main__":  # pragma: no cover

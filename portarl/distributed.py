@@ -50,8 +50,17 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def init_distributed(device: torch.device) -> tuple[DistContext, torch.device]:
-    """Initialise the process group (when launched with torchrun) and pin this rank's device."""
+#: Default collective timeout and heartbeat limit (``distributed.timeout_s``), seconds.
+DEFAULT_TIMEOUT_S = 600.0
+_heartbeat = None
+
+
+def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[DistContext, torch.device]:
+    """Initialise the process group (when launched with torchrun) and pin this rank's device.
+
+    ``timeout_s`` bounds every collective, and a heartbeat thread (:mod:`portarl.heartbeat`)
+    stops the job, naming the rank, when one rank's process stops running for half of it."""
+    global _heartbeat
     if not launched_by_torchrun():
         return SINGLE, device
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
@@ -67,11 +76,19 @@ def init_distributed(device: torch.device) -> tuple[DistContext, torch.device]:
         torch_npu_api.set_device(local)
         device = torch.device("npu", local)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(minutes=int(os.environ.get("PORTARL_DIST_TIMEOUT_MIN", "30"))))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    if _heartbeat is None:
+        from portarl.heartbeat import start_heartbeat
+
+        _heartbeat = start_heartbeat(rank, world, timeout_s)
     return DistContext(rank, world, local, backend), device
 
 
 def shutdown() -> None:
+    global _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.stop()
+        _heartbeat = None
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -84,3 +84,24 @@ def test_devices_must_match():
     logits, labels = _inputs()
     with pytest.raises(ValueError, match="one device: logits on cpu, labels on meta"):
         ops.logprobs(logits, labels.to("meta"))
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 9.9e-7])
+def test_temperature_that_overflows_finite_logits_is_refused(target, temperature):
+    """1/1e-45 is inf in fp32: every finite row would come back NaN. Refused, with the range."""
+    logits, labels = _inputs()
+    with pytest.raises(ValueError, match=r"temperature=.* is too small.*valid range is \[1e-06, inf\)"):
+        ops.logprobs(logits.to(target.device), labels.to(target.device), temperature=temperature, backend=target.backend)
+
+
+def test_smallest_valid_temperature_keeps_finite_logits_finite(target):
+    """The edge of the range is usable: large finite logits stay finite and normalised."""
+    from portarl.ops._checks import TEMPERATURE_MIN
+
+    logits = torch.randn(4, 10, dtype=torch.float64) * 1e4
+    labels = logits.argmax(-1)
+    logp, entropy = ops.logprobs(logits.float().to(target.device), labels.to(target.device),
+                                 temperature=TEMPERATURE_MIN, return_entropy=True, backend=target.backend)
+    assert torch.isfinite(logp).all() and torch.isfinite(entropy).all()
+    want = torch.log_softmax(logits / TEMPERATURE_MIN, -1).gather(-1, labels[:, None])[:, 0]
+    torch.testing.assert_close(logp.double().cpu(), want, rtol=0, atol=1e-3)

@@ -11,6 +11,17 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _BACKEND_ATTR = "_portarl_backend"
 
+#: Limits of the ops' arguments, in one place.
+#: Every backend scales logits by ``1 / temperature`` in fp32 before the softmax. With
+#: ``temperature >= TEMPERATURE_MIN`` that scale is at most 1e6, so any finite logit of
+#: magnitude below ``FP32_MAX * TEMPERATURE_MIN`` (about 3.4e32; every finite fp16 logit, and
+#: any logit a real model produces) stays finite. Smaller temperatures (1e-45 makes the scale
+#: ``inf``) overflow finite logits to inf and every row's log-prob to NaN. For greedy-like
+#: scoring use a small temperature in range, or the argmax. There is no upper limit: a huge
+#: temperature only flattens the distribution towards uniform.
+FP32_MAX = float(torch.finfo(torch.float32).max)
+TEMPERATURE_MIN = 1e-6
+
 
 def check_tensor(name: str, value) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
@@ -43,6 +54,19 @@ def check_positive(name: str, value, *, allow_none: bool = False) -> float | Non
         extra = " or None to disable it" if allow_none else ""
         raise ValueError(f"{name} must be a finite number > 0{extra}, got {value}")
     return float(value)
+
+
+def check_temperature(value) -> float:
+    """``temperature`` as a float in ``[TEMPERATURE_MIN, inf)``; the error says the valid range."""
+    value = check_positive("temperature", value)
+    if value < TEMPERATURE_MIN:
+        raise ValueError(
+            f"temperature={value!r} is too small: logits are scaled by 1/temperature in fp32, which overflows "
+            f"finite logits (1/{value!r} = {1.0 / value if value > 1 / FP32_MAX else float('inf'):.3g}); the valid "
+            f"range is [{TEMPERATURE_MIN:g}, inf), which keeps every finite logit below "
+            f"{FP32_MAX * TEMPERATURE_MIN:.3g} in magnitude finite"
+        )
+    return value
 
 
 def tag(tensor: torch.Tensor | None, backend_name: str) -> None:

@@ -6,7 +6,7 @@ import torch
 
 from portarl.backends.base import Backend
 from portarl.backends.dispatch import choose_backend
-from portarl.ops._checks import check_float_dtype, check_positive, check_same_device, check_tensor, tag
+from portarl.ops._checks import check_float_dtype, check_same_device, check_temperature, check_tensor, tag
 
 
 def logprobs(
@@ -29,7 +29,8 @@ def logprobs(
             ``logits[:, :-1]`` is read in place, not copied).
         labels: integer ``[...]`` equal to ``logits.shape[:-1]``; each in ``[0, V)`` or
             equal to ``ignore_index``.
-        temperature: finite, > 0.
+        temperature: finite, >= ``TEMPERATURE_MIN`` (1e-6, see :mod:`portarl.ops._checks`): smaller
+            ones overflow finite logits once scaled by ``1 / temperature`` in fp32.
         ignore_index: label value marking positions to ignore.
         return_entropy: also return the entropy of each row.
         backend: ``"reference"``, ``"cuda"``, ``"npu"`` or a Backend; default by device.
@@ -56,7 +57,7 @@ def logprobs(
     Raises:
         TypeError: a non-tensor argument, non-integer labels, or an unsupported logits dtype.
         ValueError: mismatched shapes or devices, an empty vocabulary, a label outside
-            ``[0, V)`` other than ``ignore_index``, or ``temperature <= 0``.
+            ``[0, V)`` other than ``ignore_index``, or ``temperature`` outside ``[1e-6, inf)``.
     """
     check_tensor("logits", logits)
     check_tensor("labels", labels)
@@ -70,7 +71,7 @@ def logprobs(
             f"labels shape {tuple(labels.shape)} must equal logits.shape[:-1] = {tuple(logits.shape[:-1])}"
         )
     check_same_device(("logits", "labels"), (logits, labels))
-    temperature = check_positive("temperature", temperature)
+    temperature = check_temperature(temperature)
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
 

@@ -112,6 +112,10 @@ class RolloutConfig:
         _positive_int(self, "rollout", "group_size", "max_new_tokens")
         _positive_int(self, "rollout", "top_k", allow_zero=True)
         _number(self, "rollout", "temperature", low=0.0)
+        from portarl.ops._checks import TEMPERATURE_MIN  # the ops' limit, in one place
+
+        _check(self.temperature >= TEMPERATURE_MIN, "rollout.temperature",
+               f"must be >= {TEMPERATURE_MIN:g} (smaller ones overflow finite logits in fp32)", self.temperature)
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
         _check(self.seed_mode in ("per_sample", "constant"), "rollout.seed_mode", "must be 'per_sample' or 'constant'", self.seed_mode)
         _check(0 <= self.identical_warn_frac <= 1, "rollout.identical_warn_frac", "must be in [0, 1]", self.identical_warn_frac)
@@ -237,6 +241,19 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass
+class DistributedConfig:
+    #: Under torchrun: how long a collective may wait for the other ranks before the job
+    #: stops, and the heartbeat's limit: a rank whose heartbeat is silent for half of it
+    #: (frozen, SIGSTOPped, its host gone) stops the job with a message naming it. 10 min
+    #: (torch's default is 30): raise it for very large checkpoints or slow first steps.
+    timeout_s: float = 600.0
+
+    def validate(self):
+        _number(self, "distributed", "timeout_s", low=0.0)
+        _check(self.timeout_s >= 4, "distributed.timeout_s", "must be >= 4 seconds", self.timeout_s)
+
+
+@dataclasses.dataclass
 class LoggingConfig:
     tensorboard: bool = True
     progress: bool = True
@@ -273,6 +290,7 @@ class TrainConfig:
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     guards: GuardsConfig = dataclasses.field(default_factory=GuardsConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     loss: GRPOConfig = dataclasses.field(default_factory=_default_loss)
 
@@ -280,7 +298,7 @@ class TrainConfig:
         _check(isinstance(self.output_dir, str) and bool(self.output_dir), "output_dir", "must be a directory path", self.output_dir)
         _check(isinstance(self.device, str), "device", "must be auto, cuda, npu or cpu", self.device)
         for section in (self.model, self.data, self.rollout, self.train, self.optim, self.precision,
-                        self.guards, self.checkpoint):
+                        self.guards, self.checkpoint, self.distributed):
             section.validate()
         _check(bool(self.rewards), "rewards", "must list at least one reward", self.rewards)
         for i, spec in enumerate(self.rewards):
@@ -341,7 +359,7 @@ class TrainConfig:
 _SECTION_CLASSES = {
     "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "train": TrainSection,
     "optim": OptimConfig, "precision": PrecisionConfig, "guards": GuardsConfig,
-    "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig, "distributed": DistributedConfig, "logging": LoggingConfig,
 }
 
 

@@ -14,7 +14,8 @@ Guards: every named tensor (reward, old_logp, ref_logp, advantage, loss, gradien
 checked; a non-finite one skips the optimizer step with weights and optimizer state
 untouched, counts it, logs it; ``guards.max_consecutive_skips`` in a row stop the run with
 a checkpoint and :class:`TrainingStopped` naming the first bad tensor. KL and grad-norm
-spikes and degenerate outputs are logged as events. Ctrl-C saves a checkpoint first.
+spikes and degenerate outputs are logged as events. SIGINT and SIGTERM save a checkpoint
+first (:mod:`portarl.trainer.signals`).
 
 Test hooks (:mod:`portarl.trainer.hooks`): ``trainer.hooks[point]`` (points: ``reward``,
 ``old_logp``, ``ref_logp``, ``advantage``, ``loss``, ``grad``) lists ``fn(step, tensor) ->
@@ -23,13 +24,10 @@ tensor`` applied at that point, e.g. to inject a NaN.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import logging
 import os
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -41,7 +39,8 @@ from portarl.device import resolve_device
 from portarl.emulation import resolve_profile
 from portarl.rollout import SamplingParams
 from portarl.tokenizer import as_codec
-from portarl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
+from portarl.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from portarl.trainer.checkpoint import step_of as state_step
 from portarl.trainer.config import TrainConfig
 from portarl.trainer.guards import DegenerateDetector, NonFiniteError, SpikeDetector
 from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
@@ -59,6 +58,7 @@ from portarl.trainer.setup import (
     place_model,
 )
 from portarl.trainer.update import run_update
+from portarl.trainer.signals import StopRequested, graceful_stop
 
 log = logging.getLogger("portarl.train")
 
@@ -86,7 +86,7 @@ class GRPOTrainer:
                  rollout_engine=None):
         self.config = (config or TrainConfig()).validate()
         # Under torchrun: process group (nccl / hccl / gloo), this rank's device, FSDP2.
-        self.dist, self.device = pdist.init_distributed(resolve_device(device))
+        self.dist, self.device = pdist.init_distributed(resolve_device(device), self.config.distributed.timeout_s)
         self.model, self._initial_reference = place_model(model, self.config, self.dist, self.device)
         self.model.train()
         self.tokenizer = tokenizer
@@ -124,6 +124,7 @@ class GRPOTrainer:
             log.warning("NPU numerics EMULATION on (%s): not portarl's fp32 path and not Ascend hardware",
                         ", ".join(sorted(self.emulate)))
         self._stop_requested = False
+        self._stop_signal: int | None = None
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -191,16 +192,23 @@ class GRPOTrainer:
             pdist.barrier(self.dist)
         for removed in (self.checkpoints.clean_partial() if self.dist.is_main else []):
             log.warning("removed an incomplete checkpoint left by an interrupted write: %s", removed)
-        latest = self.checkpoints.latest()
-        if latest is None:
+        # Newest checkpoint that verifies against its manifest (damaged ones are skipped,
+        # named and moved aside by rank 0); every rank must pick the same one.
+        found = self.checkpoints.load_newest_verified(quarantine=self.dist.is_main)
+        if self.dist.enabled:
+            chosen = -1 if found is None else state_step(found[0])
+            if pdist.first_code(self.dist, chosen) != -pdist.first_code(self.dist, -chosen):
+                raise CheckpointError(f"ranks chose different checkpoints to resume from in {self.checkpoints.root} "
+                                      f"(rank {self.dist.rank}: step {chosen}); is the directory shared by every rank?")
+        if found is None:
             log.info("no checkpoint in %s: starting from scratch", self.checkpoints.root)
             return 0
-        state = self.checkpoints.load_state(latest)
+        latest, state = found
         if self.checkpoints.is_sharded(latest):
-            self.checkpoints.load_sharded(latest, self.model, self.optimizer)
+            self.checkpoints.load_sharded(latest, self.model, self.optimizer, verify=False)  # just verified
             state["optimizer"] = self.optimizer.state_dict()
         else:
-            self.checkpoints.load_weights(self.model, latest)
+            self.checkpoints.load_weights(self.model, latest, verify=False)
         self.precision = make_precision(self.model, self.config, self.dist)
         self.precision.load_state_dict(state["precision"])
         if self.precision.use_master:
@@ -271,7 +279,8 @@ class GRPOTrainer:
         self.sft_done = True
 
     def request_stop(self) -> None:
-        """Finish the current step, save a checkpoint, and raise KeyboardInterrupt (Ctrl-C)."""
+        """Finish the current step, save a checkpoint, and raise StopRequested (a
+        KeyboardInterrupt), as on SIGINT or SIGTERM."""
         self._stop_requested = True
 
     def _stop_requested_anywhere(self) -> bool:
@@ -289,25 +298,6 @@ class GRPOTrainer:
         if self._rollout is not None:
             self._rollout.close()
             self._rollout = None
-
-    @contextlib.contextmanager
-    def _graceful_sigint(self):
-        """First Ctrl-C: stop after the current step (never half a step). Second: at once."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def handler(signum, frame):
-            if self._stop_requested:
-                raise KeyboardInterrupt
-            log.warning("Ctrl-C: finishing step %d, then saving a checkpoint (Ctrl-C again to abort now)", self.step + 1)
-            self._stop_requested = True
-
-        previous = signal.signal(signal.SIGINT, handler)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
 
     def _run_loop(self, logger: RunLogger, last_ckpt: Path | None) -> Path | None:
         cfg = self.config
@@ -335,7 +325,7 @@ class GRPOTrainer:
                 if self.checkpoints.latest() != self.checkpoints.root / f"step-{self.step:06d}":
                     last_ckpt = self.save_checkpoint()
                 logger.event(self.step, "interrupted", f"stopped on request after step {self.step}; checkpoint {last_ckpt}")
-                raise KeyboardInterrupt
+                raise StopRequested(self._stop_signal, self.step, last_ckpt)
         return last_ckpt
 
     def train(self, resume: bool = False) -> TrainResult:
@@ -351,9 +341,9 @@ class GRPOTrainer:
         else:  # only rank 0 writes logs
             logger = SilentLogger()
         last_ckpt = self.checkpoints.latest()
-        self._stop_requested = False
+        self._stop_requested, self._stop_signal = False, None
         try:
-            with self._graceful_sigint():
+            with graceful_stop(self):  # SIGINT and SIGTERM: finish the step, save, stop
                 last_ckpt = self._run_loop(logger, last_ckpt)
         finally:
             logger.close()

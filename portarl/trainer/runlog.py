@@ -2,8 +2,9 @@
 
 ``metrics.jsonl`` holds one JSON object per step (at least ``step``, ``reward/mean``,
 ``kl``, ``grad_norm``, ``skipped``), flushed every line so a crash loses nothing written.
-On resume from step S the lines after S are dropped first, so the file continues without
-duplicates.
+On resume from step S the lines after S (and a line torn by a crash) are dropped first, by
+writing the kept lines to a new file and renaming it over the log (never in place, see
+:mod:`portarl.trainer.logfiles`), so the file continues without duplicates or losses.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import logging
 import math
 import sys
 from pathlib import Path
+
+from portarl.trainer.logfiles import prepare_log
 
 log = logging.getLogger("portarl.train")
 
@@ -32,7 +35,7 @@ def read_metrics(path: str | Path) -> list[dict]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
-            break  # a line torn by a crash: everything before it is intact
+            continue  # a line torn by a crash: skipped (the next start repairs the file)
     return rows
 
 
@@ -42,9 +45,8 @@ class RunLogger:
         self.output_dir = output_dir
         self.metrics_path = output_dir / "metrics.jsonl"
         self.events_path = output_dir / "events.jsonl"
-        for path in (self.metrics_path, self.events_path):
-            kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step]
-            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        for path in (self.metrics_path, self.events_path):  # never rewritten in place: see logfiles
+            prepare_log(path, resume_step)
         self._metrics = self.metrics_path.open("a")
         self._events = self.events_path.open("a")
         self.writer = None

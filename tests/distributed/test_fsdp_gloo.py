@@ -129,7 +129,8 @@ def _worker_pids(launcher_pid: int) -> dict[int, int]:
     return found
 
 
-def test_ctrl_c_on_one_rank_stops_both_with_one_checkpoint(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_on_one_rank_stops_both_with_one_checkpoint(tmp_path, sig):
     """A signal that reaches one rank first (Ctrl-C races, a scheduler signalling one process):
     the stop is agreed by every rank at the end of the step, then all save one checkpoint."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "portarl", "train",
@@ -144,12 +145,12 @@ def test_ctrl_c_on_one_rank_stops_both_with_one_checkpoint(tmp_path):
         while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
             assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
             time.sleep(0.2)
-        os.kill(_worker_pids(proc.pid)[1], signal.SIGINT)
+        os.kill(_worker_pids(proc.pid)[1], sig)
         output, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
-    assert "interrupted; checkpoint saved" in output, output[-4000:]
+    assert f"stopped by {sig.name} after step" in output and "checkpoint saved" in output, output[-4000:]
     last = _rows(tmp_path)[-1]["step"]
     assert last < 400, "the run must stop early"
     latest = CheckpointManager(tmp_path).latest()

@@ -1,0 +1,108 @@
+"""Rank liveness under torchrun: a heartbeat, so that a frozen rank stops the job.
+
+Why: a rank that stops making progress (SIGSTOP, a hung host, a dead NIC) holds every
+other rank inside its next collective until the collective timeout, 30 minutes by
+default, with an error that names no rank. Here every rank runs a daemon thread that bumps
+a counter in the rendezvous store every ``interval`` seconds and watches the others'
+counters on its local monotonic clock (no cross-host clock comparison). A counter that
+has not moved for ``stale_after`` seconds (half of ``distributed.timeout_s``) means that
+process is not running at all: the watcher logs which rank, then ends its own process
+with :data:`EXIT_RANK_LOST`, and torchrun tears the job down.
+
+A thread keeps beating while the main thread computes, so long steps never trip it; a
+rank whose process runs but whose device hangs is caught by the collective timeout
+(``distributed.timeout_s``, passed to ``init_process_group``) instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+log = logging.getLogger("portarl.distributed")
+
+#: Exit status of a rank that stopped because another rank went silent (EX_TEMPFAIL).
+EXIT_RANK_LOST = 75
+_DONE = "done"
+
+
+class Heartbeat:
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float, prefix: str = "portarl/heartbeat"):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout_s = float(timeout_s)
+        self.stale_after = self.timeout_s / 2
+        self.interval = max(0.2, min(5.0, self.timeout_s / 20))
+        self.prefix = prefix
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="portarl-heartbeat", daemon=True)
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}/{rank}"
+
+    def start(self) -> "Heartbeat":
+        self.store.set(self._key(self.rank), "0")
+        self._thread.start()
+        atexit.register(self.stop)  # a rank that exits normally is done, not frozen
+        return self
+
+    def stop(self) -> None:
+        """This rank is done (normal exit): the others stop watching it."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.interval + 1)
+        try:
+            self.store.set(self._key(self.rank), _DONE)
+        except Exception:  # the store may already be gone at exit
+            pass
+
+    def _run(self) -> None:
+        beat = 0
+        now = time.monotonic()
+        seen = {r: (None, now) for r in range(self.world_size) if r != self.rank}
+        while not self._stop.wait(self.interval):
+            beat += 1
+            try:
+                self.store.set(self._key(self.rank), str(beat))
+                for r, (value, since) in list(seen.items()):
+                    current = self.store.get(self._key(r)).decode() if self.store.check([self._key(r)]) else None
+                    now = time.monotonic()
+                    if current == _DONE:
+                        del seen[r]
+                    elif current != value:
+                        seen[r] = (current, now)
+                    elif now - since > self.stale_after:
+                        self._lost(f"rank {r} has sent no heartbeat for {now - since:.0f} s", r)
+            except Exception as err:  # the store itself stopped answering
+                if self._stop.is_set():
+                    return
+                self._lost(f"the rendezvous store stopped answering ({type(err).__name__}: {err})", None)
+
+    def _lost(self, what: str, rank: int | None) -> None:
+        message = (f"portarl: {what} (distributed.timeout_s={self.timeout_s:g}): "
+                   f"{'that rank is' if rank is not None else 'a rank or the launcher is'} frozen, stopped or its "
+                   f"host is gone. Stopping rank {self.rank} so the job ends now instead of waiting in a collective; "
+                   f"the newest checkpoint is intact, continue with --resume.")
+        log.error(message)
+        print(message, file=sys.stderr, flush=True)
+        os._exit(EXIT_RANK_LOST)
+
+
+def start_heartbeat(rank: int, world_size: int, timeout_s: float) -> Heartbeat | None:
+    """Connect a client of torchrun's rendezvous store (MASTER_ADDR / MASTER_PORT) and start
+    beating; ``None`` when those are not set (not launched by torchrun)."""
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=max(1.0, timeout_s / 2)),
+                          wait_for_workers=False)
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return Heartbeat(store, rank, world_size, timeout_s, prefix=f"portarl/heartbeat/{run[0]}/{run[1]}").start()

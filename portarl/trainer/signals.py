@@ -1,0 +1,86 @@
+"""Stop signals: SIGINT (Ctrl-C) and SIGTERM (what Slurm, Kubernetes and most schedulers
+send before killing a job) stop a run the same careful way.
+
+- First signal: finish the current step (never half a step), save a checkpoint, exit with
+  ``128 + signal number`` (130 for SIGINT, 143 for SIGTERM, the shell convention). Under
+  torchrun the stop is collective: the trainer all-reduces the request once per step, so
+  every rank saves together (DCP saving is a collective).
+- Second signal: abort at once, raising :class:`AbortNow`; the message says truthfully
+  whether the last finished step has a checkpoint (:func:`abort_message`).
+- A signal during start-up (imports, model build, resume) ends the command without a
+  traceback: the CLI turns SIGTERM into an interrupt and catches it; nothing is saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+
+log = logging.getLogger("portarl.train")
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def exit_code(signum: int | None) -> int:
+    """The exit status for a run stopped by ``signum`` (130 when unknown: Ctrl-C)."""
+    return 128 + int(signum if signum is not None else signal.SIGINT)
+
+
+def signal_name(signum: int | None) -> str:
+    return signal.Signals(signum).name if signum is not None else "an interrupt"
+
+
+class StopRequested(KeyboardInterrupt):
+    """The run stopped on request after step ``step`` and saved ``checkpoint``."""
+
+    def __init__(self, signum: int | None, step: int, checkpoint):
+        super().__init__(f"stopped by {signal_name(signum)} after step {step}; checkpoint saved: {checkpoint}")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+
+class AbortNow(KeyboardInterrupt):
+    """A second stop signal: the run aborted where it was, without saving."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"aborted by a second {signal_name(signum)}")
+        self.signum = signum
+
+
+def abort_message(err: AbortNow, trainer) -> str:
+    """What a second signal left behind, checked on disk (not assumed)."""
+    from portarl.trainer.checkpoint import step_of
+
+    latest = trainer.checkpoints.latest()
+    saved = step_of(latest) if latest is not None else None
+    if saved == trainer.step:
+        return f"{err}; step {trainer.step} had already been checkpointed ({latest}); continue with --resume"
+    newest = f"the newest checkpoint is {latest}, --resume continues from step {saved}" if latest is not None \
+        else "there is no checkpoint yet"
+    return f"{err}: no checkpoint saved for step {trainer.step}; {newest}"
+
+
+@contextlib.contextmanager
+def graceful_stop(trainer):
+    """While training: the first SIGINT/SIGTERM asks ``trainer`` to stop after the current
+    step (``trainer._stop_requested``, ``trainer._stop_signal``); a second raises
+    :class:`AbortNow`. Previous handlers are restored on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if trainer._stop_requested:
+            raise AbortNow(signum)
+        log.warning("%s: finishing step %d, then saving a checkpoint (send it again to abort now, without saving)",
+                    signal_name(signum), trainer.step + 1)
+        trainer._stop_requested = True
+        trainer._stop_signal = signum
+
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

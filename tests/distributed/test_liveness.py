@@ -1,0 +1,61 @@
+"""A frozen rank stops the job, naming the rank, within ``distributed.timeout_s`` (2-process
+Gloo; issue 12, item 5)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from test_fsdp_gloo import FAST, _env, _worker_pids  # noqa: E402
+
+TIMEOUT_S = 16  # the heartbeat fires at 8 s, the Gloo collective timeout at 16 s
+
+
+def test_frozen_rank_stops_the_job_naming_it(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "portarl", "train",
+           "--device", "cpu", "--output-dir", str(tmp_path)]
+    for item in (*FAST, "train.steps=400", "checkpoint.every=1000", f"distributed.timeout_s={TIMEOUT_S}"):
+        cmd += ["--set", item]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    frozen = None
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        workers = _worker_pids(proc.pid)
+        frozen = workers[1]
+        os.kill(frozen, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        # rank 0 must give up by itself within the timeout (plus a scheduling margin) ...
+        while time.monotonic() - stopped_at < TIMEOUT_S + 10:
+            try:
+                os.kill(workers[0], 0)
+                if open(f"/proc/{workers[0]}/stat").read().split()[2] == "Z":
+                    break
+            except (ProcessLookupError, FileNotFoundError):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"rank 0 still waiting {TIMEOUT_S + 10} s after rank 1 froze")
+        # ... and torchrun then ends the job (it SIGKILLs the stopped rank after its grace period).
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if frozen is not None:
+            try:
+                os.kill(frozen, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "rank 1 has sent no heartbeat" in output and f"distributed.timeout_s={TIMEOUT_S}" in output, output[-4000:]

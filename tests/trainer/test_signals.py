@@ -1,0 +1,108 @@
+"""SIGTERM stops like SIGINT (finish the step, save, exit 128+signal); a second signal aborts
+at once and says truthfully that nothing was saved; a signal during start-up exits cleanly
+(issue 12, item 4). Subprocess tests of the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from portarl.trainer.checkpoint import CheckpointManager
+from portarl.trainer.checkpoint import manifest as mf
+
+from trainer_fast import FAST  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+def _start(out: Path, *sets: str, **env_extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "portarl", "train", "--device", "cpu", "--output-dir", str(out)]
+    for item in (*FAST, "train.steps=400", "checkpoint.every=1000", *sets):
+        cmd += ["--set", item]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), **env_extra}
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for_steps(proc, out: Path, n: int) -> None:
+    deadline = time.monotonic() + 300
+    while len(_rows(out)) < n:
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.05)
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_143(tmp_path):
+    proc = _start(tmp_path)
+    try:
+        _wait_for_steps(proc, tmp_path, 2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    last = _rows(tmp_path)[-1]["step"]
+    assert 2 <= last < 400
+    assert f"stopped by SIGTERM after step {last}; checkpoint saved" in err
+    latest = CheckpointManager(tmp_path).latest()
+    mf.verify(latest)
+    assert CheckpointManager.load_state(latest)["step"] == last
+    assert "Traceback" not in err
+
+
+def test_second_signal_aborts_at_once_and_says_nothing_was_saved(tmp_path):
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    proc = _start(tmp_path / "run", "rewards=[{name: 'slow_rewards:held_zero'}]", HOLD_DIR=str(gate))
+    try:
+        _wait_for_steps(proc, tmp_path / "run", 1)
+        (gate / "hold").touch()  # the next reward call holds its step open
+        deadline = time.monotonic() + 120
+        while not (gate / "holding").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the held step never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)  # well before the held reward would return
+    finally:
+        proc.kill()
+    tmp_path = tmp_path / "run"
+    assert proc.returncode == 130, err[-3000:]
+    step = _rows(tmp_path)[-1]["step"]
+    assert f"aborted by a second SIGINT: no checkpoint saved for step {step}; there is no checkpoint yet" in err
+    assert "checkpoint saved:" not in err and "Traceback" not in err
+    assert CheckpointManager(tmp_path).latest() is None
+
+
+def _wait_until_cli_catches_sigterm(proc) -> None:
+    """The CLI's main() has started once SIGTERM is caught (bit 15 of SigCgt in /proc)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught & (1 << (signal.SIGTERM - 1)):
+            return
+        time.sleep(0.01)
+    raise AssertionError("the CLI never started")
+
+
+def test_signal_during_start_up_exits_cleanly(tmp_path):
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        proc = _start(tmp_path / sig.name)
+        _wait_until_cli_catches_sigterm(proc)  # then importing torch / building the model
+        assert not (tmp_path / sig.name / "metrics.jsonl").exists(), "start-up was too quick to interrupt"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == code, err[-3000:]
+        assert "interrupted" in err and "Traceback" not in err, err[-3000:]
