@@ -1,6 +1,7 @@
 """Compile every Triton kernel variant of portarl ahead of time for one GPU target.
 
     python tests/kernels/aot_worker.py 90      # sm_90; prints one JSON document
+    python tests/kernels/aot_worker.py --markdown 80 90 > bench/results/aot-kernels.md
 
 Run by tests/kernels/test_aot_compile.py in a subprocess without ``TRITON_INTERPRET``
 (under the interpreter ``@triton.jit`` builds interpreted functions that cannot be
@@ -80,6 +81,31 @@ def main(capability: int) -> dict:
     return report
 
 
+def markdown(reports: list) -> str:
+    targets = [r["target"] for r in reports]
+    lines = ["# Triton kernels compiled ahead of time", "",
+             "Command: `env -u TRITON_INTERPRET python tests/kernels/aot_worker.py --markdown "
+             + " ".join(t[3:] for t in targets) + " > bench/results/aot-kernels.md`", "",
+             "Registers per thread, and local memory / stack bytes (spills; 0 required by "
+             "tests/kernels/test_aot_compile.py), from `cuobjdump --dump-resource-usage`.", "",
+             "| kernel | constexprs | signature (first pointer) | warps | stages | "
+             + " | ".join(f"REG {t} | LOCAL+STACK {t}" for t in targets) + " |",
+             "|---|---|---|---|---|" + "---|---|" * len(targets)]
+    for rows in zip(*(r["variants"] for r in reports)):
+        v = rows[0]
+        flags = ", ".join(f"{k}={x}" for k, x in v["constexprs"].items())
+        first = next(iter(v["signature"].values()))
+        cells = " | ".join(f"{r.get('REG', 'error')} | {r.get('LOCAL', 0) + r.get('STACK', 0)}" for r in rows)
+        lines.append(f"| {v['kernel']} | {flags} | {first} | {v['num_warps']} | {v['num_stages']} | {cells} |")
+    regs = [r.get("REG", 0) for rep in reports for r in rep["variants"]]
+    lines += ["", f"{len(reports[0]['variants'])} variants per target; registers {min(regs)}-{max(regs)}."]
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)
-    print(json.dumps(main(int(sys.argv[1]))))
+    args = sys.argv[1:]
+    if args and args[0] == "--markdown":
+        print(markdown([main(int(c)) for c in args[1:]]), end="")
+    else:
+        print(json.dumps(main(int(args[0]))))

@@ -19,7 +19,8 @@ from portarl.kernels import kl as kernels_kl  # noqa: E402
 from portarl.kernels import logprobs as kernels_lp  # noqa: E402
 
 INTERPRETER_ONLY = ("ROUND_BF16", "ROUND_BF16_LOGP", "ROUND_BF16_REF")  # False on a GPU
-VOCABS = [1, 7, 16, 17, 100, 1000, 2048, 4096, 4097, 32000, 151936, 262144]
+# Both sides of every power of two up to 2**18, and real vocabularies.
+VOCABS = sorted({1 << i for i in range(19)} | {(1 << i) + 1 for i in range(19)} | {32000, 151936})
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _TRITON_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
