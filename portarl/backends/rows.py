@@ -13,17 +13,24 @@ from typing import Iterator
 
 import torch
 
-_DEFAULT_CHUNK_ELEMENTS = 1 << 24  # 16 Mi elements: 64 MiB of fp32 per temporary
+_DEFAULT_CHUNK_ELEMENTS = 1 << 24  # 16 Mi elements: 64 MiB of fp32 per temporary (accelerators)
+
+#: Byte budget of one fp32 work buffer on a CPU. Measured on x86-64 (bench/results/
+#: kernels-cpu-x86-64.md): 64 MiB temporaries exceed the L3 cache and glibc's mmap threshold,
+#: so every temporary is a fresh page-faulting mmap; 4 MiB buffers stay in cache and are
+#: reused chunk after chunk, which made the reference backend 4-8x faster.
+CPU_CHUNK_BYTES = 4 << 20
 
 
-def chunk_elements() -> int:
+def chunk_elements(default: int | None = None) -> int:
     """Largest temporary (in elements) a chunked backend may allocate per step.
 
-    ``PORTARL_CHUNK_ELEMENTS`` overrides the default of 2**24.
+    ``PORTARL_CHUNK_ELEMENTS`` overrides the backend's ``default`` (2**24 when not given:
+    the accelerator budget; the CPU reference passes :func:`cpu_chunk_elements`'s).
     """
     raw = os.environ.get("PORTARL_CHUNK_ELEMENTS")
     if raw is None:
-        return _DEFAULT_CHUNK_ELEMENTS
+        return _DEFAULT_CHUNK_ELEMENTS if default is None else default
     try:
         value = int(raw)
     except ValueError:
@@ -33,9 +40,14 @@ def chunk_elements() -> int:
     return value
 
 
-def chunk_rows(n_cols: int, max_rows: int | None = None) -> int:
-    """Rows per chunk so that a chunk holds at most :func:`chunk_elements` elements."""
-    rows = max(1, chunk_elements() // max(1, n_cols))
+def cpu_chunk_elements() -> int:
+    """The CPU budget in fp32 elements (:data:`CPU_CHUNK_BYTES`); the env override still wins."""
+    return chunk_elements(default=CPU_CHUNK_BYTES // 4)
+
+
+def chunk_rows(n_cols: int, max_rows: int | None = None, *, elements: int | None = None) -> int:
+    """Rows per chunk so that a chunk holds at most ``elements`` (default :func:`chunk_elements`)."""
+    rows = max(1, (chunk_elements() if elements is None else elements) // max(1, n_cols))
     return rows if max_rows is None else min(rows, max_rows)
 
 

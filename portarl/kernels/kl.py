@@ -19,6 +19,9 @@ import triton.language as tl
 
 from portarl.kernels.rounding import cast_for_store
 
+#: Launch configuration of both kernels (elementwise, no loop: nothing to pipeline).
+LAUNCH = {"BLOCK": 1024, "num_warps": 4, "num_stages": 1}
+
 K1: tl.constexpr = 1
 K2: tl.constexpr = 2
 K3: tl.constexpr = 3
@@ -113,3 +116,38 @@ def kl_backward_kernel(
         grad_d = tl.where(keep, grad_d, 0.0)
     tl.store(grad_ref_ptr + offs, cast_for_store(grad_d, grad_ref_ptr, ROUND_BF16_REF), mask=inside)
     tl.store(grad_logp_ptr + offs, cast_for_store(-grad_d, grad_logp_ptr, ROUND_BF16_LOGP), mask=inside)
+
+
+# ------------------------------------------------------------------ ahead-of-time variants
+def _aot_variants() -> list:
+    """Every constexpr combination :mod:`portarl.backends.cuda.kl` launches on a GPU: the
+    clamp flags only for k3 (the host sets them to False for k1 / k2, which ignore them),
+    bf16 inputs, plus fp32 / fp16 for the full k3 variant. ``ROUND_BF16_*`` is True only
+    under the interpreter. ``mask_ptr`` is uint8 (a bool mask viewed as bytes) or, without a
+    mask, a dummy of the inputs' dtype."""
+    config = dict(LAUNCH)
+    warps, stages = config.pop("num_warps"), config.pop("num_stages")
+    variants = []
+    for estimator in (1, 2, 3):
+        clamps = [(r, v) for r in (False, True) for v in (False, True)] if estimator == 3 else [(False, False)]
+        for has_mask in (False, True):
+            for clamp_ratio, clamp_value in clamps:
+                full = estimator == 3 and has_mask and clamp_ratio and clamp_value
+                for dt in ("bf16", "fp32", "fp16") if full else ("bf16",):
+                    flags = dict(ESTIMATOR=estimator, HAS_MASK=has_mask, CLAMP_RATIO=clamp_ratio,
+                                 CLAMP_VALUE=clamp_value, **config)
+                    types = {"logp_ptr": f"*{dt}", "ref_ptr": f"*{dt}", "mask_ptr": "*u8" if has_mask else f"*{dt}",
+                             "out_ptr": "*fp32", "grad_out_ptr": "*fp32", "grad_logp_ptr": f"*{dt}",
+                             "grad_ref_ptr": f"*{dt}", "n_elements": "i32", "log_ratio_clamp": "fp32",
+                             "max_value": "fp32"}
+                    for kernel, extra in ((kl_forward_kernel, {}),
+                                          (kl_backward_kernel, dict(ROUND_BF16_LOGP=False, ROUND_BF16_REF=False))):
+                        constexprs = {**flags, **extra}
+                        signature = {a: ("constexpr" if a in constexprs else types[a]) for a in kernel.arg_names}
+                        variants.append({"kernel": kernel, "signature": signature, "constexprs": constexprs,
+                                         "num_warps": warps, "num_stages": stages})
+    return variants
+
+
+#: See :data:`portarl.kernels.logprobs.AOT_VARIANTS`.
+AOT_VARIANTS = _aot_variants()

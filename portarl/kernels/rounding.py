@@ -29,3 +29,8 @@ def cast_for_store(x, out_ptr, ROUND_BF16: tl.constexpr):
         return bf16_round_nearest_even(x)
     else:
         return x.to(out_ptr.dtype.element_ty)
+
+
+#: Helpers only (inlined into the kernels that call them, and compiled with those): no
+#: launchable kernel of their own. See :data:`portarl.kernels.logprobs.AOT_VARIANTS`.
+AOT_VARIANTS: list = []

@@ -6,9 +6,10 @@ import torch
 import triton
 
 from portarl.kernels import kl_backward_kernel, kl_forward_kernel, round_bf16_in_interpreter
+from portarl.kernels.kl import LAUNCH
 
 _ESTIMATOR_CODE = {"k1": 1, "k2": 2, "k3": 3}
-BLOCK = 1024
+BLOCK = LAUNCH["BLOCK"]
 
 
 def _mask_bytes(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -24,12 +25,13 @@ class TritonKL(torch.autograd.Function):
         mask_c = _mask_bytes(mask, logp_c)
         out = torch.empty(logp.shape, dtype=torch.float32, device=logp.device)
         n = logp_c.numel()
+        k3 = estimator == "k3"  # the clamps apply to k3 only: one compiled variant fewer per flag
         params = dict(
             ESTIMATOR=_ESTIMATOR_CODE[estimator],
             HAS_MASK=mask is not None,
-            CLAMP_RATIO=log_ratio_clamp is not None,
-            CLAMP_VALUE=max_value is not None,
-            BLOCK=BLOCK,
+            CLAMP_RATIO=k3 and log_ratio_clamp is not None,
+            CLAMP_VALUE=k3 and max_value is not None,
+            **LAUNCH,
         )
         clamps = (
             float(log_ratio_clamp) if log_ratio_clamp is not None else 0.0,

@@ -1,0 +1,111 @@
+"""Compile every Triton kernel variant of portarl ahead of time for one GPU target.
+
+    python tests/kernels/aot_worker.py 90      # sm_90; prints one JSON document
+    python tests/kernels/aot_worker.py --markdown 80 90 > bench/results/aot-kernels.md
+
+Run by tests/kernels/test_aot_compile.py in a subprocess without ``TRITON_INTERPRET``
+(under the interpreter ``@triton.jit`` builds interpreted functions that cannot be
+compiled) and with a fresh ``TRITON_CACHE_DIR``. Needs no GPU: triton ships ptxas and
+cuobjdump. For each variant: registers, stack and local memory (spills) from
+``cuobjdump --dump-resource-usage`` of the cubin.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def kernel_modules():
+    import portarl.kernels
+
+    for info in pkgutil.iter_modules(portarl.kernels.__path__):
+        yield importlib.import_module(f"portarl.kernels.{info.name}")
+
+
+def jit_functions(module):
+    from triton.runtime.jit import JITFunction
+
+    return [v for v in vars(module).values() if isinstance(v, JITFunction) and v.__module__ == module.__name__]
+
+
+def resource_usage(cubin: bytes) -> dict:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    usage = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", text)}
+    if "REG" not in usage:
+        raise RuntimeError(f"no resource usage in cuobjdump output:\n{text}")
+    return usage
+
+
+def main(capability: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", capability, 32)
+    report = {"target": f"sm_{capability}", "modules": {}, "variants": []}
+    for module in kernel_modules():
+        kernels = jit_functions(module)
+        report["modules"][module.__name__] = {
+            "jit_functions": [k.__name__ for k in kernels],
+            "has_aot_variants": hasattr(module, "AOT_VARIANTS"),
+        }
+        for variant in getattr(module, "AOT_VARIANTS", []):
+            kernel = variant["kernel"]
+            entry = {"module": module.__name__, "kernel": kernel.__name__, "constexprs": variant["constexprs"],
+                     "signature": variant["signature"], "num_warps": variant["num_warps"],
+                     "num_stages": variant["num_stages"]}
+            start = time.perf_counter()
+            try:
+                src = ASTSource(fn=kernel, signature=variant["signature"], constexprs=variant["constexprs"])
+                compiled = triton.compile(src, target=target, options={"num_warps": variant["num_warps"],
+                                                                       "num_stages": variant["num_stages"]})
+                entry.update(resource_usage(compiled.asm["cubin"]))
+            except Exception as err:  # reported, and failed, by the test
+                entry["error"] = f"{type(err).__name__}: {err}"[:2000]
+            entry["seconds"] = round(time.perf_counter() - start, 3)
+            report["variants"].append(entry)
+    return report
+
+
+def markdown(reports: list) -> str:
+    targets = [r["target"] for r in reports]
+    lines = ["# Triton kernels compiled ahead of time", "",
+             "Command: `env -u TRITON_INTERPRET python tests/kernels/aot_worker.py --markdown "
+             + " ".join(t[3:] for t in targets) + " > bench/results/aot-kernels.md`", "",
+             "Registers per thread, and local memory / stack bytes (spills; 0 required by "
+             "tests/kernels/test_aot_compile.py), from `cuobjdump --dump-resource-usage`.", "",
+             "| kernel | constexprs | signature (first pointer) | warps | stages | "
+             + " | ".join(f"REG {t} | LOCAL+STACK {t}" for t in targets) + " |",
+             "|---|---|---|---|---|" + "---|---|" * len(targets)]
+    for rows in zip(*(r["variants"] for r in reports)):
+        v = rows[0]
+        flags = ", ".join(f"{k}={x}" for k, x in v["constexprs"].items())
+        first = next(iter(v["signature"].values()))
+        cells = " | ".join(f"{r.get('REG', 'error')} | {r.get('LOCAL', 0) + r.get('STACK', 0)}" for r in rows)
+        lines.append(f"| {v['kernel']} | {flags} | {first} | {v['num_warps']} | {v['num_stages']} | {cells} |")
+    regs = [r.get("REG", 0) for rep in reports for r in rep["variants"]]
+    lines += ["", f"{len(reports[0]['variants'])} variants per target; registers {min(regs)}-{max(regs)}."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)
+    args = sys.argv[1:]
+    if args and args[0] == "--markdown":
+        print(markdown([main(int(c)) for c in args[1:]]), end="")
+    else:
+        print(json.dumps(main(int(args[0]))))
