@@ -21,6 +21,7 @@ from portarl.bench.stability.record import (CONFIG, FORMAT, ROLLOUTS, START_MODE
 from portarl.bench.stability.report import plot, plot_tokens, write_report
 from portarl.bench.stability.runs import RunSpec
 from portarl.bench.stability.worker import launch
+from portarl.rollout.replay import load_rollouts
 
 
 def _shared_start_model(config_path, overrides: list[str], path: Path, progress) -> None:
@@ -80,6 +81,7 @@ def run_stability(
         recorder = load_run(source / "runs" / manifest["recording"]["slug"])
         config_path, start = source / CONFIG, source / START_MODEL
         rollouts = source / ROLLOUTS
+        load_rollouts(rollouts)  # refuses a pickle (or a damaged file) here, before any run starts
         run_overrides = [f"model.path={start}", *overrides, f"train.steps={steps}", f"train.seed={seed}"]
         for spec in specs:  # refuse before anything trains
             here = TrainConfig.load(config_path, [*run_overrides, *spec.overrides()]).to_dict()
