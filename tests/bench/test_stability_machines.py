@@ -110,7 +110,7 @@ def test_a_native_crash_is_that_runs_verdict(tmp_path, capsys):
     env = {"PORTARL_STABILITY_FAULT": "cpu:bf16=SIGFPE@2"}
     os.environ.update(env)
     try:
-        assert main(["bench", "stability", "--runs", "cpu:fp32,cpu:bf16", "--steps", "3", "--out", str(tmp_path),
+        assert main(["bench", "stability", "--runs", "cpu:fp32,cpu:bf16", "--steps", "2", "--out", str(tmp_path),
                      *_sets()]) == 0
     finally:
         os.environ.pop("PORTARL_STABILITY_FAULT")
