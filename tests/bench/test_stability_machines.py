@@ -106,14 +106,9 @@ def test_pickled_rollouts_in_a_run_directory_are_refused(recorded, tmp_path, cap
     assert not marker.exists() and not (tmp_path / "o" / "runs").exists()
 
 
-def test_a_native_crash_is_that_runs_verdict(tmp_path, capsys):
-    env = {"PORTARL_STABILITY_FAULT": "cpu:bf16=SIGFPE@2"}
-    os.environ.update(env)
-    try:
-        assert main(["bench", "stability", "--runs", "cpu:fp32,cpu:bf16", "--steps", "2", "--out", str(tmp_path),
-                     *_sets()]) == 0
-    finally:
-        os.environ.pop("PORTARL_STABILITY_FAULT")
+def test_a_native_crash_is_that_runs_verdict(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PORTARL_STABILITY_FAULT", "cpu:bf16=SIGFPE@2")  # the bf16 run's process raises SIGFPE
+    assert main(["bench", "stability", "--runs", "cpu:fp32,cpu:bf16", "--steps", "2", "--out", str(tmp_path), *_sets()]) == 0
     out = capsys.readouterr().out
     assert "cpu:bf16: PARTS from cpu:fp32 at step 2 (missing" in out
     assert "CRASHED: process killed by SIGFPE" in out
