@@ -222,30 +222,10 @@ def _cmd_bench_kernels(args) -> int:
 
 
 def _cmd_bench_stability(args) -> int:
-    from portarl.bench.stability import parse_runs, run_stability
-    from portarl.trainer.config import ConfigError
+    from portarl.bench.stability.cli import cmd_stability
 
-    try:
-        specs = parse_runs(args.runs)
-    except ValueError as err:
-        _log(f"portarl bench stability: {err}")
-        return 2
     _setup_logging()
-    import logging
-
-    logging.getLogger("portarl.train").setLevel(logging.ERROR)  # events go to the report
-    try:
-        analysis, report = run_stability(
-            specs, steps=args.steps, seed=args.seed, config_path=args.config, overrides=args.set or [],
-            out_dir=args.out, replay=args.replay_rollouts, threshold=args.threshold, progress=_log,
-        )
-    except ConfigError as err:
-        _log(f"portarl bench stability: config error: {err}")
-        return 2
-    for run in analysis["runs"]:
-        print(run["verdict"])
-    print(f"report: {report}")
-    return 0
+    return cmd_stability(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -304,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = bench_cmds.add_parser("stability", help="train one config under several settings and compare the runs")
     st.add_argument("--runs", default="cpu:fp32,cpu:bf16,cpu:bf16:npu-emulated",
                     help="comma-separated device:dtype[:backend-or-profile], e.g. cuda:bf16,npu:bf16 or cpu:bf16:npu-emulated")
-    st.add_argument("--steps", type=int, default=100)
+    st.add_argument("--steps", type=int, default=None, help="GRPO steps (default 100; with --replay-from: the recording's)")
     st.add_argument("--seed", type=int, default=0)
     st.add_argument("--config", help="training config YAML (default: the built-in demo config)")
     st.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override for every run")
@@ -313,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="record the first run's rollouts and feed them to the others (isolates trainer numerics)")
     st.add_argument("--threshold", type=float, default=0.1, help="parting threshold, as a fraction of a metric's typical size")
     st.set_defaults(func=_cmd_bench_stability)
+    st_cmds = st.add_subparsers(dest="stability_command")
+    st_compare = st_cmds.add_parser("compare", help="one report over run directories made on any machines; exit 1 when a run parts")
+    from portarl.bench.stability.cli import add_arguments as _stability_arguments
+
+    _stability_arguments(st, st_compare)
     return parser
 
 

@@ -54,7 +54,7 @@ def test_bench_stability_with_replay_and_emulation(tmp_path, capsys):
     assert "cpu:fp32: baseline" in out and "cpu:bf16:npu-emulated [EMULATION]" in out
     report = (tmp_path / "report.md").read_text()
     assert "![stability](stability.png)" in report and "[EMULATION]" in report
-    assert (tmp_path / "stability.png").exists() and (tmp_path / "runs" / "rollouts.pt").exists()
+    assert (tmp_path / "stability.png").exists() and (tmp_path / "rollouts.safetensors").exists()
     analysis = json.loads((tmp_path / "stability.json").read_text())
     assert analysis["replay_rollouts"] is True and len(analysis["runs"]) == 2
 

@@ -1,0 +1,27 @@
+"""Training-stability comparison: the same config trained under several settings, on one
+machine or several.
+
+- :mod:`.runs`: run specs (``device:dtype[:variant][@section.field=value...]``)
+- :mod:`.record`: the run directory (manifest, config, start model, rollouts, per-run data)
+- :mod:`.worker`: one run in its own process (native crashes become that run's verdict)
+- :mod:`.analysis`: parting steps against a measured noise floor, token-level divergence
+- :mod:`.report`: ``report.md``, ``stability.png``, ``tokens.png``
+- :mod:`.harness`: record / replay-from / compare; :mod:`.cli`: the ``bench stability`` commands
+"""
+
+import importlib
+
+# Lazy: ``portarl --help`` wires this package's arguments without importing torch.
+_EXPORTS = {
+    "analyse": "analysis", "first_divergence": "analysis", "token_divergence": "analysis",
+    "compare": "harness", "run_stability": "harness",
+    "ReplayMismatch": "record", "RunResult": "record", "load_directory": "record",
+    "BACKENDS": "runs", "METRICS": "runs", "RunSpec": "runs", "parse_runs": "runs",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -1,0 +1,74 @@
+"""``portarl bench stability`` (record, or replay with ``--replay-from``) and
+``portarl bench stability compare`` handlers, kept here so ``portarl/cli.py`` only wires
+arguments."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def add_arguments(st, compare_parser) -> None:
+    """The options this package adds to ``bench stability`` and its ``compare`` subcommand."""
+    st.add_argument("--replay-from", metavar="DIR",
+                    help="replay the rollouts recorded in DIR (a --replay-rollouts output made on any machine), "
+                         "from its start model and config; refused when config, data order, seeds or prompts differ")
+    st.add_argument("--noise-floor", action="store_true",
+                    help="also train the first setting with train.seed+1: a run parts only beyond that gap")
+    compare_parser.add_argument("dirs", nargs="+", metavar="DIR", help="stability run directories (first: baseline)")
+    compare_parser.add_argument("--out", dest="compare_out", default="stability-compare",
+                                help="report directory (report.md, stability.png, tokens.png, stability.json)")
+    compare_parser.add_argument("--threshold", dest="compare_threshold", type=float, default=0.1,
+                                help="parting threshold, as a fraction of a metric's typical size")
+
+
+def cmd_stability(args) -> int:
+    from portarl.bench.stability import ReplayMismatch, parse_runs, run_stability
+    from portarl.trainer.config import ConfigError
+
+    if getattr(args, "stability_command", None) == "compare":
+        return cmd_compare(args)
+    try:
+        specs = parse_runs(args.runs)
+    except ValueError as err:
+        _log(f"portarl bench stability: {err}")
+        return 2
+    logging.getLogger("portarl.train").setLevel(logging.ERROR)  # events go to the report
+    try:
+        analysis, report = run_stability(
+            specs, steps=args.steps, seed=args.seed, config_path=args.config, overrides=args.set or [],
+            out_dir=args.out, replay=args.replay_rollouts, replay_from=args.replay_from,
+            noise_floor=args.noise_floor, threshold=args.threshold, progress=_log,
+        )
+    except ConfigError as err:
+        _log(f"portarl bench stability: config error: {err}")
+        return 2
+    except (ReplayMismatch, FileNotFoundError, ValueError) as err:
+        _log(f"portarl bench stability: {err}")
+        return 2
+    for run in analysis["runs"]:
+        print(run["verdict"])
+    print(f"report: {report}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    """Exit 1 when a run parts from the baseline (CI gates on it), 2 on unreadable input."""
+    from portarl.bench.stability import compare
+
+    try:
+        analysis, report = compare(args.dirs, args.compare_out, threshold=args.compare_threshold)
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        _log(f"portarl bench stability compare: {err}")
+        return 2
+    for run in analysis["runs"]:
+        print(run["verdict"])
+    print(f"report: {report}")
+    if analysis["parted"]:
+        print(f"parted from {analysis['baseline']}: {', '.join(analysis['parted'])}")
+        return 1
+    return 0

@@ -1,0 +1,147 @@
+"""The report: ``report.md`` (verdicts, tables, environments), ``stability.png`` (curves)
+and ``tokens.png`` (token-level divergence between runs fed the same rollouts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from portarl.bench.stability.record import RunResult
+from portarl.bench.stability.runs import METRICS
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot(results: list[RunResult], path: Path) -> Path | None:
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(2, 4, figsize=(19, 7))
+    for ax, (key, title) in zip(axes.flat, METRICS):
+        for r in results:
+            pts = r.series(key)
+            label = r.label + (" (emulated)" if r.spec.emulated else "")
+            if pts:
+                line, = ax.plot(*zip(*pts), label=label, linewidth=1.2)
+                marks = {"kl": r.spikes("kl_spike"), "grad_norm": r.spikes("grad_norm_spike")}.get(key, [])
+                lookup = dict(pts)
+                xs = [s for s in marks if s in lookup]
+                if xs:
+                    ax.scatter(xs, [lookup[s] for s in xs], marker="x", s=40, color=line.get_color(), zorder=3)
+            for s in r.nan_steps:
+                ax.axvline(s, color="red", alpha=0.3, linewidth=0.8)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle("x: spike events (trainer detector); red lines: skipped (non-finite) steps", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_tokens(analysis: dict, path: Path) -> Path | None:
+    """Per step, each run against the baseline on identical tokens."""
+    plt = _pyplot()
+    if plt is None or not analysis["tokens"]:
+        return None
+    panels = (("max_abs_dlogp", "max |d logp| vs baseline"), ("mean_abs_dlogp", "mean |d logp| vs baseline"),
+              ("k3_kl", "k3 KL(baseline || run)"), ("grad_norm_diff", "|d grad norm|"))
+    fig, axes = plt.subplots(1, 5, figsize=(23, 4))
+    for ax, (key, title) in zip(axes, panels):
+        for label, rows in analysis["tokens"].items():
+            pts = [(t["step"], max(t[key], 1e-12)) for t in rows if t[key] == t[key]]
+            if pts:
+                ax.plot(*zip(*pts), label=label, linewidth=1.2, marker=".")
+            if key == "mean_abs_dlogp":
+                ax.plot([t["step"] for t in rows], [t["bf16_level"] for t in rows], "k--", linewidth=0.8,
+                        label="bf16 rounding level" if label == next(iter(analysis["tokens"])) else None)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    ax = axes[-1]
+    for run in analysis["runs"]:
+        if run["rollout_vs_trainer_dlogp"]:
+            line, = ax.plot(*zip(*run["rollout_vs_trainer_dlogp"]), label=run["label"], linewidth=1.2)
+            if run["off_policy_from"] is not None:
+                ax.axvline(run["off_policy_from"], color=line.get_color(), linestyle=":", linewidth=1)
+    ax.set_yscale("log")
+    ax.set_title("|d logp| replayed rollout vs trainer (dotted: far off-policy)")
+    ax.set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("same recorded tokens scored by each run: where the devices' numerics part, before the curves do",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _env_row(run: dict) -> str:
+    e = run.get("environment") or {}
+    driver = e.get("nvidia_driver") or e.get("npu_driver") or "-"
+    return (f"| {run['label']} | {e.get('device_name', run['device_name'])} | {e.get('torch', '-')} | "
+            f"{e.get('triton') or '-'} | {e.get('torch_npu') or '-'} | {e.get('cann') or '-'} | {driver} | "
+            f"{run.get('source') or '-'} |")
+
+
+def write_report(analysis: dict, out_dir: Path, figure: Path | None, token_figure: Path | None, steps: int) -> Path:
+    runs = analysis["runs"]
+    lines = ["# portarl stability comparison", ""]
+    lines.append(f"{len(runs)} runs x {steps} steps from the same start weights; baseline {analysis['baseline']}; rollouts "
+                 + ("replayed from one recording, so only trainer numerics differ (and rewards are the recording's)"
+                    if analysis["replay_rollouts"] else "sampled by each run")
+                 + f"; a run parts from the baseline where a metric differs by more than {analysis['threshold']:.0%} "
+                 "of its typical size (median magnitude, or spread for metrics near 0)"
+                 + (" or its measured noise floor, whichever is larger" if analysis["noise_floor"] else
+                    "; no noise floor measured (--noise-floor)")
+                 + ". Skipped (non-finite) steps and steps a run never reached count as diverged.")
+    if any(r["emulated"] for r in runs):
+        lines += ["", "Runs marked [EMULATION] use portarl.emulation: documented numerics of an Ascend stack "
+                  "reproduced on this device, not Ascend hardware."]
+    lines += ["", "## Verdicts", ""] + [f"- {r['verdict']}" for r in runs]
+    lines += ["", "| run | device | first parting (metric: step) | KL spikes | grad-norm spikes | NaN steps | mean abs d logp | final reward |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        parted = ", ".join(f"{k}: {v}" for k, v in r["first_divergence"].items() if v is not None) or "-"
+        if r["label"] == analysis["baseline"]:
+            parted = "(baseline)"
+        lines.append(f"| {r['label']}{' [EMULATION]' if r['emulated'] else ''} | {r['device_name']} | {parted} | "
+                     f"{len(r['kl_spikes'])} | {len(r['grad_norm_spikes'])} | {len(r['nan_steps'])} | "
+                     f"{r['mean_abs_dlogp']:.2e} | {r['final_reward']:.3f} |")
+    if analysis["noise_floor"]:
+        lines += ["", "Noise floor (largest gap between the baseline and its repeat with another seed): "
+                  + ", ".join(f"{k} {v:.3g}" for k, v in analysis["noise_floor"].items())]
+    if figure is not None:
+        lines += ["", f"![stability]({figure.name})"]
+    if analysis["tokens"]:
+        lines += ["", "## Token-level divergence (identical replayed tokens)", "",
+                  f"Per step against {analysis['baseline']}: |d logp| of the trainer's old log-probs on the same "
+                  "tokens, the k3 KL between the two, the gap in entropy and in gradient norm. bf16 level: the mean "
+                  "|d logp| that rounding the baseline's log-probs to bf16 once causes; a step is above it when "
+                  "mean |d logp| exceeds twice that (more than one bf16 rounding apart)."]
+        for label, rows in analysis["tokens"].items():
+            entry = next(r for r in runs if r["label"] == label)
+            lines += ["", f"### {label}: first step above the bf16 level: {entry['tokens']['first_above_bf16']}; "
+                      f"far off-policy from step: {entry['off_policy_from']}", "",
+                      "| step | max abs d logp | mean abs d logp | bf16 level | k3 KL | mean abs d entropy | abs d grad norm |",
+                      "|---|---|---|---|---|---|---|"]
+            stride = max(1, len(rows) // 25)
+            for t in rows[::stride]:
+                lines.append(f"| {t['step']} | {t['max_abs_dlogp']:.3e} | {t['mean_abs_dlogp']:.3e} | {t['bf16_level']:.2e} | "
+                             f"{t['k3_kl']:.3e} | {t['entropy_mean_abs_diff']:.3e} | {t['grad_norm_diff']:.3e} |")
+        if token_figure is not None:
+            lines += ["", f"![token-level divergence]({token_figure.name})"]
+    lines += ["", "## Environment per run", "", "| run | device | torch | triton | torch_npu | CANN | driver | directory |",
+              "|---|---|---|---|---|---|---|---|"] + [_env_row(r) for r in runs]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
