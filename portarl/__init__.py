@@ -1,19 +1,40 @@
-"""portarl: GRPO-family RL post-training with the same numbers on CUDA GPUs and Ascend NPUs."""
+"""portarl: GRPO-family RL post-training with the same numbers on CUDA GPUs and Ascend NPUs.
 
-from portarl import ops
-from portarl.backends import Backend, BackendUnavailableError, get_backend
-from portarl.device import DeviceUnavailableError, resolve_device
+Everything here is imported on first use (PEP 562 ``__getattr__``): ``import portarl`` does
+not import torch, so ``portarl --help`` and ``portarl --version`` answer at once.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
+#: public name -> module that defines it
+_LAZY = {
+    "ops": "portarl.ops",
+    "Backend": "portarl.backends",
+    "BackendUnavailableError": "portarl.backends",
+    "get_backend": "portarl.backends",
+    "DeviceUnavailableError": "portarl.device",
+    "resolve_device": "portarl.device",
+    # The trainer needs transformers.
+    "GRPOTrainer": "portarl.trainer",
+    "TrainConfig": "portarl.trainer",
+}
+
 
 def __getattr__(name):
-    # The trainer needs transformers; import it only when asked for.
-    if name in ("GRPOTrainer", "TrainConfig"):
-        import portarl.trainer
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'portarl' has no attribute {name!r}")
+    if name == "ops":
+        return importlib.import_module(module)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return getattr(portarl.trainer, name)
-    raise AttributeError(f"module 'portarl' has no attribute {name!r}")
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [
