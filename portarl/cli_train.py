@@ -129,11 +129,13 @@ def prepare(args, command: str) -> Prepared:
     require_train_extra(command)
     config = load_config(args, command)
     from portarl.device import DeviceUnavailableError, resolve_device
-    from portarl.trainer.run_dir import RunDirError, check_output_dir
+    from portarl.trainer.run_dir import RunDirError, check_output_dir, check_resume_config
 
     try:
         if command == "train":
             check_output_dir(config.output_dir, resume=args.resume, overwrite=args.overwrite)
+            if args.resume:  # refused changes before the model is built (the trainer checks again)
+                check_resume_config(config.output_dir, config)
         else:
             check_output_dir(config.output_dir)  # a file is refused; an earlier run there is fine
             sft_out = Path(config.output_dir) / "sft-model"
