@@ -122,7 +122,7 @@ def _train_one(spec: RunSpec, base_overrides: list[str], config_path, out_dir: P
         trainer.rollout = engine
     stopped = None
     try:
-        trainer.train()
+        trainer.train(overwrite=True)  # per-bench scratch runs: a rerun into the same --out replaces them
     except TrainingStopped as err:
         stopped = str(err)
     finally:
@@ -265,7 +265,7 @@ def run_stability(
     seed: int = 0,
     config_path: str | None = None,
     overrides: list[str] | None = None,
-    out_dir: str | Path = "bench/results/stability",
+    out_dir: str | Path = "runs/bench/stability",
     replay: bool = False,
     threshold: float = 0.1,
     progress: Callable[[str], None] | None = None,
