@@ -1,30 +1,40 @@
-"""portarl: GRPO-family RL post-training with the same numbers on CUDA GPUs and Ascend NPUs."""
+"""portarl: GRPO-family RL post-training with the same numbers on CUDA GPUs and Ascend NPUs.
+
+Everything here is imported on first use (PEP 562 ``__getattr__``): ``import portarl`` does
+not import torch, so ``portarl --help`` and ``portarl --version`` answer at once.
+"""
 
 import importlib
 
 __version__ = "0.1.0"
 
-# Imported on first use (torch is heavy, the trainer needs transformers): ``python -m
-# portarl`` then reaches the CLI before torch is imported, and the CLI turns Ctrl-C or
-# SIGTERM during start-up into a clean exit instead of a traceback.
+#: public name -> module that defines it
 _LAZY = {
-    "ops": ("portarl.ops", None),
-    "Backend": ("portarl.backends", "Backend"),
-    "BackendUnavailableError": ("portarl.backends", "BackendUnavailableError"),
-    "get_backend": ("portarl.backends", "get_backend"),
-    "DeviceUnavailableError": ("portarl.device", "DeviceUnavailableError"),
-    "resolve_device": ("portarl.device", "resolve_device"),
-    "GRPOTrainer": ("portarl.trainer", "GRPOTrainer"),
-    "TrainConfig": ("portarl.trainer", "TrainConfig"),
+    "ops": "portarl.ops",
+    "Backend": "portarl.backends",
+    "BackendUnavailableError": "portarl.backends",
+    "get_backend": "portarl.backends",
+    "DeviceUnavailableError": "portarl.device",
+    "resolve_device": "portarl.device",
+    # The trainer needs transformers.
+    "GRPOTrainer": "portarl.trainer",
+    "TrainConfig": "portarl.trainer",
 }
 
 
 def __getattr__(name):
-    if name in _LAZY:
-        module_name, attr = _LAZY[name]
-        module = importlib.import_module(module_name)
-        return module if attr is None else getattr(module, attr)
-    raise AttributeError(f"module 'portarl' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'portarl' has no attribute {name!r}")
+    if name == "ops":
+        return importlib.import_module(module)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [

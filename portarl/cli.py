@@ -3,14 +3,19 @@
     portarl parity [--device auto|cuda|npu|cpu] [--out report.json] [--backends ...]
                    [--dtypes ...] [--include-large] [--repeats N]
     portarl parity compare A.json B.json [--backend-a NAME] [--backend-b NAME]
-    portarl train [--config FILE.yaml] [--set key=value ...] [--device D] [--output-dir DIR] [--resume]
-    portarl sft   [--config FILE.yaml] [--set key=value ...] [--device D] [--output-dir DIR] [--steps N]
+    portarl train [--config FILE.yaml] [--set key=value ...] [--device D] [--output-dir DIR] [--steps N]
+                  [--resume | --overwrite]
+    portarl sft   [--config FILE.yaml] [--set key=value ...] [--device D] [--output-dir DIR] [--steps N] [--overwrite]
+    portarl bench kernels | stability ...
+    portarl --version
 
-Exit status: 0 on success, 1 when a parity check fails, 2 for bad usage, a bad config or
-an unusable device, 3 when training stopped itself (persistent non-finite values; a
-checkpoint was saved), 2 as well when no checkpoint verifies on --resume, 128 + the signal
-number on SIGINT (130) or SIGTERM (143): after the current step and a checkpoint on the first
-signal, at once on a second (the message says whether a checkpoint exists for the last step).
+Exit status: 0 on success, 1 when a parity check fails, 2 for bad usage, a bad config, an
+output directory holding another run, a model directory or data that cannot be used, an
+unusable device, or no checkpoint that verifies on --resume (one line on stderr, no
+traceback), 3 when training stopped itself (persistent non-finite values; a checkpoint was
+saved), 128 + the signal number on SIGINT (130) or SIGTERM (143): after the current step and
+a checkpoint on the first signal, at once on a second (the message says whether a checkpoint
+exists for the last step).
 """
 
 from __future__ import annotations
@@ -19,6 +24,12 @@ import argparse
 import os
 import signal
 import sys
+
+from portarl import __version__, cli_train
+
+#: Where ``bench`` writes by default: beside the training runs, not into the committed
+#: ``bench/results/`` (a run in the repository root used to overwrite the committed table).
+BENCH_OUT = "runs/bench"
 
 
 def _log(line: str) -> None:
@@ -94,96 +105,10 @@ def _cmd_compare(args) -> int:
     return 0 if all(r.passed for r in rows) else 1
 
 
-def _load_train_config(args):
-    from portarl.trainer.config import ConfigError, TrainConfig
-
-    overrides = list(args.set or [])
-    if args.device:
-        overrides.append(f"device={args.device}")
-    if args.output_dir:
-        overrides.append(f"output_dir={args.output_dir}")
-    try:
-        return TrainConfig.load(args.config, overrides)
-    except ConfigError as err:
-        _log(f"portarl {args.command}: config error: {err}")
-        return None
-
-
 def _setup_logging() -> None:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-
-
-def _cmd_train(args) -> int:
-    config = _load_train_config(args)
-    if config is None:
-        return 2
-    _setup_logging()
-    from portarl.device import DeviceUnavailableError
-    from portarl.trainer import GRPOTrainer, TrainingStopped, build_from_config
-    from portarl.trainer.checkpoint import CheckpointError
-    from portarl.trainer.signals import AbortNow, StopRequested, abort_message, exit_code
-
-    try:
-        model, tokenizer, examples = build_from_config(config)
-        trainer = GRPOTrainer(model, tokenizer, None, examples, config, device=config.device)
-    except (DeviceUnavailableError, ValueError, FileNotFoundError) as err:
-        _log(f"portarl train: {err}")
-        return 2
-    _log(f"portarl train: {config.model.path} model on {trainer.device}, output in {config.output_dir}")
-    from portarl import distributed as pdist
-
-    try:
-        result = trainer.train(resume=args.resume)
-    except TrainingStopped as err:
-        _log(f"portarl train: {err}")
-        return 3
-    except CheckpointError as err:
-        _log(f"portarl train: {err}")
-        return 2
-    except StopRequested as err:
-        _log(f"portarl train: {err}; continue with --resume")
-        return exit_code(err.signum)
-    except AbortNow as err:
-        _log(f"portarl train: {abort_message(err, trainer)}")
-        return exit_code(err.signum)
-    except KeyboardInterrupt as err:  # during resume, before the loop: nothing new to save
-        _log(f"portarl train: interrupted ({err or 'SIGINT'}) before training began; no checkpoint saved")
-        return exit_code(getattr(err, "signum", None))
-    finally:
-        trainer.close()
-        pdist.shutdown()
-    if not trainer.dist.is_main:
-        return 0
-    print(result.summary)
-    print(f"metrics: {config.output_dir}/metrics.jsonl   checkpoint: {result.checkpoint}")
-    return 0
-
-
-def _cmd_sft(args) -> int:
-    config = _load_train_config(args)
-    if config is None:
-        return 2
-    _setup_logging()
-    from portarl.device import resolve_device
-    from portarl.models import save_local
-    from portarl.tokenizer import as_codec
-    from portarl.trainer import build_from_config
-    from portarl.trainer.sft import run_sft
-
-    model, tokenizer, examples = build_from_config(config)
-    device = resolve_device(config.device)
-    model.to(device)
-    steps = args.steps or config.train.sft_warmup_steps or 100
-    losses = run_sft(model, as_codec(tokenizer), examples, steps=steps, batch_size=config.train.sft_batch_size,
-                     lr=config.train.sft_lr, device=device, seed=config.train.seed,
-                     on_step=lambda i, loss: _log(f"sft step {i}/{steps}: loss {loss:.4f}") if i % 10 == 0 else None)
-    out = f"{config.output_dir}/sft-model"
-    save_local(model, tokenizer, out)
-    print(f"sft: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {steps} steps; model saved to {out} "
-          f"(train on it with --set model.path={out})")
-    return 0
 
 
 def _device_slug(name: str) -> str:
@@ -212,7 +137,7 @@ def _cmd_bench_kernels(args) -> int:
     results, bandwidth = run_kernels(device, shapes=shapes, dtypes=args.dtypes, repeats=args.repeats, progress=_log)
     table = markdown_table(results, env["device_name"], bandwidth)
     print(table)
-    out = Path(args.out) if args.out else Path("bench/results") / f"kernels-{_device_slug(env['device_name'])}.json"
+    out = Path(args.out) if args.out else Path(BENCH_OUT) / f"kernels-{_device_slug(env['device_name'])}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"environment": env, "copy_bandwidth_bytes_per_s": bandwidth,
                                "results": [dataclasses.asdict(r) for r in results]}, indent=1) + "\n")
@@ -222,6 +147,13 @@ def _cmd_bench_kernels(args) -> int:
 
 
 def _cmd_bench_stability(args) -> int:
+    from portarl.cli_train import UsageError, require_train_extra
+
+    try:
+        require_train_extra("bench stability")
+    except UsageError as err:
+        _log(f"portarl bench stability: {err}")
+        return 2
     from portarl.bench.stability.cli import cmd_stability
 
     _setup_logging()
@@ -230,6 +162,7 @@ def _cmd_bench_stability(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="portarl", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"portarl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     parity = commands.add_parser(
@@ -258,25 +191,19 @@ def build_parser() -> argparse.ArgumentParser:
     compare.set_defaults(func=_cmd_compare)
 
     for name, func, help_text in (
-        ("train", _cmd_train, "GRPO training (no config: the built-in tiny model on arithmetic)"),
-        ("sft", _cmd_sft, "supervised fine-tuning on (prompt, answer) data; saves a model directory"),
+        ("train", cli_train.cmd_train, "GRPO training (no config: the built-in tiny model on arithmetic)"),
+        ("sft", cli_train.cmd_sft, "supervised fine-tuning on (prompt, answer) data; saves a model directory"),
     ):
         p = commands.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("--config", help="YAML config (sections: model, data, rollout, rewards, train, optim, ...)")
-        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field, e.g. train.steps=10")
-        p.add_argument("--device", help="auto, cuda, npu or cpu (overrides the config)")
-        p.add_argument("--output-dir", help="where metrics, TensorBoard logs and checkpoints go")
-        if name == "train":
-            p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
-        else:
-            p.add_argument("--steps", type=int, help="SFT steps (default: train.sft_warmup_steps or 100)")
+        cli_train.add_run_arguments(p, name)
         p.set_defaults(func=func)
 
     bench = commands.add_parser("bench", help="kernel speed / memory, and training stability across settings")
     bench_cmds = bench.add_subparsers(dest="bench_command", required=True)
     k = bench_cmds.add_parser("kernels", help="logprobs and kl: portarl backends vs eager, row loop, Liger")
     k.add_argument("--device", default="auto")
-    k.add_argument("--out", help="JSON output (a .md table is written beside it); default bench/results/kernels-<device>.json")
+    k.add_argument("--out", help=f"JSON output (a .md table is written beside it); default {BENCH_OUT}/kernels-<device>.json "
+                   "(bench/results/ holds the committed results: write there on purpose only)")
     k.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32", "fp16"])
     k.add_argument("--repeats", type=int, default=5)
     k.add_argument("--quick", action="store_true", help="one tiny shape (smoke test)")
@@ -288,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--seed", type=int, default=0)
     st.add_argument("--config", help="training config YAML (default: the built-in demo config)")
     st.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override for every run")
-    st.add_argument("--out", default="bench/results/stability", help="output directory (report.md, stability.png, stability.json)")
+    st.add_argument("--out", default=f"{BENCH_OUT}/stability", help="output directory (report.md, stability.png, stability.json)")
     st.add_argument("--replay-rollouts", action="store_true",
                     help="record the first run's rollouts and feed them to the others (isolates trainer numerics)")
     st.add_argument("--threshold", type=float, default=0.1, help="parting threshold, as a fraction of a metric's typical size")
@@ -311,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if (getattr(args, "repeats", None) or 0) < 0:
         build_parser().error("--repeats must be >= 0")
-    if args.func is _cmd_train:  # SIGTERM before training starts: a clean exit, like SIGINT
+    if args.func is cli_train.cmd_train:  # SIGTERM before training starts: a clean exit, like SIGINT
         signal.signal(signal.SIGTERM, _sigterm_at_startup)
     try:
         return args.func(args)

@@ -101,3 +101,19 @@ def test_interpreted_triton_sweep_in_a_fresh_process(tmp_path):
     assert report["environment"]["triton_interpreter"] is True
     assert {r["backend"] for r in report["results"]} == {"cuda"}
     assert "checks within tolerance" in proc.stdout
+
+
+def test_compare_shows_the_full_tolerance_applied(report_path, capsys):
+    """Issue 13 item 10: atol and rtol, the larger of the two reports' (what the check uses)."""
+    from portarl.parity.report import compare_reports, read_report
+
+    assert main(["parity", "compare", str(report_path), str(report_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = next(line for line in out if line.startswith("dtype"))
+    assert header.split()[-3:] == ["atol", "rtol", "status"]
+    assert any("atol + rtol" in line for line in out)
+    report = read_report(report_path)
+    row = next(c for c in compare_reports(report, report) if c.a.rtol)
+    op, case, dtype, qty = row.key
+    line = next(line for line in out if line.split()[:4] == [dtype, op, case, qty])
+    assert line.split()[-3:-1] == [format(row.a.atol, ".2e"), format(row.a.rtol, ".2e")]

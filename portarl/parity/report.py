@@ -183,17 +183,32 @@ def compare_reports(a: dict, b: dict, backend_a: str | None = None, backend_b: s
     return out
 
 
+def _applied_tolerance(a: Record | None, b: Record | None) -> tuple[float | None, float | None]:
+    """(atol, rtol) as :func:`_device_diff` applies them: the larger of the two reports'."""
+    present = [r for r in (a, b) if r is not None]
+    if not present:
+        return None, None
+    atol = [r.atol for r in present if r.atol is not None]
+    rtol = [r.rtol for r in present if r.rtol is not None]
+    return (max(atol) if atol else None), (max(rtol) if rtol else None)
+
+
 def format_comparison(rows: list[Comparison], a: dict, b: dict) -> str:
     name_a = f"A: {a['device']} ({a['environment'].get('device_name')}, backend {rows[0].a.backend if rows and rows[0].a else '?'})"
     name_b = f"B: {b['device']} ({b['environment'].get('device_name')}, backend {rows[0].b.backend if rows and rows[0].b else '?'})"
-    header = f"{'dtype':<5} {'op':<8} {'case':<26} {'qty':<9} {'A_err':>9} {'B_err':>9} {'A-B':>9} {'tol':>9}  status"
-    lines = [name_a, name_b, header, "-" * len(header)]
+    # The full tolerance applied to A-B: |a - b| <= atol + rtol * max(|a|, |b|), with each the
+    # larger of the two reports' values (see _device_diff). atol alone made rows read as
+    # contradictory (A-B above "tol" yet passing through the rtol term).
+    header = (f"{'dtype':<5} {'op':<8} {'case':<26} {'qty':<9} {'A_err':>9} {'B_err':>9} {'A-B':>9} "
+              f"{'atol':>9} {'rtol':>9}  status")
+    legend = "A-B passes when |a - b| <= atol + rtol * max(|a|, |b|) at every sampled position"
+    lines = [name_a, name_b, legend, header, "-" * len(header)]
     for c in rows:
         op, case, dtype, qty = c.key
-        tol = c.a.atol if c.a and c.a.atol is not None else (c.b.atol if c.b else None)
+        atol, rtol = _applied_tolerance(c.a, c.b)
         lines.append(
             f"{dtype:<5} {op:<8} {case:<26} {qty:<9} {_fmt(c.a.max_abs if c.a else None):>9} "
-            f"{_fmt(c.b.max_abs if c.b else None):>9} {_fmt(c.max_device_diff):>9} {_fmt(tol):>9}  "
+            f"{_fmt(c.b.max_abs if c.b else None):>9} {_fmt(c.max_device_diff):>9} {_fmt(atol):>9} {_fmt(rtol):>9}  "
             + ("pass" if c.passed else "FAIL: " + "; ".join(c.problems))
         )
     failed = sum(not c.passed for c in rows)

@@ -116,6 +116,7 @@ class RolloutConfig:
 
         _check(self.temperature >= TEMPERATURE_MIN, "rollout.temperature",
                f"must be >= {TEMPERATURE_MIN:g} (smaller ones overflow finite logits in fp32)", self.temperature)
+        _number(self, "rollout", "top_p", low=0.0)
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
         _check(self.seed_mode in ("per_sample", "constant"), "rollout.seed_mode", "must be 'per_sample' or 'constant'", self.seed_mode)
         _check(0 <= self.identical_warn_frac <= 1, "rollout.identical_warn_frac", "must be in [0, 1]", self.identical_warn_frac)
@@ -259,6 +260,10 @@ class LoggingConfig:
     progress: bool = True
     plot: bool = True
 
+    def validate(self):
+        for name in ("tensorboard", "progress", "plot"):
+            _check(isinstance(getattr(self, name), bool), f"logging.{name}", "must be true or false", getattr(self, name))
+
 
 @dataclasses.dataclass
 class RewardSpec:
@@ -298,7 +303,7 @@ class TrainConfig:
         _check(isinstance(self.output_dir, str) and bool(self.output_dir), "output_dir", "must be a directory path", self.output_dir)
         _check(isinstance(self.device, str), "device", "must be auto, cuda, npu or cpu", self.device)
         for section in (self.model, self.data, self.rollout, self.train, self.optim, self.precision,
-                        self.guards, self.checkpoint, self.distributed):
+                        self.guards, self.checkpoint, self.distributed, self.logging):
             section.validate()
         _check(bool(self.rewards), "rewards", "must list at least one reward", self.rewards)
         for i, spec in enumerate(self.rewards):

@@ -45,6 +45,8 @@ from portarl.trainer.config import TrainConfig
 from portarl.trainer.guards import DegenerateDetector, NonFiniteError, SpikeDetector
 from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
 from portarl.trainer.rollout_phase import run_rollout
+from portarl.trainer import run_dir
+from portarl.trainer.progress import progress_bar
 from portarl.trainer.runlog import RunLogger, plot_curves, read_metrics, summarize
 from portarl.trainer.scoring import compute_rewards, resolve_rewards, score
 from portarl.trainer.sft import run_sft
@@ -270,12 +272,26 @@ class GRPOTrainer:
         if self.sft_done:
             return
 
+        # Its own progress bar (the GRPO bar starts at the first GRPO step); log lines without one.
+        bar = progress_bar(cfg.sft_warmup_steps, "sft warm-up",
+                           enabled=logger is not None and self.config.logging.progress and self.dist.is_main)
+
         def on_step(step, loss):
-            if logger is not None and (step % 10 == 0 or step == cfg.sft_warmup_steps):
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}")
+            elif logger is not None and (step % 10 == 0 or step == cfg.sft_warmup_steps):
                 log.info("sft warm-up %d/%d: loss %.4f", step, cfg.sft_warmup_steps, loss)
 
-        run_sft(self.model, self.codec, self.examples, steps=cfg.sft_warmup_steps, batch_size=cfg.sft_batch_size,
-                lr=cfg.sft_lr, device=self.device, seed=cfg.seed, on_step=on_step, logits_policy=self.config.precision.logits)
+        try:
+            losses = run_sft(self.model, self.codec, self.examples, steps=cfg.sft_warmup_steps,
+                             batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, device=self.device, seed=cfg.seed,
+                             on_step=on_step, logits_policy=self.config.precision.logits)
+        finally:
+            if bar is not None:
+                bar.close()
+        if bar is not None and losses:
+            log.info("sft warm-up: %d steps, loss %.4f -> %.4f", len(losses), losses[0], losses[-1])
         self.sft_done = True
 
     def request_stop(self) -> None:
@@ -328,10 +344,15 @@ class GRPOTrainer:
                 raise StopRequested(self._stop_signal, self.step, last_ckpt)
         return last_ckpt
 
-    def train(self, resume: bool = False) -> TrainResult:
+    def train(self, resume: bool = False, overwrite: bool = False) -> TrainResult:
+        """Train to ``train.steps``. A directory holding another run is refused unless
+        ``resume`` (continue it; mid-run settings applied, others refused) or ``overwrite``
+        (delete it first): see :mod:`portarl.trainer.run_dir`."""
         cfg = self.config
+        changes = run_dir.prepare_run(self, resume=resume, overwrite=overwrite)
         if resume:
             self.resume()
+            run_dir.apply_resumed_changes(self, changes)
         else:
             self.checkpoints.clean_partial()
         if self.dist.is_main:

@@ -57,17 +57,28 @@ class RunLogger:
                 self.writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=resume_step + 1)
             except ImportError:
                 log.warning("tensorboard is not installed: `pip install tensorboard` for TensorBoard logs")
+        # The bar starts at the first GRPO step, not here: an SFT warm-up runs in between
+        # (with its own bar) and would otherwise count towards the GRPO ETA.
         self.bar = None
-        if progress:
-            try:
-                from tqdm import tqdm
+        self._bar_args = (total_steps, resume_step) if progress else None
+        self._redirect = None
 
-                self.bar = tqdm(total=total_steps, initial=resume_step, desc="grpo", unit="step",
-                                file=sys.stderr, dynamic_ncols=True)
-            except ImportError:
-                pass
+    def _start_bar(self) -> None:
+        from portarl.trainer.progress import progress_bar
+
+        total, initial = self._bar_args
+        self._bar_args = None
+        self.bar = progress_bar(total, "grpo", initial=initial)
+        if self.bar is not None:
+            # Log lines (events, checkpoints) are written above the bar instead of through it.
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._redirect = logging_redirect_tqdm(loggers=[logging.getLogger()])
+            self._redirect.__enter__()
 
     def step(self, metrics: dict) -> None:
+        if self._bar_args is not None:
+            self._start_bar()
         row = {k: _clean(float(v) if not isinstance(v, (str, int)) else v) for k, v in metrics.items()}
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
@@ -77,26 +88,56 @@ class RunLogger:
                     self.writer.add_scalar(key, value, metrics["step"])
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
-                                 kl=f"{metrics.get('kl', float('nan')):.2e}",
-                                 gnorm=f"{metrics.get('grad_norm', float('nan')):.2f}",
-                                 skip=int(metrics.get("guard/skipped_total", 0)))
+            self.bar.set_postfix(_postfix(metrics))
 
     def event(self, step: int, kind: str, message: str, **fields) -> None:
         row = {"step": step, "kind": kind, "message": message, **{k: _clean(v) for k, v in fields.items()}}
         self._events.write(json.dumps(row) + "\n")
         self._events.flush()
-        log.warning("step %d: %s", step, message)
-        if self.bar is not None:
-            self.bar.write(f"[step {step}] {message}", file=sys.stderr)
+        # Once, through logging only (the bar shows log lines above itself).
+        log.log(event_level(kind, fields), "step %d: %s", step, message)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
         if self.writer is not None:
             self.writer.close()
         self._metrics.close()
         self._events.close()
+
+
+#: Log level of each event kind. Spike and drift detectors inform; they warn only when they
+#: act (an ``action`` field of skip / stop, once detectors can act).
+EVENT_LEVELS = {
+    "kl_spike": logging.INFO,
+    "grad_norm_spike": logging.INFO,
+    "degenerate_rise": logging.INFO,
+    "identical_samples": logging.WARNING,
+    "skipped_step": logging.WARNING,
+    "interrupted": logging.WARNING,
+    "stopped": logging.ERROR,
+}
+
+
+def event_level(kind: str, fields: dict | None = None) -> int:
+    action = (fields or {}).get("action")
+    if action in ("skip", "stop"):
+        return logging.WARNING if action == "skip" else logging.ERROR
+    return EVENT_LEVELS.get(kind, logging.WARNING)
+
+
+def _postfix(metrics: dict) -> dict:
+    """The bar's numbers; a metric the step does not have is left out, not shown as nan."""
+    out = {}
+    for key, label, fmt in (("reward/mean", "reward", ".3f"), ("kl", "kl", ".2e"), ("grad_norm", "gnorm", ".2f")):
+        value = metrics.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out[label] = format(value, fmt)
+    out["skip"] = int(metrics.get("guard/skipped_total", 0))
+    return out
 
 
 def summarize(rows: list[dict], window: int = 10) -> str:
@@ -107,14 +148,24 @@ def summarize(rows: list[dict], window: int = 10) -> str:
     head, tail = grpo[:window], grpo[-window:]
 
     def mean(rs, key):
-        vals = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
+        vals = [r[key] for r in rs if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
         return sum(vals) / len(vals) if vals else float("nan")
+
+    def has(key):
+        return any(isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) for r in grpo)
 
     lines = [
         f"steps logged: {len(grpo)} (GRPO)",
         f"reward/mean   first {len(head)} steps: {mean(head, 'reward/mean'):.3f}   last {len(tail)} steps: {mean(tail, 'reward/mean'):.3f}",
-        f"accuracy      first {len(head)} steps: {mean(head, 'reward/math_exact'):.3f}   last {len(tail)} steps: {mean(tail, 'reward/math_exact'):.3f}",
-        f"kl (last): {mean(tail, 'kl'):.3e}   grad_norm (last): {mean(tail, 'grad_norm'):.3f}",
+    ]
+    if has("reward/math_exact"):  # accuracy only means something when math_exact is a reward
+        lines.append(f"accuracy      first {len(head)} steps: {mean(head, 'reward/math_exact'):.3f}   "
+                     f"last {len(tail)} steps: {mean(tail, 'reward/math_exact'):.3f}")
+    last = [f"{label} (last): {mean(tail, key):{fmt}}" for key, label, fmt in (("kl", "kl", ".3e"), ("grad_norm", "grad_norm", ".3f"))
+            if has(key)]
+    if last:
+        lines.append("   ".join(last))
+    lines += [
         f"skipped steps: {int(sum(r.get('skipped', 0) for r in grpo))}   spikes: {int(sum(r.get('guard/spike', 0) for r in grpo))}"
         f"   identical-group frac (mean): {mean(grpo, 'rollout/identical_group_frac'):.3f}",
     ]
@@ -134,11 +185,14 @@ def plot_curves(rows: list[dict], path: Path) -> Path | None:
     if not grpo:
         return None
     keys = [("reward/mean", "reward"), ("reward/math_exact", "accuracy"), ("kl", "kl"), ("grad_norm", "grad norm")]
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3))
-    for ax, (key, title) in zip(axes, keys):
-        pts = [(r["step"], r[key]) for r in grpo if isinstance(r.get(key), (int, float))]
-        if pts:
-            ax.plot(*zip(*pts))
+    series = {key: [(r["step"], r[key]) for r in grpo if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+              for key, _ in keys}
+    keys = [(key, title) for key, title in keys if series[key]]  # no empty panels (accuracy without math_exact)
+    if not keys:
+        return None
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3), squeeze=False)
+    for ax, (key, title) in zip(axes[0], keys):
+        ax.plot(*zip(*series[key]))
         ax.set_title(title)
         ax.set_xlabel("step")
     fig.tight_layout()

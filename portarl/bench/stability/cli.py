@@ -26,6 +26,18 @@ def add_arguments(st, compare_parser) -> None:
                                 help="parting threshold, as a fraction of a metric's typical size")
 
 
+def _check_run_devices(specs) -> None:
+    """Every device a stability run names must be here before the first run's warm-up
+    starts (``npu:bf16`` on a machine without torch_npu used to fail 40 s in)."""
+    from portarl.device import DeviceUnavailableError, resolve_device
+
+    for spec in specs:
+        try:
+            resolve_device(spec.device)
+        except DeviceUnavailableError as err:
+            raise ValueError(f"--runs {spec.label}: {err}") from None
+
+
 def cmd_stability(args) -> int:
     from portarl.bench.stability import ReplayMismatch, parse_runs, run_stability
     from portarl.trainer.config import ConfigError
@@ -34,6 +46,7 @@ def cmd_stability(args) -> int:
         return cmd_compare(args)
     try:
         specs = parse_runs(args.runs)
+        _check_run_devices(specs)
     except ValueError as err:
         _log(f"portarl bench stability: {err}")
         return 2

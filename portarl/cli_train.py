@@ -1,0 +1,270 @@
+"""``portarl train`` and ``portarl sft``: their shared arguments and their shared checks.
+
+Why one module: every mistake a new user makes (a missing extra, a bad ``--steps``, a YAML
+syntax error, a bad ``--set`` value, an output directory that is a file or holds another
+run, a model directory without weights or tokenizer files, an absent device, bad data)
+must end the same way for both commands: one line on stderr naming the problem, exit 2,
+no traceback, and before any training starts. :func:`prepare` does all of it once, for
+both commands, instead of a copy per command.
+
+Nothing here imports torch or transformers at module level: ``portarl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+#: Modules of the ``train`` extra, as imported (the package name differs for yaml).
+TRAIN_EXTRA_MODULES = ("yaml", "transformers", "safetensors", "tqdm")
+
+#: A model directory needs one of these weight files ...
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+#: ... and one of these tokenizer files (portarl's character tokenizer, or a Hugging Face
+#: one). Without them an empty tokenizer loads and the first error comes at rollout time.
+_TOKENIZER_FILES = ("portarl_char_tokenizer.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model")
+
+
+class UsageError(Exception):
+    """A user mistake: printed as ``portarl <command>: <message>``, exit 2."""
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def add_run_arguments(p, command: str) -> None:
+    """The arguments ``train`` and ``sft`` share (and those only one of them has)."""
+    p.add_argument("--config", help="YAML config (sections: model, data, rollout, rewards, train, optim, ...)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field, e.g. train.steps=10")
+    p.add_argument("--device", help="auto, cuda, npu or cpu (overrides the config)")
+    p.add_argument("--output-dir", help="where metrics, TensorBoard logs and checkpoints go")
+    p.add_argument("--overwrite", action="store_true",
+                   help="the output directory holds an earlier run: delete that run's files first")
+    if command == "train":
+        p.add_argument("--steps", type=int, help="GRPO steps (overrides train.steps)")
+        p.add_argument("--resume", action="store_true",
+                       help="continue from the latest complete checkpoint (steps, lr, logging and checkpoint "
+                            "settings may change; other changes are refused)")
+    else:
+        p.add_argument("--steps", type=int, help="SFT steps (default: train.sft_warmup_steps, or 100 when that is 0)")
+
+
+def require_train_extra(command: str) -> None:
+    """A plain ``pip install portarl`` has the ops, not the trainer: say which extra to add."""
+    missing = []
+    for name in TRAIN_EXTRA_MODULES:
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append("pyyaml" if name == "yaml" else name)
+    if missing:
+        raise UsageError(f"needs the training extra: pip install 'portarl[train]' (missing: {', '.join(missing)})")
+
+
+def _yaml_error(path, err) -> str:
+    mark = getattr(err, "problem_mark", None)
+    where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return f"config file {path}: YAML syntax error at{where}: {problem}"
+
+
+def load_config(args, command: str):
+    import yaml
+
+    from portarl.trainer.config import ConfigError, TrainConfig
+
+    overrides = list(args.set or [])
+    if args.steps is not None:
+        if args.steps <= 0:
+            raise UsageError(f"--steps must be an integer > 0, got {args.steps}")
+        if command == "train":
+            overrides.append(f"train.steps={args.steps}")
+    if args.device:
+        overrides.append(f"device={args.device}")
+    if args.output_dir:
+        overrides.append(f"output_dir={args.output_dir}")
+    try:
+        return TrainConfig.load(args.config, overrides)
+    except ConfigError as err:
+        raise UsageError(f"config error: {err}") from None
+    except yaml.YAMLError as err:
+        raise UsageError(_yaml_error(args.config, err)) from None
+    except (TypeError, ValueError) as err:  # a value of the wrong type that a check compared before testing it
+        raise UsageError(f"config error: {err}") from None
+
+
+def check_model_dir(path: str) -> None:
+    """A local model directory must hold a config, weights and tokenizer files."""
+    if path == "tiny":
+        return
+    directory = Path(path)
+    if not directory.is_dir():
+        raise UsageError(f"model.path {path!r} is neither 'tiny' nor a directory")
+    names = {p.name for p in directory.iterdir()}
+    if "config.json" not in names:
+        raise UsageError(f"model directory {directory} has no config.json (a Hugging Face model directory, "
+                         "save_pretrained output, or 'tiny')")
+    if not names & set(_WEIGHT_FILES) and not any(n.endswith(".safetensors") for n in names):
+        raise UsageError(f"model directory {directory} has no weights (model.safetensors or pytorch_model.bin)")
+    if not names & set(_TOKENIZER_FILES):
+        raise UsageError(f"model directory {directory} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:4])}, ...): "
+                         "save the tokenizer next to the model (tokenizer.save_pretrained)")
+
+
+@dataclasses.dataclass
+class Prepared:
+    config: object
+    device: object
+    model: object
+    tokenizer: object
+    examples: list
+
+
+def prepare(args, command: str) -> Prepared:
+    """Every check both commands need, in the order a user would fix them, then the model,
+    tokenizer and data. Raises :class:`UsageError` with a one-line message."""
+    require_train_extra(command)
+    config = load_config(args, command)
+    from portarl.device import DeviceUnavailableError, resolve_device
+    from portarl.trainer.run_dir import RunDirError, check_output_dir, check_resume_config
+
+    try:
+        if command == "train":
+            check_output_dir(config.output_dir, resume=args.resume, overwrite=args.overwrite)
+            if args.resume:  # refused changes before the model is built (the trainer checks again)
+                check_resume_config(config.output_dir, config)
+        else:
+            check_output_dir(config.output_dir)  # a file is refused; an earlier run there is fine
+            sft_out = Path(config.output_dir) / "sft-model"
+            if sft_out.exists() and not args.overwrite:
+                raise UsageError(f"{sft_out} already exists: pass --overwrite to replace it, or choose another "
+                                 "--output-dir")
+    except RunDirError as err:
+        raise UsageError(str(err)) from None
+    try:
+        device = resolve_device(config.device)
+    except (DeviceUnavailableError, ValueError) as err:
+        raise UsageError(str(err)) from None
+    check_model_dir(config.model.path)
+    from portarl.trainer.progress import quiet_third_party
+
+    quiet_third_party()
+    from portarl.trainer import build_from_config
+
+    try:
+        model, tokenizer, examples = build_from_config(config)
+    except (ValueError, FileNotFoundError, OSError, KeyError) as err:
+        raise UsageError(f"{err}") from None
+    if len(tokenizer) == 0:
+        raise UsageError(f"the tokenizer in {config.model.path} is empty")
+    return Prepared(config, device, model, tokenizer, examples)
+
+
+def _setup_logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def cmd_train(args) -> int:
+    try:
+        ready = prepare(args, "train")
+    except UsageError as err:
+        log(f"portarl train: {err}")
+        return 2
+    _setup_logging()
+    from portarl import distributed as pdist
+    from portarl.device import DeviceUnavailableError
+    from portarl.trainer import GRPOTrainer, TrainingStopped
+    from portarl.trainer.checkpoint import CheckpointError
+    from portarl.trainer.run_dir import RunDirError
+    from portarl.trainer.signals import AbortNow, StopRequested, abort_message, exit_code
+
+    config = ready.config
+    try:
+        trainer = GRPOTrainer(ready.model, ready.tokenizer, None, ready.examples, config, device=config.device)
+    except (DeviceUnavailableError, ValueError, FileNotFoundError) as err:
+        log(f"portarl train: {err}")
+        return 2
+    log(f"portarl train: {config.model.path} model on {trainer.device}, output in {config.output_dir}")
+    try:
+        result = trainer.train(resume=args.resume, overwrite=args.overwrite)
+    except RunDirError as err:
+        log(f"portarl train: {err}")
+        return 2
+    except TrainingStopped as err:
+        log(f"portarl train: {err}")
+        return 3
+    except CheckpointError as err:
+        log(f"portarl train: {err}")
+        return 2
+    except StopRequested as err:
+        log(f"portarl train: {err}; continue with --resume")
+        return exit_code(err.signum)
+    except AbortNow as err:
+        log(f"portarl train: {abort_message(err, trainer)}")
+        return exit_code(err.signum)
+    except KeyboardInterrupt as err:  # during resume, before the loop: nothing new to save
+        log(f"portarl train: interrupted ({err or 'SIGINT'}) before training began; no checkpoint saved")
+        return exit_code(getattr(err, "signum", None))
+    finally:
+        trainer.close()
+        pdist.shutdown()
+    if not trainer.dist.is_main:
+        return 0
+    print(result.summary)
+    print(f"metrics: {config.output_dir}/metrics.jsonl   checkpoint: {result.checkpoint}")
+    return 0
+
+
+def cmd_sft(args) -> int:
+    try:
+        ready = prepare(args, "sft")
+    except UsageError as err:
+        log(f"portarl sft: {err}")
+        return 2
+    _setup_logging()
+    import shutil
+
+    from portarl.models import save_local
+    from portarl.tokenizer import as_codec
+    from portarl.trainer.progress import progress_bar
+    from portarl.trainer.sft import run_sft
+
+    config = ready.config
+    steps = args.steps or config.train.sft_warmup_steps or 100
+    try:
+        codec = as_codec(ready.tokenizer)
+        ready.model.to(ready.device)
+        bar = progress_bar(steps, "sft", enabled=config.logging.progress)
+
+        def on_step(i, loss):
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}")
+            elif i % 10 == 0 or i == steps:
+                log(f"sft step {i}/{steps}: loss {loss:.4f}")
+
+        try:
+            losses = run_sft(ready.model, codec, ready.examples, steps=steps, batch_size=config.train.sft_batch_size,
+                             lr=config.train.sft_lr, device=ready.device, seed=config.train.seed, on_step=on_step,
+                             logits_policy=config.precision.logits)
+        finally:
+            if bar is not None:
+                bar.close()
+    except (ValueError, FloatingPointError) as err:
+        log(f"portarl sft: {err}")
+        return 2
+    except KeyboardInterrupt:
+        log("portarl sft: interrupted; nothing saved")
+        return 130
+    out = Path(config.output_dir) / "sft-model"
+    if out.exists():  # --overwrite (checked before training)
+        shutil.rmtree(out)
+    save_local(ready.model, ready.tokenizer, out)
+    print(f"sft: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {steps} steps; model saved to {out} "
+          f"(train on it with --set model.path={out})")
+    return 0

@@ -1,0 +1,153 @@
+"""Issue 13, items 6, 7, 9 (version, help): a new user's mistakes end in one line on stderr
+and exit 2, for ``portarl train`` and ``portarl sft`` alike, before any training starts.
+
+Subprocesses on purpose: what is checked is what the user sees (exit status, the whole of
+stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+FAST = ["train.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=3", "data.synthetic_size=64",
+        "model.hidden_size=32", "model.intermediate_size=64", "train.sft_warmup_steps=0", "train.micro_batch_size=8",
+        "logging.progress=false", "logging.tensorboard=false", "logging.plot=false"]
+
+
+def _env():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _portarl(*args: str, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "portarl", *args], capture_output=True, text=True, env=_env(),
+                          cwd=cwd, timeout=timeout)
+
+
+def _sets(*items: str) -> list[str]:
+    return [x for item in (*FAST, *items) for x in ("--set", item)]
+
+
+def _assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A tiny model directory saved without its tokenizer, and one with only config.json."""
+    from portarl.models import build_tiny
+
+    root = tmp_path_factory.mktemp("models")
+    model, _ = build_tiny(hidden_size=32, intermediate_size=64)
+    no_tok = root / "no-tokenizer"
+    model.save_pretrained(no_tok, safe_serialization=True)
+    only_config = root / "only-config"
+    only_config.mkdir()
+    (only_config / "config.json").write_text((no_tok / "config.json").read_text())
+    return {"no-tokenizer": no_tok, "only-config": only_config}
+
+
+CASES = {
+    "steps-0": (["--steps", "0"], "--steps must be an integer > 0"),
+    "steps-negative": (["--steps", "-3"], "--steps must be an integer > 0"),
+    "top_p-not-a-number": (["--set", "rollout.top_p=abc"], "rollout.top_p"),
+    "logging-progress-maybe": (["--set", "logging.progress=maybe"], "logging.progress must be true or false"),
+    "yaml-syntax-error": (["--config", "{bad_yaml}"], "YAML syntax error at line 2"),
+    "output-dir-is-a-file": (["--output-dir", "{a_file}"], "is a file, not a directory"),
+    "model-without-tokenizer": (["--set", "model.path={no-tokenizer}"], "has no tokenizer files"),
+    "model-with-only-config": (["--set", "model.path={only-config}"], "has no weights"),
+    "absent-device": (["--device", "npu"], "npu"),
+}
+
+
+def _case_args(case, tmp_path, model_dirs) -> tuple[list[str], str, Path]:
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("train:\n  steps: [3\noptim:\n  lr: 1e-3\n")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    fill = {"bad_yaml": str(bad_yaml), "a_file": str(a_file), **{k: str(v) for k, v in model_dirs.items()}}
+    args, needle = CASES[case]
+    args = [a.format(**fill) for a in args]
+    out = tmp_path / "out"
+    if "--output-dir" not in args:
+        args += ["--output-dir", str(out)]
+    if "--device" not in args:
+        args += ["--device", "cpu"]
+    return [*_sets(), *args], needle, out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_train_mistakes_are_one_line_errors(case, tmp_path, model_dirs):
+    args, needle, out = _case_args(case, tmp_path, model_dirs)
+    proc = _portarl("train", *args)
+    line = _assert_one_line_error(proc, needle)
+    assert line.startswith("portarl train: ")
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sft_mistakes_are_the_same_one_line_errors(case, tmp_path, model_dirs, capsys):
+    """``sft`` goes through the same checks as ``train`` (in-process here to keep the suite
+    fast; an exception would fail the test, so no traceback either)."""
+    from portarl.cli import main
+
+    args, needle, out = _case_args(case, tmp_path, model_dirs)
+    assert main(["sft", *args]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("portarl sft: ") and needle in err[0], err
+    assert not (out / "sft-model").exists()
+
+
+def test_sft_refuses_to_replace_a_saved_model_without_overwrite(tmp_path):
+    out = tmp_path / "run"
+    (out / "sft-model").mkdir(parents=True)
+    proc = _portarl("sft", "--device", "cpu", "--output-dir", str(out), "--steps", "1", *_sets())
+    _assert_one_line_error(proc, "sft-model already exists", "--overwrite")
+    done = _portarl("sft", "--device", "cpu", "--output-dir", str(out), "--steps", "2", "--overwrite", *_sets())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "over 2 steps" in done.stdout and (out / "sft-model" / "config.json").exists()
+
+
+def test_bench_stability_absent_device_fails_before_any_training(tmp_path):
+    started = time.monotonic()
+    proc = _portarl("bench", "stability", "--runs", "cpu:fp32,npu:bf16", "--steps", "2", "--out", str(tmp_path / "st"))
+    line = _assert_one_line_error(proc, "npu:bf16")
+    assert line.startswith("portarl bench stability: ")
+    assert not (tmp_path / "st" / "runs").exists(), "no run may start before every device is checked"
+    assert time.monotonic() - started < 60
+
+
+def test_train_without_the_train_extra_names_it():
+    code = ("import sys; sys.modules['yaml'] = None; from portarl.cli import main; sys.exit(main(['train']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    line = _assert_one_line_error(proc, "pip install 'portarl[train]'", "pyyaml")
+    assert line.startswith("portarl train: ")
+
+
+def test_version_and_help_do_not_import_torch():
+    code = ("import sys; from portarl.cli import build_parser; import portarl; "
+            "print(portarl.__version__, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    import portarl
+
+    assert proc.stdout.split() == [portarl.__version__, "False", "False"]
+    version = _portarl("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"portarl {portarl.__version__}"
+    helped = _portarl("train", "--help")
+    assert helped.returncode == 0 and "--overwrite" in helped.stdout and "--resume" in helped.stdout
