@@ -24,6 +24,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 
 from portarl import __version__, cli_train
 
@@ -238,13 +239,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if (getattr(args, "repeats", None) or 0) < 0:
         build_parser().error("--repeats must be >= 0")
-    if args.func is cli_train.cmd_train:  # SIGTERM before training starts: a clean exit, like SIGINT
-        signal.signal(signal.SIGTERM, _sigterm_at_startup)
+    previous = None
+    if args.func is cli_train.cmd_train and threading.current_thread() is threading.main_thread():
+        # SIGTERM before training starts: a clean exit, like SIGINT. Restored on return, so
+        # a caller that runs main() in-process (tests, notebooks) keeps its own handler.
+        previous = signal.signal(signal.SIGTERM, _sigterm_at_startup)
     try:
         return args.func(args)
     except KeyboardInterrupt as err:  # Ctrl-C / SIGTERM during imports or set-up: no traceback
         _log(f"portarl {args.command}: interrupted during start-up ({err or 'SIGINT'}); nothing was saved")
         return 128 + int(getattr(err, "signum", 2))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover
