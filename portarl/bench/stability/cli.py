@@ -20,9 +20,9 @@ def add_arguments(st, compare_parser) -> None:
     st.add_argument("--noise-floor", action="store_true",
                     help="also train the first setting with train.seed+1: a run parts only beyond that gap")
     compare_parser.add_argument("dirs", nargs="+", metavar="DIR", help="stability run directories (first: baseline)")
-    compare_parser.add_argument("--out", dest="compare_out", default="stability-compare",
+    compare_parser.add_argument("--out", dest="compare_out", metavar="DIR", default="stability-compare",
                                 help="report directory (report.md, stability.png, tokens.png, stability.json)")
-    compare_parser.add_argument("--threshold", dest="compare_threshold", type=float, default=0.1,
+    compare_parser.add_argument("--threshold", dest="compare_threshold", metavar="FRACTION", type=float, default=0.1,
                                 help="parting threshold, as a fraction of a metric's typical size")
 
 
