@@ -284,6 +284,8 @@ class GuardsConfig:
     spike_window: int = 20
     spike_min_history: int = 5
     spike_factor: float = 6.0
+    #: ... and at least this many times the rolling median.
+    spike_ratio: float = 3.0
     #: Fixed bounds, judged from the first step on (the relative test needs
     #: spike_min_history clean steps first): a pre-clip grad norm or a KL above these is a
     #: spike. None: no fixed bound.
@@ -310,6 +312,7 @@ class GuardsConfig:
     def validate(self):
         _positive_int(self, "guards", "max_consecutive_skips", "spike_window", "spike_min_history", "degenerate_min_tokens")
         _number(self, "guards", "spike_factor", low=0.0)
+        _number(self, "guards", "spike_ratio", low=1.0, strict=False)
         _number(self, "guards", "grad_norm_ceiling", low=0.0, allow_none=True)
         _number(self, "guards", "kl_ceiling", low=0.0, allow_none=True)
         _number(self, "guards", "grad_norm_floor", low=0.0, strict=False)

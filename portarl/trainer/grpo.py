@@ -54,7 +54,7 @@ from portarl.trainer.step_guard import (
     StepGuard,
     UpdateUnrecoverable,
     finish_metrics,
-    first_nonfinite_weight,
+    checkpoint_refusal,
     record_bad,
     record_clean,
     record_skip,
@@ -115,15 +115,16 @@ class GRPOTrainer:
                                        max_new_tokens=r.max_new_tokens)
         g = self.config.guards
         self.kl_spikes = SpikeDetector("kl", g.spike_window, g.spike_min_history, g.spike_factor, g.kl_ceiling,
-                                       g.kl_floor)
+                                       g.kl_floor, g.spike_ratio)
         self.grad_spikes = SpikeDetector("grad_norm", g.spike_window, g.spike_min_history, g.spike_factor,
-                                         g.grad_norm_ceiling, g.grad_norm_floor)
+                                         g.grad_norm_ceiling, g.grad_norm_floor, g.spike_ratio)
         self.kl_ctl = make_kl_controller(self.config.loss)
         self.degenerate = DegenerateDetector(self.codec.eos_token_id, g.degenerate_min_tokens, g.degenerate_rise)
         self.hooks: dict[str, list] = empty_hooks()
         self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]  # optimizer order
         self.stop_reason: str | None = None  # set by a guard with action "stop"
         self.partial_update = None  # the guard error that ended an iteration after some optimizer steps
+        self.refused_checkpoint: str | None = None  # why the last save_checkpoint wrote nothing
         self.step = 0
         self.sft_done = self.config.train.sft_warmup_steps == 0
         self.skipped_total = 0
@@ -202,15 +203,9 @@ class GRPOTrainer:
         """Write a checkpoint of this step; refuse (log an error, return the last good one)
         when a weight or fp32 master is not finite: a checkpoint is what a run resumes
         from, and a corrupted one would hide the failure behind a restart."""
-        bad = first_nonfinite_weight(self)
-        if self.dist.enabled:
-            bad = bad or ("on another rank" if pdist.any_rank(self.dist, bad is not None) else None)
-        if bad is not None:
-            latest = self.checkpoints.latest()
-            log.error("refusing to write a checkpoint at step %d: non-finite weights (%s); the last good checkpoint "
-                      "is %s", self.step, bad, latest)
-            self.refused_checkpoint = f"non-finite weights ({bad}); last good checkpoint: {latest}"
-            return latest
+        self.refused_checkpoint = checkpoint_refusal(self)
+        if self.refused_checkpoint is not None:
+            return self.checkpoints.latest()
         if self.dist.enabled:
             state = self._state()
             state.pop("optimizer")  # in the DCP shards
@@ -314,7 +309,8 @@ class GRPOTrainer:
                 log.info("sft warm-up %d/%d: loss %.4f", step, cfg.sft_warmup_steps, loss)
 
         run_sft(self.model, self.codec, self.examples, steps=cfg.sft_warmup_steps, batch_size=cfg.sft_batch_size,
-                lr=cfg.sft_lr, device=self.device, seed=cfg.seed, on_step=on_step, logits_policy=self.config.precision.logits)
+                lr=cfg.sft_lr, device=self.device, seed=cfg.seed, on_step=on_step, logits_policy=self.config.precision.logits,
+                precision=self.precision)
         self.sft_done = True
 
     def request_stop(self) -> None:
@@ -384,6 +380,8 @@ class GRPOTrainer:
                                    f"first non-finite tensor was {self.streak_first_bad}", self.streak_first_bad)
             if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps:
                 last_ckpt = self.save_checkpoint()
+                if self.refused_checkpoint:
+                    logger.event(self.step, "checkpoint_refused", self.refused_checkpoint)
             if self._stop_requested_anywhere():
                 if self.checkpoints.latest() != self.checkpoints.root / f"step-{self.step:06d}":
                     last_ckpt = self.save_checkpoint()

@@ -15,11 +15,15 @@ Primitives (``check_finite``, the detectors) live in :mod:`portarl.trainer.guard
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from portarl import distributed as pdist
 from portarl.trainer.guards import NonFiniteError, SpikeTripped, check_finite
 from portarl.trainer.sequences import completion_logits
+
+log = logging.getLogger("portarl.train")
 
 GUARD_ORDER = ("logits", "reward", "old_logp", "ref_logp", "advantage", "loss", "gradient", "optimizer_update")
 
@@ -257,3 +261,17 @@ def first_nonfinite_weight(trainer) -> str | None:
         if not ok:
             return f"{name} (fp32 master)"
     return None
+
+
+def checkpoint_refusal(trainer) -> str | None:
+    """Why the weights must not be checkpointed now (a parameter or fp32 master holds
+    NaN/inf; collective under torchrun), or None. Logged as an error when refused."""
+    bad = first_nonfinite_weight(trainer)
+    if trainer.dist.enabled:
+        bad = bad or ("on another rank" if pdist.any_rank(trainer.dist, bad is not None) else None)
+    if bad is None:
+        return None
+    latest = trainer.checkpoints.latest()
+    log.error("refusing to write a checkpoint at step %d: non-finite weights (%s); the last good checkpoint is %s",
+              trainer.step, bad, latest)
+    return f"non-finite weights ({bad}); last good checkpoint: {latest}"
