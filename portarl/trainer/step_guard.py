@@ -220,7 +220,7 @@ def guarded_optimizer_step(trainer) -> dict:
         bad_index = next(i for i, t in enumerate(targets)
                          if not all(_all_finite(v for v in optimizer.state.get(t, {}).values()
                                                 if torch.is_tensor(v) and v.is_floating_point())))
-    if bad_index is None and precision.use_master:
+    if bad_index is None and precision.use_master and precision.dtype == torch.float16:
         # fp16: a finite fp32 master beyond 65504 casts to inf.
         casted = _all_finite(m.to(p.dtype) for p, m in zip(precision.params, precision.masters))
         bad_index = next((i for i, ok in enumerate(casted) if not ok), None)

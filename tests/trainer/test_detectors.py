@@ -12,6 +12,18 @@ import torch
 from portarl.trainer import GRPOTrainer, TrainConfig, TrainingStopped, build_from_config
 from portarl.trainer.guards import SpikeDetector
 from portarl.trainer.rollout_phase import identical_cause
+from trainer_fast import fast_config
+
+
+def length_reward(prompt, completion, answer):
+    """Varies inside every group from the first step on, so the first step has a gradient."""
+    return float(len(completion))
+
+
+def _trainer(tmp_path, *overrides):
+    cfg = fast_config(tmp_path, *overrides)
+    model, tokenizer, examples = build_from_config(cfg)
+    return GRPOTrainer(model, tokenizer, [length_reward], examples, cfg, device="cpu")
 
 
 def test_ceiling_judges_the_first_steps():
@@ -29,6 +41,15 @@ def test_floor_keeps_a_near_zero_history_quiet():
     assert det.update(0.5)["reason"] == "relative"
 
 
+def test_ratio_ignores_step_to_step_noise():
+    """The default fp32 demo's grad norms (0.6-3 from step to step): no relative spike with
+    ratio 3; a 10x jump is one."""
+    det = SpikeDetector("grad_norm", window=20, min_history=5, factor=6.0, floor=1.0, ratio=3.0)
+    for v in (0.77, 1.73, 0.74, 1.25, 0.96, 0.80, 1.70, 1.23, 1.69, 0.94, 1.62, 1.55, 1.88, 2.98, 2.35):
+        assert det.update(v) is None, v
+    assert det.update(15.0)["reason"] == "relative"
+
+
 def test_default_fp32_demo_raises_no_spike(tmp_path):
     """The built-in demo as `portarl train` runs it (default model, data, warm-up), shortened."""
     cfg = TrainConfig.load(None, [f"output_dir={tmp_path / 'demo'}", "train.steps=12", "logging.progress=false",
@@ -40,8 +61,8 @@ def test_default_fp32_demo_raises_no_spike(tmp_path):
 
 
 @pytest.mark.parametrize("action", ["skip", "stop"])
-def test_spike_actions_refuse_the_step(make_trainer, action):
-    trainer = make_trainer("guards.grad_norm_ceiling=1e-9", f"guards.spike_action={action}", "train.steps=3")
+def test_spike_actions_refuse_the_step(tmp_path, action):
+    trainer = _trainer(tmp_path, "guards.grad_norm_ceiling=1e-9", f"guards.spike_action={action}", "train.steps=3")
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     if action == "skip":
         metrics = trainer.train_step()
@@ -55,8 +76,8 @@ def test_spike_actions_refuse_the_step(make_trainer, action):
         assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
 
 
-def test_spike_action_log_only_logs(make_trainer):
-    trainer = make_trainer("guards.grad_norm_ceiling=1e-9")
+def test_spike_action_log_only_logs(tmp_path):
+    trainer = _trainer(tmp_path, "guards.grad_norm_ceiling=1e-9")
     metrics = trainer.train_step()
     assert metrics["skipped"] == 0 and metrics["guard/spike"] == 1
     assert any(kind == "grad_norm_spike" for kind, _, _ in metrics["_events"])
