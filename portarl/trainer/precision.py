@@ -1,9 +1,12 @@
-"""Precision plan: parameter dtype, optional fp32 master weights, fp16 loss scaling.
+"""Precision plan: parameter dtype, fp32 master weights, fp16 loss scaling.
 
 - ``fp32``: nothing special.
-- ``bf16`` / ``fp16`` parameters: the optimizer steps either the parameters themselves
-  (state in the same dtype) or, with ``master_weights_fp32``, fp32 copies whose updated
-  values are copied back after each step (the usual mixed-precision recipe).
+- ``bf16`` / ``fp16`` parameters (forward, backward, gradients in that dtype): by default
+  (``master_weights_fp32: auto``) the optimizer steps fp32 copies (masters) with fp32
+  AdamW state, and the updated values are cast back into the parameters after each step
+  (the usual mixed-precision recipe; what TRL and verl do). With ``master_weights_fp32:
+  false`` the optimizer steps the bf16 parameters themselves, state in bf16: an update
+  below half a bf16 ulp of the weight is lost (``update/lost_frac``). Refused for fp16.
 - ``fp16`` adds loss scaling (fp16 gradients underflow otherwise): a fixed scale, or a
   dynamic one that halves on overflow (that step is skipped, as an overflow, not a NaN
   failure) and doubles after ``growth_interval`` clean steps.
@@ -30,6 +33,11 @@ class PrecisionPlan:
             self.scale = 2.0**16 if loss_scale == "dynamic" else float(loss_scale)
         self.growth_interval = growth_interval
         self._clean_steps = 0
+
+    @property
+    def lossy(self) -> bool:
+        """The optimizer steps low-precision parameters directly (no fp32 masters)."""
+        return self.dtype != torch.float32 and not self.use_master
 
     def optimizer_params(self) -> list[torch.Tensor]:
         return self.masters if self.use_master else self.params

@@ -44,26 +44,51 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
     rollout = trainer.rollout.generate(prompts, seeds, trainer.sampling)
     trainer.rollout.sleep()  # the trainer computes now: the engine frees what it can (vLLM: KV cache)
     texts = [trainer.codec.decode(c) for c in rollout.completion_ids]
-    metrics, events = rollout_metrics(trainer, step, rollout)
+    metrics, events = rollout_metrics(trainer, step, rollout, seeds)
     return RolloutPhase(examples, rollout, texts, metrics, events)
 
 
-def rollout_metrics(trainer, step: int, rollout) -> tuple[dict, list]:
+def identical_cause(seeds: list[int], completions: list[list[int]], logprobs: list[list[float]], g: int,
+                    collapse_entropy: float) -> tuple[str, str]:
+    """Why groups have all-identical completions: ``("seeding", why)`` when seeds repeat
+    inside a group, or completions repeat across prompts' groups under seeds that repeat
+    across groups; ``("collapse", why)`` when the sampled tokens' mean -log p (an estimate
+    of the policy's entropy) is below ``collapse_entropy``; else ``("unknown", why)``."""
+    groups = [seeds[i : i + g] for i in range(0, len(seeds), g)]
+    if any(len(set(grp)) < len(grp) for grp in groups):
+        return "seeding", "seeds repeat inside a group (one seed per request gives identical samples)"
+    across = len({tuple(c) for c in completions}) == 1 and len(groups) > 1
+    if across and len(set(seeds)) < len(seeds):
+        return "seeding", "every prompt's group produced the same completion, and seeds repeat across groups"
+    tokens = [-lp for row in logprobs for lp in row]
+    entropy = sum(tokens) / len(tokens) if tokens else 0.0
+    if entropy < collapse_entropy:
+        return "collapse", (f"the sampled tokens' mean -log p is {entropy:.3g} nats (< rollout.collapse_entropy "
+                            f"{collapse_entropy:g}): the policy's distribution has collapsed, seeds are distinct")
+    return "unknown", (f"seeds are distinct and the sampled tokens' mean -log p is {entropy:.3g} nats: check the "
+                       "engine's sampling settings (temperature, top_k, top_p) and how it uses seeds")
+
+
+def rollout_metrics(trainer, step: int, rollout, seeds: list[int]) -> tuple[dict, list]:
     cfg = trainer.config
     g = cfg.rollout.group_size
     metrics: dict = {"step": step, "phase": "grpo"}
     identical = identical_group_fraction(rollout.completion_ids, g)
     degenerate_frac, degenerate_event = trainer.degenerate.update(rollout.completion_ids)
     lengths = [len(c) for c in rollout.completion_ids]
+    tokens = [-lp for row in rollout.logprobs for lp in row]
     metrics.update({
         "rollout/identical_group_frac": identical, "rollout/degenerate_frac": degenerate_frac,
+        "rollout/sample_neg_logp": sum(tokens) / len(tokens) if tokens else 0.0,
         "completion/len_mean": sum(lengths) / len(lengths),
         "completion/finished_frac": sum(rollout.finished) / len(rollout.finished),
     })
     events = []
     if identical > cfg.rollout.identical_warn_frac:
+        cause, why = identical_cause(seeds, rollout.completion_ids, rollout.logprobs, g, cfg.rollout.collapse_entropy)
         events.append(("identical_samples", f"{identical:.0%} of groups have all-identical completions "
-                       f"(seed_mode={cfg.rollout.seed_mode!r}; a constant seed per request gives identical samples)", {}))
+                       f"(> rollout.identical_warn_frac {cfg.rollout.identical_warn_frac:g}); likely cause: {cause}: "
+                       f"{why}", {"cause": cause, "value": identical}))
     if degenerate_event:
         events.append(("degenerate_rise", f"degenerate completions (one token repeated) jumped to {degenerate_frac:.0%} "
                        f"from a median of {degenerate_event['median']:.0%}", degenerate_event))

@@ -91,7 +91,7 @@ def score(trainer, phase, metrics: dict) -> Scored:
         guard.check("ref_logp", ref_logp, batch.mask)
         if cfg.loss.kl_in_reward:
             rewards, kl_metrics = kl_penalized_rewards(rewards.to(trainer.device), old_logp, ref_logp, batch.mask,
-                                                       cfg.loss.kl_coef)
+                                                       trainer.loss_config().kl_coef)
             rewards = rewards.cpu()
             metrics.update({k: float(v) for k, v in kl_metrics.items()})
     # Advantages see every sample of every group on every rank: gather the rewards.

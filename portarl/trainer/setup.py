@@ -14,7 +14,7 @@ from portarl import distributed as pdist
 from portarl.rollout import ENGINES
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.trainer.precision import DTYPES, PrecisionPlan
-from portarl.trainer.update import lr_lambda
+from portarl.trainer.update import lr_lambda, optimizer_steps_total
 
 
 def check_distributed_config(cfg: TrainConfig, world: int) -> None:
@@ -41,7 +41,7 @@ def place_model(model, cfg: TrainConfig, dist, device):
         return model.to(device, dtype=dtype), None
     check_distributed_config(cfg, dist.world_size)
     reference = copy.deepcopy(model).to(device, dtype=dtype) if cfg.loss.kl_coef > 0 else None
-    if cfg.precision.master_weights_fp32 and dtype != torch.float32:
+    if cfg.precision.use_master:
         model = pdist.shard(model.to(device, dtype=torch.float32), param_dtype=dtype)
     else:
         model = pdist.shard(model.to(device, dtype=dtype))
@@ -56,15 +56,14 @@ def make_precision(model, cfg: TrainConfig, dist) -> PrecisionPlan:
     if dist.enabled:  # FSDP2 holds the fp32 master copy (mixed-precision policy) when asked
         return PrecisionPlan(model, "fp32", False, None)
     p = cfg.precision
-    return PrecisionPlan(model, p.dtype, p.master_weights_fp32, p.loss_scale)
+    return PrecisionPlan(model, p.dtype, p.use_master, p.loss_scale)
 
 
 def make_optimizer(params, cfg: TrainConfig):
     """AdamW over ``params`` and its LR schedule; the schedule counts optimizer steps."""
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
-    total = cfg.train.steps * cfg.train.ppo_epochs
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, optimizer_steps_total(cfg)))
 
 
 def make_rollout_engine(trainer):

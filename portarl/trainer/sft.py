@@ -22,11 +22,17 @@ def sft_batch(codec: TextCodec, examples: list[Example], device):
 
 
 def run_sft(model, codec: TextCodec, examples: list[Example], *, steps: int, batch_size: int, lr: float,
-            device, seed: int = 0, on_step=None, logits_policy: str = "fp32") -> list[float]:
-    """``steps`` AdamW steps on random batches; returns the losses. ``on_step(step, loss)``."""
+            device, seed: int = 0, on_step=None, logits_policy: str = "fp32", precision=None) -> list[float]:
+    """``steps`` AdamW steps on random batches; returns the losses. ``on_step(step, loss)``.
+
+    ``precision`` (a :class:`~portarl.trainer.precision.PrecisionPlan`, the trainer's): step
+    its fp32 masters with fp32 AdamW state and its loss scale, as GRPO does, and leave the
+    masters holding the warm-up's result. Without it AdamW steps the parameters in their own
+    dtype (fine for fp32; fp16 would divide by eps = 0)."""
     rng = random.Random(seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    targets = precision.optimizer_params() if precision is not None else params
+    optimizer = torch.optim.AdamW(targets, lr=lr, weight_decay=0.0)
     losses = []
     model.train()
     for step in range(1, steps + 1):
@@ -35,10 +41,26 @@ def run_sft(model, codec: TextCodec, examples: list[Example], *, steps: int, bat
         loss = -(logp * batch.mask).sum() / batch.mask.sum()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"SFT loss is {loss.item()} at step {step}")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+        if precision is None:
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+        else:
+            precision.zero_grad()
+            precision.scale_loss(loss).backward()
+            overflow = not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+            if overflow and precision.dynamic:
+                precision.update_scale(overflow=True)  # fp16: a lower loss scale, this batch skipped
+            elif overflow:
+                raise FloatingPointError(f"SFT gradient is not finite at step {step}")
+            else:
+                precision.unscale_grads()
+                torch.nn.utils.clip_grad_norm_(targets, 1.0)
+                optimizer.step()
+                precision.after_step()
+                precision.update_scale(overflow=False)
+            precision.zero_grad()
         losses.append(float(loss.detach()))
         if on_step is not None:
             on_step(step, float(loss.detach()))

@@ -1,23 +1,41 @@
-"""Update phase of one GRPO iteration: optimizer steps over the scored batch, each
-accumulating gradients over micro-batches of :func:`portarl.core.compute_loss` with global
-normalisers (token and sequence counts summed over ranks), then the learning-rate schedule.
+"""Update phase of one GRPO iteration: ``ppo_epochs`` passes over the scored batch, each
+split into ``mini_batches`` shuffled mini-batches, one optimizer step per mini-batch.
+
+Each optimizer step accumulates gradients over micro-batches of
+:func:`portarl.core.compute_loss`, normalised by that mini-batch's own global token and
+sequence counts (summed over ranks), then runs the step's guards in order: loss,
+gradient, spike (grad norm, KL), the optimizer update itself
+(:func:`portarl.trainer.step_guard.guarded_optimizer_step`).
+
+A guard that trips in optimizer step k ends the iteration there: steps 1..k-1 stay
+applied, step k is not (gradients dropped, or the update restored bitwise), and the
+event says exactly that. The LR schedule advances once per applied optimizer step.
 """
 
 from __future__ import annotations
 
 import math
+import random
 
 import torch
 
 from portarl import distributed as pdist
 from portarl.core import compute_loss, sequence_count, token_count
-from portarl.trainer.guards import NonFiniteError, first_nonfinite_gradient
+from portarl.trainer.guards import GuardTripped, NonFiniteError, first_nonfinite_gradient
 from portarl.trainer.scoring import logprobs
+from portarl.trainer.step_guard import guarded_optimizer_step, judge_spikes
+
+#: Metrics also logged as ``<key>/first`` and ``<key>/last`` over an iteration's optimizer
+#: steps when there are several (the plain key is their mean): the first step is on-policy
+#: (ratio 1, no clipping), the later ones show what the clip range does.
+TRACKED = ("loss", "pg/loss", "pg/clip_frac_low", "pg/clip_frac_high", "pg/approx_kl", "grad_norm", "entropy")
 
 
 def lr_lambda(cfg, total: int):
-    """LR factor per optimizer step: linear warm-up, then constant or cosine to min_lr_ratio."""
-    warm, floor = cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
+    """LR factor per optimizer step: linear warm-up (``warmup_steps``, or ``warmup_ratio``
+    of ``total`` optimizer steps), then constant or cosine down to ``min_lr_ratio``."""
+    warm = cfg.optim.warmup_steps or int(round(cfg.optim.warmup_ratio * total))
+    floor = cfg.optim.min_lr_ratio
 
     def factor(i: int) -> float:
         if warm and i < warm:
@@ -30,25 +48,96 @@ def lr_lambda(cfg, total: int):
     return factor
 
 
-def run_update(trainer, scored, metrics: dict) -> bool:
-    """``ppo_epochs`` optimizer steps over the batch; returns whether the last overflowed
-    (fp16 dynamic loss scale)."""
+def optimizer_steps_total(cfg) -> int:
+    return cfg.train.steps * cfg.train.ppo_epochs * cfg.train.mini_batches
+
+
+def mini_batch_rows(n: int, mini_batches: int, seed: int, step: int, epoch: int) -> list[torch.Tensor | slice]:
+    """Row sets of one pass: a permutation seeded by (run seed, step, epoch), independent of
+    the global RNG (so a resumed run shuffles identically), cut into ``mini_batches`` near
+    equal parts. One mini-batch: the batch in its order (no shuffle, nothing to change)."""
+    if mini_batches == 1:
+        return [slice(0, n)]
+    gen = torch.Generator().manual_seed(random.Random(f"{seed}/mini_batches/{step}/{epoch}").getrandbits(62))
+    perm = torch.randperm(n, generator=gen)
+    return [part for part in torch.tensor_split(perm, mini_batches) if part.numel()]
+
+
+def run_update(trainer, scored, metrics: dict, events: list) -> bool:
+    """All optimizer steps of the iteration; fills ``metrics`` and ``events``. Returns
+    whether the last step overflowed (fp16 dynamic loss scale). Raises the guard's error
+    when the first optimizer step trips (the iteration is skipped, nothing applied)."""
+    cfg = trainer.config.train
+    n = scored.batch.labels.shape[0]
+    total = cfg.ppo_epochs * cfg.mini_batches
+    done: list[dict] = []
     overflow = False
-    for _ in range(trainer.config.train.ppo_epochs):
-        step_metrics, overflow = optimizer_step(trainer, scored.batch, scored.old_logp, scored.ref_logp,
-                                                scored.rollout_logp, scored.advantages)
-        metrics.update(step_metrics)
+    index = 0
+    for epoch in range(cfg.ppo_epochs):
+        for k, rows in enumerate(mini_batch_rows(n, cfg.mini_batches, cfg.seed, trainer._hook_step, epoch)):
+            index += 1
+            try:
+                step_metrics, overflow = optimizer_step(
+                    trainer, scored.batch.rows(rows), scored.old_logp[rows],
+                    None if scored.ref_logp is None else scored.ref_logp[rows], scored.rollout_logp[rows],
+                    scored.advantages[rows],
+                )
+            except GuardTripped as err:
+                if not done:
+                    raise
+                trainer.precision.zero_grad()
+                metrics.update(_combine(done, total))
+                metrics["update/applied_steps"] = len(done)
+                metrics["guard/nonfinite_tensor"] = err.tensor_name
+                events.append(("partial_update", (
+                    f"optimizer step {index} of {total} (epoch {epoch + 1}, mini-batch {k + 1}) skipped: {err}; "
+                    f"the iteration's first {len(done)} optimizer steps stay applied, the step that tripped changed "
+                    f"nothing and the remaining {total - index} were not run"), {"tensor": err.tensor_name}))
+                trainer.partial_update = err
+                return overflow
+            step_metrics.update({"update/epoch": epoch, "update/mini_batch": k})
+            done.append(step_metrics)
+            _nonfinite_logp_event(trainer, step_metrics, index, total)
+    metrics.update(_combine(done, total))
+    metrics["update/applied_steps"] = len(done)
     return overflow
 
 
+def _nonfinite_logp_event(trainer, step_metrics: dict, index: int, total: int) -> None:
+    """compute_loss leaves tokens with a non-finite current-policy log-prob out of the loss
+    (``drop_nonfinite_tokens``); that must be seen, not only counted."""
+    frac = step_metrics.get("guard/nonfinite_token_frac", 0.0)
+    if frac > 0 and not any(kind == "nonfinite_logp" for kind, _, _ in trainer.guard.events):
+        trainer.guard.events.append(("nonfinite_logp", (
+            f"{frac:.2%} of the response tokens had a non-finite current-policy (or old) log-prob in optimizer step "
+            f"{index} of {total}; they were left out of the loss (loss.drop_nonfinite_tokens). Check the logits for "
+            "NaN/inf (overflow in the forward, low-precision weights)"), {"value": frac}))
+
+
+def _combine(done: list[dict], total: int) -> dict:
+    """Mean over optimizer steps as the plain key; first / last of TRACKED keys when
+    the iteration has several optimizer steps."""
+    out: dict = {}
+    keys = [k for k in done[0] if k not in ("update/epoch", "update/mini_batch")]
+    for key in keys:
+        values = [d[key] for d in done if key in d]
+        out[key] = sum(values) / len(values)
+        if total > 1 and key in TRACKED:
+            out[f"{key}/first"], out[f"{key}/last"] = values[0], values[-1]
+    if "precision/loss_scale" in out:
+        out["precision/loss_scale"] = done[-1]["precision/loss_scale"]
+    return out
+
+
 def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages) -> tuple[dict, bool]:
-    """One optimizer step over the whole batch (micro-batched). Returns (metrics, overflow)."""
+    """One optimizer step over ``batch`` (micro-batched). Returns (metrics, overflow)."""
     cfg = trainer.config
     dist, precision = trainer.dist, trainer.precision
     mb = cfg.train.micro_batch_size
     n = batch.labels.shape[0]
     counts = pdist.all_reduce(dist, torch.tensor([float(token_count(batch.mask)), float(sequence_count(batch.mask))]))
     norms = dict(num_global_tokens=int(counts[0]), num_global_seqs=int(counts[1]))
+    loss_cfg = trainer.loss_config()
     want_entropy = True  # cheap with the fused op; logged, and in the loss when entropy_coef > 0
     precision.zero_grad()
     sums: dict[str, float] = {}
@@ -58,7 +147,7 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
         out = logprobs(trainer, trainer.model, part, with_entropy=want_entropy)
         logp, entropy = out if want_entropy else (out, None)
         loss, metrics = compute_loss(
-            logp, old_logp[rows], advantages[rows], part.mask, config=cfg.loss,
+            logp, old_logp[rows], advantages[rows], part.mask, config=loss_cfg,
             ref_logp=None if ref_logp is None else ref_logp[rows],
             rollout_logp=None if rollout_logp is None else rollout_logp[rows],
             entropy=entropy, **norms,
@@ -96,12 +185,16 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
         grad_norm = grad_norm.full_tensor()
     if not torch.isfinite(grad_norm):
         raise NonFiniteError("gradient", "norm")
-    trainer.optimizer.step()
+    sums["grad_norm"] = float(grad_norm)
+    judge_spikes(trainer, sums)  # before the update: "skip" / "stop" must leave the weights as they are
+    sums.update(guarded_optimizer_step(trainer))
     trainer.rollout.mark_trainer_updated()
     trainer.scheduler.step()
-    precision.after_step()
     precision.update_scale(overflow=False)
     precision.zero_grad()
-    sums["grad_norm"] = float(grad_norm)
     sums["precision/loss_scale"] = precision.scale
     return sums, False
+
+
+__all__ = ["TRACKED", "lr_lambda", "mini_batch_rows", "optimizer_step", "optimizer_steps_total", "run_update"]
+
