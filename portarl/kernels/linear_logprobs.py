@@ -40,9 +40,15 @@ def linear_tile_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, BROADCAST_DOT: tl.constexpr,
 ):
-    """fp32 C[M, N] (+)= (A[M, K] @ B[K, N] + bias[N]) * scale, inputs of any float dtype."""
+    """fp32 C[M, N] (+)= (A[M, K] @ B[K, N] + bias[N]) * scale, inputs of any float dtype.
+
+    ``BROADCAST_DOT`` (set by the host only under the Triton interpreter): the tile product
+    as a broadcast multiply + sum over K, because the interpreter's ``tl.dot`` is a numpy
+    (BLAS) matmul whose rounding can depend on a row's position in the tile; compiled
+    kernels use ``tl.dot``, where each output element's k-order is fixed by the MMA shape.
+    """
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -55,7 +61,10 @@ def linear_tile_kernel(
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0).to(tl.float32)
         b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
                     mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0).to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        if BROADCAST_DOT:
+            acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+        else:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     acc = acc * scale
@@ -156,10 +165,10 @@ def _variants():
     for a_t, b_t, has_bias, acc in dict.fromkeys(combos):
         sig = {"a_ptr": a_t, "b_ptr": b_t, "bias_ptr": b_t, "c_ptr": "*fp32", **ints, "scale": "fp32",
                "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-               "HAS_BIAS": "constexpr", "ACCUMULATE": "constexpr"}
+               "HAS_BIAS": "constexpr", "ACCUMULATE": "constexpr", "BROADCAST_DOT": "constexpr"}
         out.append({"kernel": linear_tile_kernel, "signature": sig,
                     "constexprs": {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K,
-                                   "HAS_BIAS": has_bias, "ACCUMULATE": acc},
+                                   "HAS_BIAS": has_bias, "ACCUMULATE": acc, "BROADCAST_DOT": False},
                     "num_warps": 4, "num_stages": 2})
     blocks = [16 << i for i in range(0, 8)]  # 16 .. MAX_BLOCK_V
     for block in blocks:

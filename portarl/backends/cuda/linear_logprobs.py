@@ -14,6 +14,7 @@ import torch
 import triton
 
 from portarl.backends.rows import chunk_rows
+from portarl.kernels import INTERPRETED
 from portarl.kernels.linear_logprobs import (
     BLOCK_K,
     BLOCK_M,
@@ -44,7 +45,7 @@ def matmul_into(c, a, b, *, bias=None, scale=1.0, accumulate=False):
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         scale,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, num_warps=4, num_stages=2,
+        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, BROADCAST_DOT=INTERPRETED, num_warps=4, num_stages=2,
     )
     return c
 
