@@ -29,6 +29,8 @@ import triton.language as tl
 BLOCK_M = 32
 BLOCK_N = 64
 BLOCK_K = 32
+TILE_WARPS = 8
+TILE_STAGES = 2
 #: Row kernels: columns per step; a function of V alone.
 MAX_BLOCK_V = 2048
 
@@ -169,7 +171,7 @@ def _variants():
         out.append({"kernel": linear_tile_kernel, "signature": sig,
                     "constexprs": {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K,
                                    "HAS_BIAS": has_bias, "ACCUMULATE": acc, "BROADCAST_DOT": False},
-                    "num_warps": 4, "num_stages": 2})
+                    "num_warps": TILE_WARPS, "num_stages": TILE_STAGES})
     blocks = [16 << i for i in range(0, 8)]  # 16 .. MAX_BLOCK_V
     for block in blocks:
         for ent in (False, True):

@@ -20,6 +20,8 @@ from portarl.kernels.linear_logprobs import (
     BLOCK_M,
     BLOCK_N,
     MAX_BLOCK_V,
+    TILE_STAGES,
+    TILE_WARPS,
     linear_tile_kernel,
     tile_logprobs_backward_kernel,
     tile_logprobs_forward_kernel,
@@ -45,7 +47,7 @@ def matmul_into(c, a, b, *, bias=None, scale=1.0, accumulate=False):
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         scale,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, BROADCAST_DOT=INTERPRETED, num_warps=4, num_stages=2,
+        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, BROADCAST_DOT=INTERPRETED, num_warps=TILE_WARPS, num_stages=TILE_STAGES,
     )
     return c
 
