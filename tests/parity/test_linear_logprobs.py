@@ -57,6 +57,7 @@ CASES = [
     Case("v17_h64_strided", (3, 4), 17, 64, strided=True, seed=2),
     Case("v4099_h64_batch", (2, 5), 4099, 64, bias=True, seed=3),
     Case("v4099_h8_all_ignored", (2, 3), 4099, 8, ignore="all", seed=4),
+    Case("v32000_h8", (2, 2), 32000, 8, bias=True, seed=7),
     Case("v32000_h896", (3,), 32000, 896, ignore="none", seed=5),
     Case("v4099_h896_strided_t13", (1, 2), 4099, 896, strided=True, temperature=1.3, seed=6),
 ]
@@ -94,6 +95,8 @@ def _check_case(target, case, dtype, monkeypatch=None):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: NAMES[d])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_linear_logprobs_matches_float64(target, case, dtype):
+    if target.id == "cuda-interpreted" and case.vocab * case.hidden > 4_000_000:
+        pytest.skip("V 32000 x H 896 is too slow for the Triton interpreter; runs on hardware (cuda-gpu)")
     _check_case(target, case, dtype)
 
 

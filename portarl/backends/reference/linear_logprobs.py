@@ -140,9 +140,9 @@ class ReferenceLinearLogprobs(torch.autograd.Function):
                 grad = torch.where(keep[r0:r1], grad, 0.0)
                 grad *= inv_t
                 if want_h:
-                    grad_h32[r0:r1] += grad @ w32
+                    grad_h32[r0:r1].addmm_(grad, w32)
                 if want_w:
-                    gw32 += grad.T @ h32[r0:r1]
+                    gw32.addmm_(grad.T, h32[r0:r1])
                 if want_b:
                     gb32 += grad.sum(dim=0)
                 del grad
