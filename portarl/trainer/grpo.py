@@ -1,10 +1,14 @@
-"""GRPOTrainer: rollout -> rewards -> log-probs -> advantages -> clipped policy updates.
+"""GRPOTrainer: the public class and its loop; one iteration's phases live next door.
 
-Per iteration (``step``): sample ``prompts_per_step`` prompts (seeded by run seed and step),
-G completions each from the rollout engine (a seed per sample), rewards, old (and
-reference) log-probs through :mod:`portarl.ops`, advantages, then ``ppo_epochs`` optimizer
-steps, each accumulating gradients over micro-batches of
-:func:`portarl.core.compute_loss` with global normalisers.
+Per iteration (``step``), see :meth:`GRPOTrainer.train_step`:
+
+- :mod:`portarl.trainer.rollout_phase`: ``prompts_per_step`` prompts (seeded by run seed
+  and step), G completions each from the rollout engine (a seed per sample);
+- :mod:`portarl.trainer.scoring`: rewards, old (and reference) log-probs through
+  :mod:`portarl.ops`, advantages;
+- :mod:`portarl.trainer.update`: ``ppo_epochs`` optimizer steps, each accumulating
+  gradients over micro-batches of :func:`portarl.core.compute_loss` with global normalisers;
+- :mod:`portarl.trainer.step_guard`: the guards, through all three.
 
 Guards: every named tensor (reward, old_logp, ref_logp, advantage, loss, gradient) is
 checked; a non-finite one skips the optimizer step with weights and optimizer state
@@ -12,9 +16,9 @@ untouched, counts it, logs it; ``guards.max_consecutive_skips`` in a row stop th
 a checkpoint and :class:`TrainingStopped` naming the first bad tensor. KL and grad-norm
 spikes and degenerate outputs are logged as events. Ctrl-C saves a checkpoint first.
 
-Test hooks: ``trainer.hooks[point]`` (points: ``reward``, ``old_logp``, ``ref_logp``,
-``advantage``, ``loss``, ``grad``) lists ``fn(step, tensor) -> tensor`` applied at that
-point, e.g. to inject a NaN.
+Test hooks (:mod:`portarl.trainer.hooks`): ``trainer.hooks[point]`` (points: ``reward``,
+``old_logp``, ``ref_logp``, ``advantage``, ``loss``, ``grad``) lists ``fn(step, tensor) ->
+tensor`` applied at that point, e.g. to inject a NaN.
 """
 
 from __future__ import annotations
@@ -23,9 +27,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import math
 import os
-import random
 import signal
 import threading
 import time
@@ -33,32 +35,34 @@ from pathlib import Path
 
 import torch
 
-from portarl.core import compute_advantages, compute_loss, kl_penalized_rewards, sequence_count, token_count
-from portarl.data import Example, arithmetic_examples, load_examples
 from portarl import distributed as pdist
+from portarl.data import Example, arithmetic_examples, load_examples
 from portarl.device import resolve_device
 from portarl.emulation import resolve_profile
-from portarl.rewards import resolve_reward
-from portarl.rollout import ENGINES, SamplingParams, identical_group_fraction, request_seeds
+from portarl.rollout import SamplingParams
 from portarl.tokenizer import as_codec
 from portarl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from portarl.trainer.config import TrainConfig
-from portarl.trainer.guards import (
-    DegenerateDetector,
-    NonFiniteError,
-    SpikeDetector,
-    check_finite,
-    first_nonfinite_gradient,
-)
-from portarl.trainer.precision import DTYPES, PrecisionPlan
+from portarl.trainer.guards import DegenerateDetector, NonFiniteError, SpikeDetector
+from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
+from portarl.trainer.rollout_phase import run_rollout
 from portarl.trainer.runlog import RunLogger, plot_curves, read_metrics, summarize
-from portarl.trainer.sequences import build_batch, completion_logits, completion_logprobs
+from portarl.trainer.scoring import compute_rewards, resolve_rewards, score
 from portarl.trainer.sft import run_sft
+from portarl.trainer.step_guard import StepGuard, finish_metrics, record_clean, record_skip
+from portarl.trainer.setup import (
+    SilentLogger,
+    forced_backend,
+    make_optimizer,
+    make_precision,
+    make_rollout_engine,
+    place_model,
+)
+from portarl.trainer.update import run_update
 
 log = logging.getLogger("portarl.train")
 
-HOOK_POINTS = ("reward", "old_logp", "ref_logp", "advantage", "loss", "grad")
-FAULT_ENV = "PORTARL_FAULT_INJECT"
+__all__ = ["FAULT_ENV", "HOOK_POINTS", "GRPOTrainer", "TrainResult", "TrainingStopped", "build_from_config"]
 
 
 class TrainingStopped(RuntimeError):
@@ -77,62 +81,25 @@ class TrainResult:
     summary: str
 
 
-def _lr_lambda(cfg: TrainConfig, total: int):
-    warm, floor = cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
-
-    def factor(i: int) -> float:
-        if warm and i < warm:
-            return (i + 1) / warm
-        if cfg.optim.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (i - warm) / max(1, total - warm))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
 class GRPOTrainer:
     def __init__(self, model, tokenizer, reward_fns, train_data, config: TrainConfig | None = None, device="auto",
                  rollout_engine=None):
         self.config = (config or TrainConfig()).validate()
         # Under torchrun: process group (nccl / hccl / gloo), this rank's device, FSDP2.
         self.dist, self.device = pdist.init_distributed(resolve_device(device))
-        dtype = DTYPES[self.config.precision.dtype]
-        self._initial_reference = None
-        if self.dist.enabled:
-            self._check_distributed_config()
-            if self.config.loss.kl_coef > 0:
-                self._initial_reference = copy.deepcopy(model).to(self.device, dtype=dtype)
-            if self.config.precision.master_weights_fp32 and dtype != torch.float32:
-                self.model = pdist.shard(model.to(self.device, dtype=torch.float32), param_dtype=dtype)
-            else:
-                self.model = pdist.shard(model.to(self.device, dtype=dtype))
-            if self._initial_reference is not None:
-                for p in self._initial_reference.parameters():
-                    p.requires_grad_(False)
-                self._initial_reference = pdist.shard(self._initial_reference)
-        else:
-            self.model = model.to(self.device, dtype=dtype)
+        self.model, self._initial_reference = place_model(model, self.config, self.dist, self.device)
         self.model.train()
         self.tokenizer = tokenizer
         self.codec = as_codec(tokenizer)
-        self.reward_fns = self._resolve_rewards(reward_fns)
+        self.reward_fns = resolve_rewards(reward_fns, self.config)
         self.examples: list[Example] = list(train_data)
         if not self.examples:
             raise ValueError("train_data is empty")
         self.output_dir = Path(self.config.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = CheckpointManager(self.output_dir, self.config.checkpoint.keep_last)
-        if self.dist.enabled:  # FSDP2 holds the fp32 master copy (mixed-precision policy) when asked
-            self.precision = PrecisionPlan(self.model, "fp32", False, None)
-        else:
-            self.precision = PrecisionPlan(self.model, self.config.precision.dtype,
-                                           self.config.precision.master_weights_fp32, self.config.precision.loss_scale)
-        o = self.config.optim
-        self.optimizer = torch.optim.AdamW(self.precision.optimizer_params(), lr=o.lr, betas=(o.beta1, o.beta2),
-                                           eps=o.eps, weight_decay=o.weight_decay)
-        total = self.config.train.steps * self.config.train.ppo_epochs
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(self.config, total))
+        self.precision = make_precision(self.model, self.config, self.dist)
+        self.optimizer, self.scheduler = make_optimizer(self.precision.optimizer_params(), self.config)
         self._rollout = rollout_engine
         r = self.config.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -141,7 +108,7 @@ class GRPOTrainer:
         self.kl_spikes = SpikeDetector("kl", g.spike_window, g.spike_min_history, g.spike_factor)
         self.grad_spikes = SpikeDetector("grad_norm", g.spike_window, g.spike_min_history, g.spike_factor)
         self.degenerate = DegenerateDetector(self.codec.eos_token_id, g.degenerate_min_tokens, g.degenerate_rise)
-        self.hooks: dict[str, list] = {p: [] for p in HOOK_POINTS}
+        self.hooks: dict[str, list] = empty_hooks()
         self.step = 0
         self.sft_done = self.config.train.sft_warmup_steps == 0
         self.skipped_total = 0
@@ -149,9 +116,9 @@ class GRPOTrainer:
         self.streak_first_bad: str | None = None
         self.ref_model = None
         self._hook_step = 0
-        self._pending_bad = None
+        self.guard = StepGuard(self.dist)
         self._local_offset = 0
-        self._install_fault_injection(os.environ.get(FAULT_ENV))
+        install_fault_injection(self.hooks, os.environ.get(FAULT_ENV), self.dist.rank)
         self.emulate = resolve_profile(self.config.precision.numerics)
         if self.emulate:
             log.warning("NPU numerics EMULATION on (%s): not portarl's fp32 path and not Ascend hardware",
@@ -164,75 +131,12 @@ class GRPOTrainer:
         """The rollout engine, built on first use (vllm: after any SFT warm-up, from the
         weights of that moment) unless one was passed in."""
         if self._rollout is None:
-            self._rollout = self._make_rollout()
+            self._rollout = make_rollout_engine(self)
         return self._rollout
-
-    def _make_rollout(self):
-        if self.config.rollout.engine == "vllm":
-            from portarl.rollout.vllm import engine_from_trainer
-
-            return engine_from_trainer(self)
-        engine = ENGINES["hf"](self.model, self.codec.eos_token_id, self.codec.pad_token_id)
-        if self.dist.enabled:  # FSDP forwards are collective: every rank decodes until all are done
-            engine.finished_everywhere = lambda flag: not pdist.any_rank(self.dist, not flag)
-        return engine
 
     @rollout.setter
     def rollout(self, engine) -> None:
         self._rollout = engine
-
-    def _resolve_rewards(self, reward_fns):
-        if reward_fns is None:
-            reward_fns = [(spec.name, spec.weight) for spec in self.config.rewards]
-        out = []
-        for item in reward_fns:
-            name, weight = item if isinstance(item, tuple) else (item, 1.0)
-            fn = resolve_reward(name)
-            out.append((getattr(fn, "__name__", str(name)) if callable(name) else str(name), fn, float(weight)))
-        return out
-
-    def _install_fault_injection(self, spec: str | None) -> None:
-        """TEST ONLY: ``PORTARL_FAULT_INJECT="point@step[@rank]"`` puts a NaN into that tensor
-        (``reward``, ``old_logp``, ``ref_logp``, ``advantage``, ``loss``, ``grad``) at that
-        step, on one rank or all: how the subprocess tests reach the guards."""
-        if not spec:
-            return
-        for item in spec.split(","):
-            parts = item.strip().split("@")
-            point, at_step = parts[0], int(parts[1])
-            only_rank = int(parts[2]) if len(parts) > 2 else None
-            if point not in HOOK_POINTS:
-                raise ValueError(f"{FAULT_ENV}: {point!r} is not one of {', '.join(HOOK_POINTS)}")
-            if only_rank is not None and only_rank != self.dist.rank:
-                continue
-
-            def poison(step, tensor, at_step=at_step):
-                if step != at_step:
-                    return tensor
-                tensor = tensor.clone()
-                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-                local.view(-1)[0] = float("nan")
-                return tensor
-
-            self.hooks[point].append(poison)
-            log.warning("fault injection (test only): NaN into %s at step %d%s", point, at_step,
-                        "" if only_rank is None else f" on rank {only_rank}")
-
-    def _check_distributed_config(self) -> None:
-        from portarl.trainer.config import ConfigError
-
-        cfg, world = self.config, self.dist.world_size
-        if cfg.train.prompts_per_step % world:
-            raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the "
-                              f"{world} ranks (each rank rolls out whole groups)")
-        if cfg.precision.dtype == "fp16":
-            raise ConfigError("precision.dtype=fp16 is not supported with several ranks yet (fp16 loss scaling under "
-                              "FSDP2); use bf16")
-        if cfg.train.sft_warmup_steps:
-            raise ConfigError("train.sft_warmup_steps must be 0 with several ranks: run `portarl sft` once and set "
-                              "model.path to its output")
-        if cfg.rollout.engine != "hf":
-            raise ConfigError("rollout.engine must be 'hf' with several ranks for now")
 
     def _uses_reference(self) -> bool:
         return self.config.loss.kl_coef > 0
@@ -247,9 +151,7 @@ class GRPOTrainer:
         return ref
 
     def _apply_hooks(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
-        for fn in self.hooks[point]:
-            tensor = fn(self._hook_step, tensor)
-        return tensor
+        return apply_hooks(self.hooks, point, self._hook_step, tensor)
 
     # ------------------------------------------------------------- checkpoints
     def _state(self) -> dict:
@@ -299,8 +201,7 @@ class GRPOTrainer:
             state["optimizer"] = self.optimizer.state_dict()
         else:
             self.checkpoints.load_weights(self.model, latest)
-        self.precision = PrecisionPlan(self.model, self.config.precision.dtype, self.config.precision.master_weights_fp32,
-                                       self.config.precision.loss_scale)
+        self.precision = make_precision(self.model, self.config, self.dist)
         self.precision.load_state_dict(state["precision"])
         if self.precision.use_master:
             self.optimizer.param_groups[0]["params"] = self.precision.optimizer_params()
@@ -320,245 +221,32 @@ class GRPOTrainer:
         return self.step
 
     # ---------------------------------------------------------------- one step
-    def _prompts_for_step(self, step: int) -> list[Example]:
-        rng = random.Random(f"{self.config.train.seed}/prompts/{step}")
-        n = self.config.train.prompts_per_step
-        return rng.sample(self.examples, n) if n <= len(self.examples) else [rng.choice(self.examples) for _ in range(n)]
-
     def _rewards(self, examples: list[Example], texts: list[str]) -> tuple[torch.Tensor, dict]:
-        g = self.config.rollout.group_size
-        total = torch.zeros(len(texts), dtype=torch.float32)
-        metrics = {}
-        for name, fn, weight in self.reward_fns:
-            values = torch.tensor(
-                [float(fn(examples[i // g].prompt, text, examples[i // g].answer)) for i, text in enumerate(texts)],
-                dtype=torch.float32,
-            )
-            metrics[f"reward/{name}"] = float(values.mean())
-            total += weight * values
-        return total, metrics
-
-    def _logprobs(self, model, batch, *, with_entropy=False):
-        return completion_logprobs(model, batch, temperature=self.config.rollout.temperature,
-                                   logits_policy=self.config.precision.logits, with_entropy=with_entropy,
-                                   emulate=self.emulate)
-
-    def _no_grad_logprobs(self, model, batch) -> torch.Tensor:
-        mb = self.config.train.micro_batch_size
-        with torch.no_grad():
-            parts = [self._logprobs(model, batch.rows(slice(i, i + mb))) for i in range(0, batch.labels.shape[0], mb)]
-        return torch.cat(parts)
-
-    _GUARD_ORDER = ("logits", "reward", "old_logp", "ref_logp", "advantage", "loss", "gradient")
-
-    def _guard(self, name: str, tensor: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """check_finite; with several ranks the failure is only recorded, and every rank
-        learns of it at the next :meth:`_sync_guard` (they must all reach the same collectives)."""
-        if not self.dist.enabled:
-            check_finite(name, tensor, mask)
-            return
-        try:
-            check_finite(name, tensor, mask)
-        except NonFiniteError:
-            if self._pending_bad is None:
-                self._pending_bad = name
-
-    def _sync_guard(self) -> None:
-        if not self.dist.enabled:
-            return
-        none = len(self._GUARD_ORDER)
-        code = self._GUARD_ORDER.index(self._pending_bad) if self._pending_bad else none
-        self._pending_bad = None
-        first = pdist.first_code(self.dist, code)
-        if first < none:
-            raise NonFiniteError(self._GUARD_ORDER[first], "on at least one rank; every rank skips")
-
-    def _blame_logits(self, batch, logp: torch.Tensor) -> None:
-        """When log-probs are non-finite, name the logits if they are the source (the model
-        itself produced NaN/inf: overflow in the forward, corrupted weights)."""
-        if self.dist.enabled:
-            return  # an extra forward on one rank only would break FSDP's collectives
-        rows = torch.nonzero((~torch.isfinite(logp) & batch.mask).any(dim=-1)).flatten()
-        with torch.no_grad():
-            logits = completion_logits(self.model, batch.rows(rows), self.config.precision.logits)
-        bad = ~torch.isfinite(logits).all(dim=-1) & batch.mask[rows]
-        if bool(bad.any()):
-            raise NonFiniteError("logits", f"{int(bad.sum())} positions in {rows.numel()} sequences")
-
-    def _optimizer_step(self, batch, old_logp, ref_logp, rollout_logp, advantages) -> tuple[dict, bool]:
-        """One optimizer step over the whole batch (micro-batched). Returns (metrics, overflow)."""
-        cfg = self.config
-        mb = cfg.train.micro_batch_size
-        n = batch.labels.shape[0]
-        counts = pdist.all_reduce(self.dist, torch.tensor([float(token_count(batch.mask)), float(sequence_count(batch.mask))]))
-        norms = dict(num_global_tokens=int(counts[0]), num_global_seqs=int(counts[1]))
-        want_entropy = True  # cheap with the fused op; logged, and in the loss when entropy_coef > 0
-        self.precision.zero_grad()
-        sums: dict[str, float] = {}
-        for start in range(0, n, mb):
-            rows = slice(start, start + mb)
-            part = batch.rows(rows)
-            out = self._logprobs(self.model, part, with_entropy=want_entropy)
-            logp, entropy = out if want_entropy else (out, None)
-            loss, metrics = compute_loss(
-                logp, old_logp[rows], advantages[rows], part.mask, config=cfg.loss,
-                ref_logp=None if ref_logp is None else ref_logp[rows],
-                rollout_logp=None if rollout_logp is None else rollout_logp[rows],
-                entropy=entropy, **norms,
-            )
-            loss = self._apply_hooks("loss", loss)
-            self._guard("loss", loss)
-            # FSDP2 averages gradients over ranks; each rank's loss is its share of the global
-            # loss, so scale by the world size to reduce to the global batch's gradient.
-            self.precision.scale_loss(loss * self.dist.world_size if self.dist.enabled else loss).backward()
-            share = part.labels.shape[0] / n
-            for k, v in metrics.items():
-                if k == "loss" or k.endswith("/loss"):
-                    sums[k] = sums.get(k, 0.0) + float(v)  # already a share of the batch loss
-                else:
-                    sums[k] = sums.get(k, 0.0) + share * float(v)
-        params = self.precision.params
-        if self.hooks["grad"] and params[0].grad is not None:
-            params[0].grad = self._apply_hooks("grad", params[0].grad)
-        bad = first_nonfinite_gradient(self.model)
-        if self.dist.enabled:
-            if bad is not None and self._pending_bad is None:
-                self._pending_bad = "gradient"
-            self._sync_guard()
-        if bad is not None:
-            if self.precision.dynamic:
-                self.precision.update_scale(overflow=True)
-                self.precision.zero_grad()
-                return {**sums, "precision/overflow": 1.0, "precision/loss_scale": self.precision.scale}, True
-            raise NonFiniteError("gradient", f"parameter {bad}")
-        self.precision.unscale_grads()
-        targets = self.precision.optimizer_params()
-        clip = cfg.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(targets, clip if clip is not None else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2: the global norm
-            grad_norm = grad_norm.full_tensor()
-        if not torch.isfinite(grad_norm):
-            raise NonFiniteError("gradient", "norm")
-        self.optimizer.step()
-        self.rollout.mark_trainer_updated()
-        self.scheduler.step()
-        self.precision.after_step()
-        self.precision.update_scale(overflow=False)
-        self.precision.zero_grad()
-        sums["grad_norm"] = float(grad_norm)
-        sums["precision/loss_scale"] = self.precision.scale
-        return sums, False
+        """The reward call: one value per completion (fp32, on the CPU) and ``reward/*`` metrics."""
+        return compute_rewards(self.reward_fns, examples, texts, self.config.rollout.group_size)
 
     def train_step(self) -> dict:
-        """Run iteration ``self.step + 1``; returns its metrics (``skipped`` = 1 when skipped)."""
-        cfg = self.config
+        """Run iteration ``self.step + 1``; returns its metrics (``skipped`` = 1 when skipped).
+
+        Phases: :func:`rollout_phase.run_rollout`, :func:`scoring.score`,
+        :func:`update.run_update`; the guards (:mod:`portarl.trainer.step_guard`) run
+        through all three."""
         step = self.step + 1
         self._hook_step = step
         started = time.perf_counter()
-        g = cfg.rollout.group_size
-        everyone = self._prompts_for_step(step)
-        seeds = request_seeds(cfg.train.seed, step, len(everyone), g, cfg.rollout.seed_mode)
-        per_rank = len(everyone) // self.dist.world_size
-        self._local_offset = self.dist.rank * per_rank
-        examples = everyone[self._local_offset : self._local_offset + per_rank]  # whole groups per rank
-        seeds = seeds[self._local_offset * g : (self._local_offset + per_rank) * g]
-        prompts = [self.codec.encode_prompt(ex.prompt) for ex in examples for _ in range(g)]
-        self.rollout.sync_weights(self.model)
-        rollout = self.rollout.generate(prompts, seeds, self.sampling)
-        self.rollout.sleep()  # the trainer computes now: the engine frees what it can (vLLM: KV cache)
-        texts = [self.codec.decode(c) for c in rollout.completion_ids]
-        metrics: dict = {"step": step, "phase": "grpo"}
-        identical = identical_group_fraction(rollout.completion_ids, g)
-        degenerate_frac, degenerate_event = self.degenerate.update(rollout.completion_ids)
-        lengths = [len(c) for c in rollout.completion_ids]
-        metrics.update({
-            "rollout/identical_group_frac": identical, "rollout/degenerate_frac": degenerate_frac,
-            "completion/len_mean": sum(lengths) / len(lengths),
-            "completion/finished_frac": sum(rollout.finished) / len(rollout.finished),
-        })
-        events = []
-        if identical > cfg.rollout.identical_warn_frac:
-            events.append(("identical_samples", f"{identical:.0%} of groups have all-identical completions "
-                           f"(seed_mode={cfg.rollout.seed_mode!r}; a constant seed per request gives identical samples)", {}))
-        if degenerate_event:
-            events.append(("degenerate_rise", f"degenerate completions (one token repeated) jumped to {degenerate_frac:.0%} "
-                           f"from a median of {degenerate_event['median']:.0%}", degenerate_event))
-
+        phase = run_rollout(self, step)
+        metrics, events = phase.metrics, phase.events
         skipped, overflow = False, False
-        self._pending_bad = None
+        self.guard.reset()
         try:
-            rewards, reward_metrics = self._rewards(examples, texts)
-            metrics.update(reward_metrics)
-            rewards = self._apply_hooks("reward", rewards)
-            self._guard("reward", rewards)
-            batch = build_batch(rollout.prompt_ids, rollout.completion_ids, self.codec.pad_token_id, self.device)
-            rollout_logp = torch.zeros(batch.labels.shape, dtype=torch.float32)
-            for i, lp in enumerate(rollout.logprobs):
-                rollout_logp[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
-            rollout_logp = rollout_logp.to(self.device)
-            old_logp = self._apply_hooks("old_logp", self._no_grad_logprobs(self.model, batch))
-            try:
-                self._guard("old_logp", old_logp, batch.mask)
-            except NonFiniteError:
-                self._blame_logits(batch, old_logp)
-                raise
-            ref_logp = None
-            if self._uses_reference():
-                if self.ref_model is None:
-                    self.ref_model = self._make_reference()
-                ref_logp = self._apply_hooks("ref_logp", self._no_grad_logprobs(self.ref_model, batch))
-                self._guard("ref_logp", ref_logp, batch.mask)
-                if cfg.loss.kl_in_reward:
-                    rewards, kl_metrics = kl_penalized_rewards(rewards.to(self.device), old_logp, ref_logp, batch.mask,
-                                                               cfg.loss.kl_coef)
-                    rewards = rewards.cpu()
-                    metrics.update({k: float(v) for k, v in kl_metrics.items()})
-            # Advantages see every sample of every group on every rank: gather the rewards.
-            rewards = pdist.all_gather_cat(self.dist, rewards)
-            self._sync_guard()
-            metrics["reward/mean"] = float(rewards.mean())
-            metrics["reward/std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
-            adv = compute_advantages(rewards, g, cfg.loss.advantage_estimator, drop_zero_std=cfg.loss.drop_zero_std_groups,
-                                     **cfg.loss.advantage_options())
-            metrics.update({f"adv/{k}": float(v) for k, v in adv.metrics.items()})
-            mine = slice(self._local_offset * g, (self._local_offset + len(examples)) * g)
-            advantages = self._apply_hooks("advantage", adv.advantages[mine].to(self.device))
-            check_finite("advantage", advantages)
-            # Dropped groups (DAPO dynamic sampling) are masked out, not removed, so every rank
-            # runs the same number of micro-batches (FSDP forwards are collective).
-            keep = adv.keep[mine].to(self.device)
-            batch = dataclasses.replace(batch, mask=batch.mask & keep[:, None])
-            for _ in range(cfg.train.ppo_epochs):
-                step_metrics, overflow = self._optimizer_step(batch, old_logp, ref_logp, rollout_logp, advantages)
-                metrics.update(step_metrics)
+            scored = score(self, phase, metrics)
+            overflow = run_update(self, scored, metrics)
         except NonFiniteError as err:
             skipped = True
-            self.precision.zero_grad()
-            self.skipped_total += 1
-            self.consecutive_skips += 1
-            if self.consecutive_skips == 1:
-                self.streak_first_bad = err.tensor_name
-            metrics["guard/nonfinite_tensor"] = err.tensor_name
-            events.append(("skipped_step", f"skipped the optimizer step: {err}; weights and optimizer state untouched", {}))
+            record_skip(self, err, metrics, events)
         else:
-            self.consecutive_skips = 0
-            self.streak_first_bad = None
-        metrics["skipped"] = int(skipped)
-        metrics["guard/skipped_total"] = self.skipped_total
-        metrics["guard/consecutive_skips"] = self.consecutive_skips
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
-        kl = metrics.get("kl/value", metrics.get("pg/approx_kl", float("nan")))
-        metrics["kl"] = kl
-        metrics.setdefault("grad_norm", float("nan"))
-        spike = 0
-        if not skipped and not overflow:
-            for detector, value in ((self.kl_spikes, kl), (self.grad_spikes, metrics["grad_norm"])):
-                event = detector.update(value)
-                if event:
-                    spike = 1
-                    events.append((event["kind"], f"{detector.name} spike: {value:.4g} > median {event['median']:.4g} + "
-                                   f"{cfg.guards.spike_factor:g} x MAD {event['mad']:.3g}", event))
-        metrics["guard/spike"] = spike
+            record_clean(self)
+        finish_metrics(self, metrics, events, skipped, overflow)
         metrics["time/step_s"] = time.perf_counter() - started
         if self.dist.enabled:
             for key in [k for k in metrics if k == "loss" or k.endswith("/loss")]:
@@ -629,7 +317,7 @@ class GRPOTrainer:
         elif self._uses_reference() and self.ref_model is None:
             self.ref_model = self._make_reference()
         while self.step < cfg.train.steps:
-            with _forced_backend(cfg.precision.backend):
+            with forced_backend(cfg.precision.backend):
                 metrics = self.train_step()
             events = metrics.pop("_events")
             logger.step(metrics)
@@ -661,7 +349,7 @@ class GRPOTrainer:
             logger = RunLogger(self.output_dir, total_steps=cfg.train.steps, resume_step=self.step,
                                tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress)
         else:  # only rank 0 writes logs
-            logger = _SilentLogger()
+            logger = SilentLogger()
         last_ckpt = self.checkpoints.latest()
         self._stop_requested = False
         try:
@@ -677,39 +365,6 @@ class GRPOTrainer:
         if cfg.logging.plot:
             plot_curves(rows, self.output_dir / "curves.png")
         return TrainResult(self.step, last_ckpt, summary)
-
-
-class _SilentLogger:
-    """What ranks other than 0 log: nothing."""
-
-    def step(self, metrics):
-        pass
-
-    def event(self, *args, **kwargs):
-        pass
-
-    def close(self):
-        pass
-
-
-@contextlib.contextmanager
-def _forced_backend(name: str | None):
-    """Route every portarl op to one backend (``precision.backend``) for the duration."""
-    if name is None:
-        yield
-        return
-
-    from portarl.backends import BACKEND_ENV
-
-    previous = os.environ.get(BACKEND_ENV)
-    os.environ[BACKEND_ENV] = name
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(BACKEND_ENV, None)
-        else:
-            os.environ[BACKEND_ENV] = previous
 
 
 def build_from_config(config: TrainConfig):

@@ -1,0 +1,70 @@
+"""Rollout phase of one GRPO iteration: this step's prompts (seeded by run seed and step),
+one seed per sample, generation by the rollout engine, and the rollout's own metrics and
+events (identical groups, degenerate completions, lengths).
+
+Each rank rolls out whole groups: its slice of the step's prompts starts at
+``trainer._local_offset`` (prompt index), which scoring uses to take its advantages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from portarl.data import Example
+from portarl.rollout import identical_group_fraction, request_seeds
+
+
+@dataclasses.dataclass
+class RolloutPhase:
+    examples: list[Example]      # this rank's prompts (each sampled group_size times)
+    rollout: object              # the engine's RolloutBatch
+    texts: list[str]             # decoded completions
+    metrics: dict
+    events: list                 # (kind, message, fields)
+
+
+def prompts_for_step(trainer, step: int) -> list[Example]:
+    rng = random.Random(f"{trainer.config.train.seed}/prompts/{step}")
+    n = trainer.config.train.prompts_per_step
+    return rng.sample(trainer.examples, n) if n <= len(trainer.examples) else [rng.choice(trainer.examples) for _ in range(n)]
+
+
+def run_rollout(trainer, step: int) -> RolloutPhase:
+    cfg = trainer.config
+    g = cfg.rollout.group_size
+    everyone = prompts_for_step(trainer, step)
+    seeds = request_seeds(cfg.train.seed, step, len(everyone), g, cfg.rollout.seed_mode)
+    per_rank = len(everyone) // trainer.dist.world_size
+    trainer._local_offset = trainer.dist.rank * per_rank
+    examples = everyone[trainer._local_offset : trainer._local_offset + per_rank]  # whole groups per rank
+    seeds = seeds[trainer._local_offset * g : (trainer._local_offset + per_rank) * g]
+    prompts = [trainer.codec.encode_prompt(ex.prompt) for ex in examples for _ in range(g)]
+    trainer.rollout.sync_weights(trainer.model)
+    rollout = trainer.rollout.generate(prompts, seeds, trainer.sampling)
+    trainer.rollout.sleep()  # the trainer computes now: the engine frees what it can (vLLM: KV cache)
+    texts = [trainer.codec.decode(c) for c in rollout.completion_ids]
+    metrics, events = rollout_metrics(trainer, step, rollout)
+    return RolloutPhase(examples, rollout, texts, metrics, events)
+
+
+def rollout_metrics(trainer, step: int, rollout) -> tuple[dict, list]:
+    cfg = trainer.config
+    g = cfg.rollout.group_size
+    metrics: dict = {"step": step, "phase": "grpo"}
+    identical = identical_group_fraction(rollout.completion_ids, g)
+    degenerate_frac, degenerate_event = trainer.degenerate.update(rollout.completion_ids)
+    lengths = [len(c) for c in rollout.completion_ids]
+    metrics.update({
+        "rollout/identical_group_frac": identical, "rollout/degenerate_frac": degenerate_frac,
+        "completion/len_mean": sum(lengths) / len(lengths),
+        "completion/finished_frac": sum(rollout.finished) / len(rollout.finished),
+    })
+    events = []
+    if identical > cfg.rollout.identical_warn_frac:
+        events.append(("identical_samples", f"{identical:.0%} of groups have all-identical completions "
+                       f"(seed_mode={cfg.rollout.seed_mode!r}; a constant seed per request gives identical samples)", {}))
+    if degenerate_event:
+        events.append(("degenerate_rise", f"degenerate completions (one token repeated) jumped to {degenerate_frac:.0%} "
+                       f"from a median of {degenerate_event['median']:.0%}", degenerate_event))
+    return metrics, events

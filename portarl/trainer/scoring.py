@@ -1,0 +1,125 @@
+"""Scoring phase of one GRPO iteration: rewards, the batch, old (and reference) log-probs,
+the optional KL-in-reward penalty, and group advantages.
+
+Every tensor is named and guarded (:class:`portarl.trainer.step_guard.StepGuard`) as soon
+as it exists; a non-finite one raises :class:`~portarl.trainer.guards.NonFiniteError` and
+the iteration is skipped before any optimizer step.
+
+The reward call is :func:`compute_rewards` (through ``GRPOTrainer._rewards``): one place to
+replace for batched / asynchronous rewards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from portarl import distributed as pdist
+from portarl.core import compute_advantages, kl_penalized_rewards
+from portarl.data import Example
+from portarl.rewards import resolve_reward
+from portarl.trainer.guards import NonFiniteError, check_finite
+from portarl.trainer.sequences import build_batch, completion_logprobs
+
+
+@dataclasses.dataclass
+class Scored:
+    batch: object                      # SequenceBatch; mask already excludes dropped groups
+    old_logp: torch.Tensor             # [B, T] fp32, no grad: the rollout policy under the trainer
+    ref_logp: torch.Tensor | None      # [B, T] fp32 or None when no KL to a reference
+    rollout_logp: torch.Tensor         # [B, T] fp32: the engine's own log-probs
+    advantages: torch.Tensor           # [B]
+
+
+def compute_rewards(reward_fns, examples: list[Example], texts: list[str], group_size: int) -> tuple[torch.Tensor, dict]:
+    """Weighted sum of the reward functions, one value per completion (sample ``i`` answers
+    ``examples[i // group_size]``), and ``reward/<name>`` means."""
+    g = group_size
+    total = torch.zeros(len(texts), dtype=torch.float32)
+    metrics = {}
+    for name, fn, weight in reward_fns:
+        values = torch.tensor(
+            [float(fn(examples[i // g].prompt, text, examples[i // g].answer)) for i, text in enumerate(texts)],
+            dtype=torch.float32,
+        )
+        metrics[f"reward/{name}"] = float(values.mean())
+        total += weight * values
+    return total, metrics
+
+
+def logprobs(trainer, model, batch, *, with_entropy=False):
+    cfg = trainer.config
+    return completion_logprobs(model, batch, temperature=cfg.rollout.temperature, logits_policy=cfg.precision.logits,
+                               with_entropy=with_entropy, emulate=trainer.emulate)
+
+
+def no_grad_logprobs(trainer, model, batch) -> torch.Tensor:
+    mb = trainer.config.train.micro_batch_size
+    with torch.no_grad():
+        parts = [logprobs(trainer, model, batch.rows(slice(i, i + mb))) for i in range(0, batch.labels.shape[0], mb)]
+    return torch.cat(parts)
+
+
+def score(trainer, phase, metrics: dict) -> Scored:
+    """Rewards -> batch -> old/ref log-probs -> advantages for the rollout ``phase``
+    (:class:`~portarl.trainer.rollout_phase.RolloutPhase`); adds to ``metrics``."""
+    cfg = trainer.config
+    g = cfg.rollout.group_size
+    guard = trainer.guard
+    rollout, examples = phase.rollout, phase.examples
+    rewards, reward_metrics = trainer._rewards(examples, phase.texts)
+    metrics.update(reward_metrics)
+    rewards = trainer._apply_hooks("reward", rewards)
+    guard.check("reward", rewards)
+    batch = build_batch(rollout.prompt_ids, rollout.completion_ids, trainer.codec.pad_token_id, trainer.device)
+    rollout_logp = torch.zeros(batch.labels.shape, dtype=torch.float32)
+    for i, lp in enumerate(rollout.logprobs):
+        rollout_logp[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    rollout_logp = rollout_logp.to(trainer.device)
+    old_logp = trainer._apply_hooks("old_logp", no_grad_logprobs(trainer, trainer.model, batch))
+    try:
+        guard.check("old_logp", old_logp, batch.mask)
+    except NonFiniteError:
+        guard.blame_logits(trainer, batch, old_logp)
+        raise
+    ref_logp = None
+    if trainer._uses_reference():
+        if trainer.ref_model is None:
+            trainer.ref_model = trainer._make_reference()
+        ref_logp = trainer._apply_hooks("ref_logp", no_grad_logprobs(trainer, trainer.ref_model, batch))
+        guard.check("ref_logp", ref_logp, batch.mask)
+        if cfg.loss.kl_in_reward:
+            rewards, kl_metrics = kl_penalized_rewards(rewards.to(trainer.device), old_logp, ref_logp, batch.mask,
+                                                       cfg.loss.kl_coef)
+            rewards = rewards.cpu()
+            metrics.update({k: float(v) for k, v in kl_metrics.items()})
+    # Advantages see every sample of every group on every rank: gather the rewards.
+    rewards = pdist.all_gather_cat(trainer.dist, rewards)
+    guard.sync()
+    metrics["reward/mean"] = float(rewards.mean())
+    metrics["reward/std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
+    adv = compute_advantages(rewards, g, cfg.loss.advantage_estimator, drop_zero_std=cfg.loss.drop_zero_std_groups,
+                             **cfg.loss.advantage_options())
+    metrics.update({f"adv/{k}": float(v) for k, v in adv.metrics.items()})
+    mine = slice(trainer._local_offset * g, (trainer._local_offset + len(examples)) * g)
+    advantages = trainer._apply_hooks("advantage", adv.advantages[mine].to(trainer.device))
+    check_finite("advantage", advantages)
+    # Dropped groups (DAPO dynamic sampling) are masked out, not removed, so every rank
+    # runs the same number of micro-batches (FSDP forwards are collective).
+    keep = adv.keep[mine].to(trainer.device)
+    batch = dataclasses.replace(batch, mask=batch.mask & keep[:, None])
+    return Scored(batch, old_logp, ref_logp, rollout_logp, advantages)
+
+
+def resolve_rewards(reward_fns, config) -> list[tuple[str, object, float]]:
+    """``[(name, fn, weight)]`` from the trainer's ``reward_fns`` argument (names, callables
+    or ``(name_or_fn, weight)`` pairs) or, when it is None, the config's ``rewards``."""
+    if reward_fns is None:
+        reward_fns = [(spec.name, spec.weight) for spec in config.rewards]
+    out = []
+    for item in reward_fns:
+        name, weight = item if isinstance(item, tuple) else (item, 1.0)
+        fn = resolve_reward(name)
+        out.append((getattr(fn, "__name__", str(name)) if callable(name) else str(name), fn, float(weight)))
+    return out

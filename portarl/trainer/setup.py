@@ -1,0 +1,111 @@
+"""Building the trainer's pieces from its config: model placement (one device, or FSDP2
+shards under torchrun), the precision plan, optimizer and LR schedule, the rollout engine;
+and the small context helpers the run loop uses."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+
+import torch
+
+from portarl import distributed as pdist
+from portarl.rollout import ENGINES
+from portarl.trainer.config import ConfigError, TrainConfig
+from portarl.trainer.precision import DTYPES, PrecisionPlan
+from portarl.trainer.update import lr_lambda
+
+
+def check_distributed_config(cfg: TrainConfig, world: int) -> None:
+    if cfg.train.prompts_per_step % world:
+        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the "
+                          f"{world} ranks (each rank rolls out whole groups)")
+    if cfg.precision.dtype == "fp16":
+        raise ConfigError("precision.dtype=fp16 is not supported with several ranks yet (fp16 loss scaling under "
+                          "FSDP2); use bf16")
+    if cfg.train.sft_warmup_steps:
+        raise ConfigError("train.sft_warmup_steps must be 0 with several ranks: run `portarl sft` once and set "
+                          "model.path to its output")
+    if cfg.rollout.engine != "hf":
+        raise ConfigError("rollout.engine must be 'hf' with several ranks for now")
+
+
+def place_model(model, cfg: TrainConfig, dist, device):
+    """``(model, initial_reference)``: the model on ``device`` in the configured dtype; under
+    torchrun FSDP2-sharded (with fp32 parameters and a ``param_dtype`` compute policy when
+    fp32 master weights are asked for), plus a sharded frozen reference copy when the loss
+    has a KL term (``None`` otherwise, and always ``None`` on one process)."""
+    dtype = DTYPES[cfg.precision.dtype]
+    if not dist.enabled:
+        return model.to(device, dtype=dtype), None
+    check_distributed_config(cfg, dist.world_size)
+    reference = copy.deepcopy(model).to(device, dtype=dtype) if cfg.loss.kl_coef > 0 else None
+    if cfg.precision.master_weights_fp32 and dtype != torch.float32:
+        model = pdist.shard(model.to(device, dtype=torch.float32), param_dtype=dtype)
+    else:
+        model = pdist.shard(model.to(device, dtype=dtype))
+    if reference is not None:
+        for p in reference.parameters():
+            p.requires_grad_(False)
+        reference = pdist.shard(reference)
+    return model, reference
+
+
+def make_precision(model, cfg: TrainConfig, dist) -> PrecisionPlan:
+    if dist.enabled:  # FSDP2 holds the fp32 master copy (mixed-precision policy) when asked
+        return PrecisionPlan(model, "fp32", False, None)
+    p = cfg.precision
+    return PrecisionPlan(model, p.dtype, p.master_weights_fp32, p.loss_scale)
+
+
+def make_optimizer(params, cfg: TrainConfig):
+    """AdamW over ``params`` and its LR schedule; the schedule counts optimizer steps."""
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    total = cfg.train.steps * cfg.train.ppo_epochs
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total))
+
+
+def make_rollout_engine(trainer):
+    if trainer.config.rollout.engine == "vllm":
+        from portarl.rollout.vllm import engine_from_trainer
+
+        return engine_from_trainer(trainer)
+    engine = ENGINES["hf"](trainer.model, trainer.codec.eos_token_id, trainer.codec.pad_token_id)
+    if trainer.dist.enabled:  # FSDP forwards are collective: every rank decodes until all are done
+        engine.finished_everywhere = lambda flag: not pdist.any_rank(trainer.dist, not flag)
+    return engine
+
+
+class SilentLogger:
+    """What ranks other than 0 log: nothing."""
+
+    def step(self, metrics):
+        pass
+
+    def event(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
+@contextlib.contextmanager
+def forced_backend(name: str | None):
+    """Route every portarl op to one backend (``precision.backend``) for the duration."""
+    if name is None:
+        yield
+        return
+
+    from portarl.backends import BACKEND_ENV
+
+    previous = os.environ.get(BACKEND_ENV)
+    os.environ[BACKEND_ENV] = name
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(BACKEND_ENV, None)
+        else:
+            os.environ[BACKEND_ENV] = previous
