@@ -121,6 +121,8 @@ def _device_slug(name: str) -> str:
 def _cmd_bench_kernels(args) -> int:
     import dataclasses
     import json
+
+    import torch
     from pathlib import Path
 
     from portarl.device import DeviceUnavailableError, resolve_device
@@ -133,10 +135,21 @@ def _cmd_bench_kernels(args) -> int:
     from portarl import envinfo
     from portarl.bench.kernels import QUICK_SHAPES, markdown_table, run_kernels
 
+    from portarl.bench.linear import QUICK_LINEAR_SHAPES, linear_table, run_linear
+
     env = envinfo.environment(device)
     shapes = QUICK_SHAPES if args.quick else None
-    results, bandwidth = run_kernels(device, shapes=shapes, dtypes=args.dtypes, repeats=args.repeats, progress=_log)
-    table = markdown_table(results, env["device_name"], bandwidth)
+    results, bandwidth, table = [], 0.0, ""
+    if set(args.ops) & {"logprobs", "kl"}:
+        results, bandwidth = run_kernels(device, shapes=shapes, dtypes=args.dtypes, repeats=args.repeats, progress=_log)
+        table = markdown_table(results, env["device_name"], bandwidth)
+    if "linear_logprobs" in args.ops:
+        linear = run_linear(device, shapes=QUICK_LINEAR_SHAPES if args.quick else None, dtypes=args.dtypes,
+                            repeats=args.repeats, progress=_log)
+        results += linear
+        conditions = (f"{env['device_name']}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+                      f"median of {args.repeats} alternating repeats, memory from the warm-up call")
+        table += "\n## linear_logprobs (hidden [N, H] x weight [V, H] -> log-probs)\n\n" + linear_table(linear, conditions)
     print(table)
     out = Path(args.out) if args.out else Path(BENCH_OUT) / f"kernels-{_device_slug(env['device_name'])}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -208,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32", "fp16"])
     k.add_argument("--repeats", type=int, default=5)
     k.add_argument("--quick", action="store_true", help="one tiny shape (smoke test)")
+    k.add_argument("--ops", nargs="+", default=["logprobs", "kl", "linear_logprobs"],
+                   choices=["logprobs", "kl", "linear_logprobs"], help="which ops to benchmark")
     k.set_defaults(func=_cmd_bench_kernels)
     st = bench_cmds.add_parser("stability", help="train one config under several settings and compare the runs")
     st.add_argument("--runs", default="cpu:fp32,cpu:bf16,cpu:bf16:npu-emulated",

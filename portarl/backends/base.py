@@ -51,5 +51,20 @@ class Backend(abc.ABC):
     ) -> torch.Tensor:
         """fp32 per-token KL estimate, same shape as ``logp``; ``mask`` is bool or None."""
 
+    def linear_logprobs(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        *,
+        temperature: float,
+        ignore_index: int,
+        return_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 ``(logp [N], entropy [N] or None)`` for ``hidden`` [N, H], ``weight`` [V, H],
+        ``bias`` [V] or None, ``labels`` int64 [N] (validated); never an N x V tensor."""
+        raise NotImplementedError(f"the {self.name!r} backend does not implement linear_logprobs")
+
     def __repr__(self) -> str:
         return f"<portarl backend {self.name!r}>"

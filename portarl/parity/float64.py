@@ -99,3 +99,46 @@ def kl_float64(
         ga, gb = torch.autograd.grad((value * grad_out.detach().to("cpu", torch.float64)).sum(), (a, b))
         out["grad_logp"], out["grad_ref"] = ga, gb
     return out
+
+
+def linear_logprobs_float64(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    grad_logp: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """float64 ``logp``, ``entropy`` and, given upstream gradients, ``grad_hidden``,
+    ``grad_weight`` (and ``grad_bias``) of ``logprobs_float64(hidden @ weight.T + bias)``."""
+    want = grad_logp is not None or grad_entropy is not None
+    h = hidden.detach().to("cpu", torch.float64).requires_grad_(want)
+    w = weight.detach().to("cpu", torch.float64).requires_grad_(want)
+    b = None if bias is None else bias.detach().to("cpu", torch.float64).requires_grad_(want)
+    with torch.enable_grad():
+        z = h @ w.T + (b if b is not None else 0.0)
+        y = labels.detach().to("cpu").reshape(-1)
+        zf = z.reshape(-1, z.shape[-1])
+        valid = y != ignore_index
+        bad_row = (torch.isnan(zf) | torch.isinf(zf) & (zf > 0)).any(dim=-1, keepdim=True)
+        zf = torch.where(bad_row, float("nan"), zf) / temperature
+        log_sm = torch.log_softmax(zf, dim=-1)
+        logp = torch.where(valid, log_sm.gather(-1, torch.where(valid, y, 0).unsqueeze(-1)).squeeze(-1), 0.0)
+        p = log_sm.exp()
+        entropy = torch.where(valid, -(p * torch.where(p > 0, log_sm, torch.zeros_like(log_sm))).sum(-1), 0.0)
+    out = {"logp": logp.detach().reshape(labels.shape), "entropy": entropy.detach().reshape(labels.shape)}
+    if want:
+        total = torch.zeros((), dtype=torch.float64)
+        if grad_logp is not None:
+            total = total + (grad_logp.detach().to("cpu", torch.float64).reshape(-1) * logp).sum()
+        if grad_entropy is not None:
+            total = total + (grad_entropy.detach().to("cpu", torch.float64).reshape(-1) * entropy).sum()
+        inputs = (h, w, z) + ((b,) if b is not None else ())
+        grads = torch.autograd.grad(total, inputs)
+        out["grad_hidden"], out["grad_weight"], out["grad_logits"] = grads[0], grads[1], grads[2]
+        if b is not None:
+            out["grad_bias"] = grads[3]
+    return out

@@ -71,3 +71,11 @@ ROLLOUT_FP32_ATOL = 1e-4
 #: metrics): its *mean* per-token |d logp| exceeds twice the bound on the fp32 engine's
 #: *maximum* difference, so it cannot be mistaken for fp32 rounding.
 ROLLOUT_BF16_MIN_MEAN_DIFF = 2 * ROLLOUT_FP32_ATOL
+
+
+def contracted_gradient(scale: float, mass: float, dtype: torch.dtype) -> Tolerance:
+    """A gradient that is an fp32 sum of products (linear_logprobs' d/d hidden, d/d weight),
+    stored in ``dtype``. ``mass`` bounds the sum of |terms| (for d/d hidden: sum over the
+    vocabulary of |d logits| * max|weight|; for d/d weight: sum over rows of |d logits| *
+    max|hidden|): fp32 accumulation error is relative to it, as for :func:`stored_gradient`."""
+    return stored_gradient(scale, mass, dtype)

@@ -2,19 +2,21 @@
 
 A batch is laid out exactly as the rollout engine saw it: prompts left-padded to a common
 width P, completions after them (right-padded), position ids from the attention mask. The
-log-prob of completion token j comes from the logits at position P - 1 + j, so only those
-T positions go through the lm head (in fp32 under ``precision.logits="fp32"``), and
-:func:`portarl.ops.logprobs` turns them into fp32 log-probs.
+log-prob of completion token j comes from the hidden state at position P - 1 + j; those T
+positions and the lm head go to :func:`portarl.ops.linear_logprobs`, which scores them with
+fp32 accumulation without ever building the full-vocabulary logits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.nn.functional as F
 
 from portarl import ops
+from portarl.backends.rows import chunk_rows
 from portarl.emulation import bf16_valued, entropy_in_logits_dtype, matmul_context
 
 
@@ -61,12 +63,67 @@ def _is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def completion_logits(model, batch: TokenBatch, logits_policy: str = "fp32") -> torch.Tensor:
-    """Logits [B, T, V] for the completion positions only.
+#: Set to 1 to score through full-vocabulary logits (the pre-fused path; for A/B measurements).
+MATERIALIZE_ENV = "PORTARL_MATERIALIZE_LOGITS"
 
-    Under FSDP2 the model's own forward must run (it gathers the sharded parameters), so the
-    head is computed there, on the last T + 1 positions (``logits_to_keep``), in the
-    parameters' compute dtype; the log-prob op still accumulates in fp32.
+
+def _materialize() -> bool:
+    return os.environ.get(MATERIALIZE_ENV, "0") == "1"
+
+
+class _HeadPassthrough:
+    """Inside the model's own forward, make the output embedding return its input (the
+    hidden states) and remember its parameters as the forward sees them: under FSDP2 that
+    is the root's all-gathered (unsharded) weight, kept through backward (the root does not
+    reshard after forward), so gradients reach FSDP's reduce-scatter as usual."""
+
+    def __init__(self, model):
+        self.head = model.get_output_embeddings()
+        self.weight = self.bias = None
+
+    def __enter__(self):
+        head = self
+
+        def forward(hidden):
+            head.weight = head.head.weight
+            head.bias = getattr(head.head, "bias", None)
+            return hidden
+
+        self.head.forward = forward
+        return self
+
+    def __exit__(self, *exc):
+        del self.head.forward  # back to the class's forward
+        return False
+
+
+def completion_hidden(model, batch: TokenBatch):
+    """``(hidden [B, T, H], weight [V, H], bias [V] or None)``: the decoder's last hidden
+    states at the completion positions and the output embedding (tied or not) that scores them.
+
+    Under FSDP2 the model's own forward runs (it gathers the sharded parameters) with the
+    head passed through (:class:`_HeadPassthrough`), so no logits exist even there.
+    """
+    t = batch.labels.shape[1]
+    if _is_sharded(model):
+        with _HeadPassthrough(model) as head:
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                        position_ids=batch.position_ids, logits_to_keep=t + 1)
+        return out.logits[:, :-1], head.weight, head.bias
+    hidden = model.get_decoder()(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+    ).last_hidden_state
+    head = model.get_output_embeddings()
+    return hidden[:, batch.prompt_width - 1 : batch.prompt_width - 1 + t], head.weight, getattr(head, "bias", None)
+
+
+def completion_logits(model, batch: TokenBatch, logits_policy: str = "fp32") -> torch.Tensor:
+    """Full-vocabulary logits [B, T, V] for the completion positions: only for the NPU
+    emulation profile, ``precision.logits="model"`` with a low-precision model, and the
+    ``PORTARL_MATERIALIZE_LOGITS=1`` A/B switch; the trainer otherwise never builds them.
+
+    Under FSDP2 the model's own forward computes the head on the last T + 1 positions
+    (``logits_to_keep``), in the parameters' compute dtype.
     """
     t = batch.labels.shape[1]
     if _is_sharded(model):
@@ -84,13 +141,54 @@ def completion_logits(model, batch: TokenBatch, logits_policy: str = "fp32") -> 
     return head(h)
 
 
+def nonfinite_logit_positions(model, batch: TokenBatch, logits_policy: str = "fp32") -> torch.Tensor:
+    """bool [B, T]: completion positions whose logits hold a NaN or inf, checked in row
+    chunks of at most ``PORTARL_CHUNK_ELEMENTS`` logits (never all N x V at once)."""
+    with torch.no_grad():
+        hidden, weight, bias = completion_hidden(model, batch)
+        fp32 = logits_policy == "fp32"
+        w = weight.float() if fp32 else weight
+        b = None if bias is None else (bias.float() if fp32 else bias)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        bad = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
+        step = chunk_rows(weight.shape[0])
+        for r0 in range(0, flat.shape[0], step):
+            rows = flat[r0 : r0 + step]
+            z = F.linear(rows.float() if fp32 else rows.to(w.dtype), w, b)
+            bad[r0 : r0 + step] = ~torch.isfinite(z).all(dim=-1)
+    return bad.view(hidden.shape[:-1]) & batch.mask
+
+
+def _fused_ok(model, logits_policy: str, emulate: frozenset) -> bool:
+    if emulate or _materialize():
+        return False
+    if logits_policy == "model":
+        head = model.get_output_embeddings()
+        return head.weight.dtype == torch.float32  # "model" on an fp32 head is the fp32 path
+    return True
+
+
 def completion_logprobs(model, batch: TokenBatch, *, temperature: float, logits_policy: str = "fp32",
                         with_entropy: bool = False, emulate: frozenset = frozenset()):
     """fp32 log-probs [B, T] (0 on padding) and optionally entropy, through portarl.ops.
 
-    ``emulate``: switches of :mod:`portarl.emulation` (NPU numerics emulation); empty for
-    portarl's own path.
+    Default path: :func:`portarl.ops.linear_logprobs` from the decoder's hidden states and
+    the output embedding (tied or not), so no full-vocabulary logits exist in the step;
+    ``logits_policy="fp32"``: logits accumulated and kept in fp32 inside the op. With
+    ``logits_policy="model"`` and a low-precision head (logits rounded to the compute dtype
+    first, the HF numbers), with ``emulate`` switches of :mod:`portarl.emulation` (the NPU
+    numerics emulation) or with ``PORTARL_MATERIALIZE_LOGITS=1``, the logits are built
+    (:func:`completion_logits`) and scored by :func:`portarl.ops.logprobs`.
     """
+    if _fused_ok(model, logits_policy, emulate):
+        hidden, weight, bias = completion_hidden(model, batch)
+        if hidden.dtype != weight.dtype:
+            hidden, weight = hidden.float(), weight.float()
+            bias = None if bias is None else bias.float()
+        if bias is not None and bias.dtype != weight.dtype:
+            bias = bias.to(weight.dtype)
+        return ops.linear_logprobs(hidden, weight, batch.labels, bias=bias, temperature=temperature,
+                                   return_entropy=with_entropy)
     with matmul_context(emulate):
         policy = "model" if "bf16_logprobs" in emulate else logits_policy
         logits = completion_logits(model, batch, policy)

@@ -21,7 +21,7 @@ import torch
 
 from portarl import distributed as pdist
 from portarl.trainer.guards import NonFiniteError, SpikeTripped, check_finite
-from portarl.trainer.sequences import completion_logits
+from portarl.trainer.sequences import nonfinite_logit_positions
 
 log = logging.getLogger("portarl.train")
 
@@ -75,9 +75,7 @@ class StepGuard:
         if self.dist.enabled:
             return  # an extra forward on one rank only would break FSDP's collectives
         rows = torch.nonzero((~torch.isfinite(logp) & batch.mask).any(dim=-1)).flatten()
-        with torch.no_grad():
-            logits = completion_logits(trainer.model, batch.rows(rows), trainer.config.precision.logits)
-        bad = ~torch.isfinite(logits).all(dim=-1) & batch.mask[rows]
+        bad = nonfinite_logit_positions(trainer.model, batch.rows(rows), trainer.config.precision.logits)
         if bool(bad.any()):
             raise NonFiniteError("logits", f"{int(bad.sum())} positions in {rows.numel()} sequences")
 

@@ -43,6 +43,14 @@ class CudaBackend(Backend):
             logits, labels, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy
         )
 
+    def linear_logprobs(self, hidden, weight, bias, labels, *, temperature, ignore_index, return_entropy):
+        from portarl.backends.cuda.linear_logprobs import triton_linear_logprobs
+
+        return triton_linear_logprobs(
+            hidden, weight, bias, labels, temperature=temperature, ignore_index=ignore_index,
+            return_entropy=return_entropy,
+        )
+
     def kl(self, logp, ref_logp, *, estimator, mask, log_ratio_clamp, max_value):
         from portarl.backends.cuda.kl import triton_kl
 

@@ -20,6 +20,14 @@ class ReferenceBackend(Backend):
             logits, labels, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy
         )
 
+    def linear_logprobs(self, hidden, weight, bias, labels, *, temperature, ignore_index, return_entropy):
+        from portarl.backends.reference.linear_logprobs import reference_linear_logprobs
+
+        return reference_linear_logprobs(
+            hidden, weight, bias, labels, temperature=temperature, ignore_index=ignore_index,
+            return_entropy=return_entropy,
+        )
+
     def kl(self, logp, ref_logp, *, estimator, mask, log_ratio_clamp, max_value):
         return torch_kl(
             logp, ref_logp, estimator=estimator, mask=mask, log_ratio_clamp=log_ratio_clamp, max_value=max_value

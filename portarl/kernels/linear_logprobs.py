@@ -1,0 +1,195 @@
+"""Triton kernels of the fused linear log-probs (``portarl.ops.linear_logprobs``).
+
+Design (Liger-Kernel's fused linear cross-entropy, flash-attention's Triton cross-entropy):
+the host walks the rows in chunks whose fp32 logits tile [n, V] fits the
+``PORTARL_CHUNK_ELEMENTS`` budget;
+
+- :func:`linear_tile_kernel` computes C (+)= (A @ B + bias) * scale with fp32 loads and an
+  fp32 ``tl.dot`` (``input_precision="ieee"``: no TF32), for the logits tile and for the
+  two backward contractions (grad_hidden = grad_z @ W, grad_W += grad_z.T @ h);
+- :func:`tile_logprobs_forward_kernel` reduces each tile row with an online logsumexp and
+  the max-relative entropy of :mod:`portarl.kernels.logprobs`;
+- :func:`tile_logprobs_backward_kernel` overwrites the recomputed tile with its own
+  gradient, in place (the chunk's logits buffer is reused for its gradient).
+
+Batch invariance: an output element of :func:`linear_tile_kernel` is a sum over K in
+BLOCK_K steps in a fixed order, and the block sizes are constants, so a row's logits do
+not depend on how many rows share its chunk or which; the row kernels walk a row in tiles
+that depend on V only. So a row's logp and entropy are bitwise the same whatever the other
+rows and the chunking.
+
+``AOT_VARIANTS`` lists every (signature, constexpr) combination the host code launches,
+for ahead-of-time compilation checks (sm_80 / sm_90, no spills).
+"""
+
+import triton
+import triton.language as tl
+
+#: Tiles of linear_tile_kernel: constants (batch invariance), small enough not to spill.
+BLOCK_M = 32
+BLOCK_N = 64
+BLOCK_K = 32
+TILE_WARPS = 8
+TILE_STAGES = 2
+#: Row kernels: columns per step; a function of V alone.
+MAX_BLOCK_V = 2048
+
+
+@triton.jit
+def linear_tile_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, BROADCAST_DOT: tl.constexpr,
+):
+    """fp32 C[M, N] (+)= (A[M, K] @ B[K, N] + bias[N]) * scale, inputs of any float dtype.
+
+    ``BROADCAST_DOT`` (set by the host only under the Triton interpreter): the tile product
+    as a broadcast multiply + sum over K, because the interpreter's ``tl.dot`` is a numpy
+    (BLAS) matmul whose rounding can depend on a row's position in the tile; compiled
+    kernels use ``tl.dot``, where each output element's k-order is fixed by the MMA shape.
+    """
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
+                    mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0).to(tl.float32)
+        if BROADCAST_DOT:
+            acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+        else:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    acc = acc * scale
+    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    c_mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0)
+    tl.store(c_ptrs, acc, mask=c_mask)
+
+
+@triton.jit
+def tile_logprobs_forward_kernel(
+    z_ptr, labels_ptr, logp_ptr, entropy_ptr, lse_ptr, n_cols, ignore_index,
+    BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+):
+    """One program per row of a contiguous fp32 [n, V] tile of logits already divided by T."""
+    row = tl.program_id(0).to(tl.int64)
+    label = tl.load(labels_ptr + row)
+    row_ptr = z_ptr + row * n_cols
+    if label == ignore_index:
+        tl.store(logp_ptr + row, 0.0)
+        tl.store(lse_ptr + row, 0.0)
+        if WITH_ENTROPY:
+            tl.store(entropy_ptr + row, 0.0)
+    else:
+        cols = tl.arange(0, BLOCK_V)
+        m = -float("inf")
+        s = 0.0
+        t = 0.0
+        for start in range(0, n_cols, BLOCK_V):
+            idx = start + cols
+            z = tl.load(row_ptr + idx, mask=idx < n_cols, other=-float("inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+            e = tl.exp(z - shift)
+            scale = tl.exp(m - shift)
+            s_prev = s
+            s = s * scale + tl.sum(e, axis=0)
+            if WITH_ENTROPY:
+                tile_t = tl.sum(tl.where(e > 0.0, e * (z - shift), 0.0), axis=0)
+                moved = tl.where(s_prev > 0.0, (m - shift) * s_prev, 0.0)
+                t = scale * (t + moved) + tile_t
+            m = m_new
+        shift = tl.where(m == -float("inf"), 0.0, m)
+        log_s = tl.log(s)
+        lse = shift + log_s
+        tl.store(logp_ptr + row, tl.load(row_ptr + label) - lse)
+        tl.store(lse_ptr + row, lse)
+        if WITH_ENTROPY:
+            tl.store(entropy_ptr + row, log_s - t / s)
+
+
+@triton.jit
+def tile_logprobs_backward_kernel(
+    z_ptr, labels_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+    n_cols, inv_temperature, ignore_index,
+    BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+):
+    """In place: the fp32 tile of z = logits / T becomes d loss / d logits.
+
+    grad = (g_logp (onehot - p) - g_H p (log p + H)) / T; ignored rows get 0.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    label = tl.load(labels_ptr + row)
+    row_ptr = z_ptr + row * n_cols
+    cols = tl.arange(0, BLOCK_V)
+    if label == ignore_index:
+        for start in range(0, n_cols, BLOCK_V):
+            idx = start + cols
+            tl.store(row_ptr + idx, tl.zeros([BLOCK_V], dtype=tl.float32), mask=idx < n_cols)
+    else:
+        lse = tl.load(lse_ptr + row)
+        g_logp = tl.load(grad_logp_ptr + row)
+        if WITH_ENTROPY:
+            g_h = tl.load(grad_entropy_ptr + row)
+            h = tl.load(entropy_ptr + row)
+        for start in range(0, n_cols, BLOCK_V):
+            idx = start + cols
+            in_row = idx < n_cols
+            z = tl.load(row_ptr + idx, mask=in_row, other=-float("inf"))
+            logp = z - lse
+            p = tl.exp(logp)
+            grad = tl.where(idx == label, g_logp, 0.0) - g_logp * p
+            if WITH_ENTROPY:
+                grad -= tl.where(p > 0.0, g_h * p * (logp + h), 0.0)
+            tl.store(row_ptr + idx, grad * inv_temperature, mask=in_row)
+
+
+def _variants():
+    out = []
+    dtypes = ("*fp32", "*bf16", "*fp16")
+    ints = {k: "i64" for k in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm",
+                              "stride_cn")}
+    combos = []  # (a, b, HAS_BIAS, ACCUMULATE) as launched by the host
+    for d in dtypes:
+        combos += [(d, d, False, False), (d, d, True, False)]  # logits tile = hidden @ W.T (+ bias)
+        combos += [("*fp32", d, False, False), ("*fp32", d, False, True)]  # grad_z @ W, grad_W += grad_z.T @ h
+    for a_t, b_t, has_bias, acc in dict.fromkeys(combos):
+        sig = {"a_ptr": a_t, "b_ptr": b_t, "bias_ptr": b_t, "c_ptr": "*fp32", **ints, "scale": "fp32",
+               "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+               "HAS_BIAS": "constexpr", "ACCUMULATE": "constexpr", "BROADCAST_DOT": "constexpr"}
+        out.append({"kernel": linear_tile_kernel, "signature": sig,
+                    "constexprs": {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K,
+                                   "HAS_BIAS": has_bias, "ACCUMULATE": acc, "BROADCAST_DOT": False},
+                    "num_warps": TILE_WARPS, "num_stages": TILE_STAGES})
+    blocks = [16 << i for i in range(0, 8)]  # 16 .. MAX_BLOCK_V
+    for block in blocks:
+        for ent in (False, True):
+            out.append({"kernel": tile_logprobs_forward_kernel,
+                        "signature": {"z_ptr": "*fp32", "labels_ptr": "*i64", "logp_ptr": "*fp32",
+                                      "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "n_cols": "i64",
+                                      "ignore_index": "i64", "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr"},
+                        "constexprs": {"BLOCK_V": block, "WITH_ENTROPY": ent},
+                        "num_warps": 8 if block >= 2048 else 4, "num_stages": 2})
+            out.append({"kernel": tile_logprobs_backward_kernel,
+                        "signature": {"z_ptr": "*fp32", "labels_ptr": "*i64", "lse_ptr": "*fp32",
+                                      "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32", "grad_entropy_ptr": "*fp32",
+                                      "n_cols": "i64", "inv_temperature": "fp32", "ignore_index": "i64",
+                                      "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr"},
+                        "constexprs": {"BLOCK_V": block, "WITH_ENTROPY": ent},
+                        "num_warps": 8 if block >= 2048 else 4, "num_stages": 2})
+    return out
+
+
+#: Every (signature, constexprs, launch config) the host code (backends/cuda/linear_logprobs.py) launches.
+AOT_VARIANTS = _variants()
