@@ -97,7 +97,7 @@ class HFRollout(RolloutEngine):
                 tokens[:, t] = tok
                 logps[:, t] = ops.logprobs(logits, tok, temperature=params.temperature).float()
                 length += (~done).long()
-                done |= torch.isin(tok, stops)
+                done |= (tok[:, None] == stops).any(-1)
                 if self.finished_everywhere(bool(done.all())):
                     break
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
