@@ -38,6 +38,7 @@ from pathlib import Path
 VOCAB_CHARS = "0123456789+-*=?., ()abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNO"  # 61 + 3 specials = 64
 PROMPTS_PER_STEP, GROUP, NEW_TOKENS, LR = 8, 8, 8, 5e-4
 IMPLS = ("portarl", "trl")
+STEP_KEYS = ("wall_s", "cpu_s", *(f"{p}_{k}_s" for p in ("rollout", "scoring", "update") for k in ("cpu", "wall")))
 
 
 # ---------------------------------------------------------------- shared set-up (both workers)
@@ -83,23 +84,30 @@ def score(completion: str) -> float:
 
 
 def timed(acc: dict, key: str, fn):
-    """``fn`` wrapped to add its wall time to ``acc[key]``."""
+    """``fn`` wrapped to add its wall and process CPU time to ``acc[key]`` ([wall, cpu])."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
+        w0, c0 = time.perf_counter(), time.process_time()
         try:
             return fn(*args, **kwargs)
         finally:
-            acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
+            spent = acc.setdefault(key, [0.0, 0.0])
+            spent[0] += time.perf_counter() - w0
+            spent[1] += time.process_time() - c0
 
     return wrapper
 
 
 def step_record(wall: float, cpu: float, phases: dict) -> dict:
-    rollout, scoring = phases.get("rollout"), phases.get("scoring")
-    update = wall - (rollout or 0.0) - (scoring or 0.0) if rollout is not None else None
-    return {"wall_s": wall, "cpu_s": cpu, "rollout_s": rollout, "scoring_s": scoring, "update_s": update}
+    """One step; phases ``{name: [wall, cpu]}`` (rollout, scoring); update = the rest."""
+    out = {"wall_s": wall, "cpu_s": cpu}
+    for i, kind in enumerate(("wall", "cpu")):
+        rollout, scoring = (phases[k][i] if k in phases else None for k in ("rollout", "scoring"))
+        out[f"rollout_{kind}_s"], out[f"scoring_{kind}_s"] = rollout, scoring
+        total = wall if kind == "wall" else cpu
+        out[f"update_{kind}_s"] = total - rollout - (scoring or 0.0) if rollout is not None else None
+    return out
 
 
 def finish(steps: list[dict], threads: int, started: float) -> dict:
@@ -188,8 +196,7 @@ def _median(values):
 
 def summarize_run(run: dict, warmup: int) -> dict:
     timed_steps = run["steps"][warmup:] or run["steps"][-1:]
-    keys = ("wall_s", "cpu_s", "rollout_s", "scoring_s", "update_s")
-    return {**{k: _median([s[k] for s in timed_steps]) for k in keys}, "peak_rss_mib": run["peak_rss_mib"],
+    return {**{k: _median([s[k] for s in timed_steps]) for k in STEP_KEYS}, "peak_rss_mib": run["peak_rss_mib"],
             "torch_threads": run["torch_threads"], "timed_steps": len(timed_steps)}
 
 
@@ -210,7 +217,7 @@ def run_bench(*, vs_trl: bool, steps: int, rounds: int, warmup: int, threads: in
             row["ratio_wall"] = row["portarl_median"]["wall_s"] / row["trl_median"]["wall_s"]
         out_rounds.append(row)
     summary = {impl: {k: _median([row[impl + "_median"][k] for row in out_rounds])
-                      for k in ("wall_s", "cpu_s", "rollout_s", "scoring_s", "update_s", "peak_rss_mib")}
+                      for k in (*STEP_KEYS, "peak_rss_mib")}
                for impl in impls}
     if vs_trl:
         summary["ratio_cpu"] = _median([row["ratio_cpu"] for row in out_rounds])
@@ -256,13 +263,13 @@ def markdown(result: dict) -> str:
              f"Work per step: {w['prompts_per_step']} prompts x {w['group_size']} samples, {w['max_new_tokens']} new "
              f"tokens, beta {w['beta']}; {w['model']}. {w['steps_per_run']} steps per run, first "
              f"{w['warmup_steps_dropped']} dropped; {w['rounds']} rounds, fresh processes, order alternated.", "",
-             result["conditions"], "", "Per step, median over rounds (ms):", "",
-             "| impl | process CPU | wall | rollout | scoring | update | peak RSS (MiB) |", "|---|---|---|---|---|---|---|"]
+             result["conditions"], "", "Per step, median over rounds (ms; phases in process CPU time, wall in brackets):",
+             "", "| impl | process CPU | wall | rollout | scoring | update | peak RSS (MiB) |", "|---|---|---|---|---|---|---|"]
     for impl in IMPLS:
         if impl in s:
             m = s[impl]
-            lines.append(f"| {impl} | {_ms(m['cpu_s'])} | {_ms(m['wall_s'])} | {_ms(m['rollout_s'])} | "
-                         f"{_ms(m['scoring_s'])} | {_ms(m['update_s'])} | {m['peak_rss_mib']:.0f} |")
+            ph = " | ".join(f"{_ms(m[f'{p}_cpu_s'])} ({_ms(m[f'{p}_wall_s'])})" for p in ("rollout", "scoring", "update"))
+            lines.append(f"| {impl} | {_ms(m['cpu_s'])} | {_ms(m['wall_s'])} | {ph} | {m['peak_rss_mib']:.0f} |")
     if "ratio_cpu" in s:
         lines += ["", "portarl / TRL per round (CPU, wall): " + ", ".join(
             f"{r['ratio_cpu']:.2f}x / {r['ratio_wall']:.2f}x" for r in result["rounds"]),
@@ -272,8 +279,7 @@ def markdown(result: dict) -> str:
 
 CONDITIONS = ("The machine is shared with other jobs and loaded: wall times include waiting for a core and "
               "vary with that load; process CPU time counts only this process's own work, so it is the "
-              "meaningful number here. Phases are wall time (on one thread close to CPU time when not "
-              "preempted). Peak RSS includes each side's imports (TRL pulls in datasets, accelerate, pandas).")
+              "meaningful number here; phases are given in both. Peak RSS includes each side's imports (TRL pulls in datasets, accelerate, pandas).")
 
 
 def main(args, progress=lambda line: None) -> tuple[dict, str]:

@@ -37,10 +37,11 @@ def run_trl(steps: int, threads: int, beta: float) -> dict:
 
         def on_step_end(self, args, state, control, **kwargs):
             wall, cpu = time.perf_counter() - self.w0, time.process_time() - self.c0
-            gen_and_score = phases.get("generate_and_score")
-            rollout = phases.get("rollout")
-            scoring = None if gen_and_score is None or rollout is None else gen_and_score - rollout
-            records.append(step_record(wall, cpu, {"rollout": rollout, "scoring": scoring}))
+            both, rollout = phases.get("generate_and_score"), phases.get("rollout")
+            split = {"rollout": rollout} if rollout else {}
+            if both and rollout:
+                split["scoring"] = [both[0] - rollout[0], both[1] - rollout[1]]
+            records.append(step_record(wall, cpu, split))
 
     from portarl.bench.step import tokenizer
 
