@@ -284,6 +284,9 @@ CONDITIONS = ("The machine is shared with other jobs and loaded: wall times incl
 
 def main(args, progress=lambda line: None) -> tuple[dict, str]:
     vs_trl = getattr(args, "vs", None) == "trl"
+    if min(args.steps, args.rounds, args.threads) < 1 or not 0 <= args.warmup < args.steps:
+        raise RuntimeError(f"need --steps, --rounds, --threads >= 1 and 0 <= --warmup < --steps; got steps {args.steps}, "
+                           f"rounds {args.rounds}, threads {args.threads}, warmup {args.warmup}")
     if vs_trl and (reason := trl_unavailable_reason()):
         raise RuntimeError(reason)
     result = run_bench(vs_trl=vs_trl, steps=args.steps, rounds=args.rounds, warmup=args.warmup,

@@ -40,6 +40,12 @@ def test_bench_step_refuses_vs_trl_without_trl(monkeypatch, capsys):
     assert "trl is not installed" in capsys.readouterr().err
 
 
+def test_bench_step_checks_its_arguments(capsys):
+    assert main(["bench", "step", "--steps", "2", "--warmup", "2"]) == 2
+    assert main(["bench", "step", "--threads", "0"]) == 2
+    assert "--warmup < --steps" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(bench_step.trl_unavailable_reason() is not None, reason="trl is not installed (portarl[bench])")
 def test_bench_step_vs_trl(tmp_path):
     out = tmp_path / "step.json"
