@@ -22,7 +22,11 @@ import torch
 
 from portarl import ops
 from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
-from portarl.rollout.sampling import filter_logits, sample_tokens, seed_keys
+from portarl.rollout.sampling import filter_logits, sample_tokens, seed_keys, uniform_span
+
+#: Philox words drawn per call (about 8 MiB per int64 temporary): several positions per call
+#: when B x V is small (a CPU pays per op, not per element), one position at a time otherwise.
+NOISE_WORDS_PER_CALL = 1 << 20
 
 __all__ = ["HFRollout", "filter_logits", "left_pad"]
 
@@ -91,9 +95,15 @@ class HFRollout(RolloutEngine):
             logps = torch.zeros((n, params.max_new_tokens), dtype=torch.float32, device=device)
             done = torch.zeros(n, dtype=torch.bool, device=device)
             length = torch.zeros(n, dtype=torch.long, device=device)  # tokens kept per row
+            vocab = logits.shape[-1]
+            span = max(1, NOISE_WORDS_PER_CALL // (n * -(-vocab // 4)))
+            noise = None
             for t in range(params.max_new_tokens):
+                if not params.greedy and t % span == 0:
+                    noise = uniform_span(keys, t, min(span, params.max_new_tokens - t), vocab)
                 tok = sample_tokens(logits, keys, t, temperature=params.temperature, top_k=params.top_k,
-                                    top_p=params.top_p, greedy=params.greedy)
+                                    top_p=params.top_p, greedy=params.greedy,
+                                    u=None if params.greedy else noise[:, t % span])
                 tokens[:, t] = tok
                 logps[:, t] = ops.logprobs(logits, tok, temperature=params.temperature).float()
                 length += (~done).long()

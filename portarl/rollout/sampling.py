@@ -66,14 +66,24 @@ def seed_keys(seeds: list[int], device) -> torch.Tensor:
     return torch.tensor([[s & _MASK32, s >> 32] for s in seeds], dtype=torch.int64, device=device)
 
 
+def uniform_span(keys: torch.Tensor, start: int, count: int, vocab: int, stream: int = STREAM_TOKEN) -> torch.Tensor:
+    """[B, count, vocab] fp32 uniforms on (0, 1) for positions start .. start + count - 1.
+
+    One batched Philox call for several positions (fewer small ops per token on a CPU);
+    the values do not depend on how positions are grouped into calls."""
+    words = -(-vocab // 4)
+    dev = keys.device
+    c0 = torch.arange(words, dtype=torch.int64, device=dev)[None, None, :]
+    c1 = torch.arange(start, start + count, dtype=torch.int64, device=dev)[None, :, None]
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    out = philox4x32((c0, c1, zero + stream, zero), (keys[:, :1, None], keys[:, 1:, None]))
+    bits = torch.stack(out, dim=-1).reshape(keys.shape[0], count, 4 * words)[..., :vocab]
+    return ((bits >> 9).float() + 0.5) * 2.0**-23
+
+
 def uniforms(keys: torch.Tensor, position: int, vocab: int, stream: int = STREAM_TOKEN) -> torch.Tensor:
     """[B, vocab] fp32 uniforms on (0, 1) for one completion position; row b from keys[b]."""
-    words = -(-vocab // 4)
-    c0 = torch.arange(words, dtype=torch.int64, device=keys.device)[None, :]
-    zero = torch.zeros((), dtype=torch.int64, device=keys.device)
-    out = philox4x32((c0, zero + position, zero + stream, zero), (keys[:, :1], keys[:, 1:]))
-    bits = torch.stack(out, dim=-1).reshape(keys.shape[0], 4 * words)[:, :vocab]
-    return ((bits >> 9).float() + 0.5) * 2.0**-23
+    return uniform_span(keys, position, 1, vocab, stream)[:, 0]
 
 
 def filter_logits(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -92,12 +102,15 @@ def filter_logits(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, position: int, *, temperature: float,
-                  top_k: int = 0, top_p: float = 1.0, greedy: bool = False) -> torch.Tensor:
+                  top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
+                  u: torch.Tensor | None = None) -> torch.Tensor:
     """[B] int64 token ids drawn from softmax(logits / T) restricted to top-k / top-p, on the
-    logits' device; row b uses only keys[b] and ``position`` (see the module docstring)."""
+    logits' device; row b uses only keys[b] and ``position`` (see the module docstring).
+    ``u``: this position's uniforms when already drawn (``uniform_span``)."""
     z = logits.float() / temperature
     if greedy:
         return z.argmax(-1)
     z = filter_logits(z, top_k, top_p)
-    u = uniforms(keys, position, z.shape[-1])
+    if u is None:
+        u = uniforms(keys, position, z.shape[-1])
     return (z - torch.log(-torch.log(u))).argmax(-1)

@@ -15,7 +15,7 @@ import torch
 from portarl.models import build_tiny
 from portarl.rollout import HFRollout, SamplingParams, request_seeds, sample_seed
 from portarl.rollout.hf import _last_logits_kwargs
-from portarl.rollout.sampling import filter_logits, philox4x32, sample_tokens, seed_keys, uniforms
+from portarl.rollout.sampling import filter_logits, philox4x32, sample_tokens, seed_keys, uniform_span, uniforms
 from portarl.trainer.sequences import build_batch, completion_logprobs
 
 ALPHA = 1e-3
@@ -87,6 +87,8 @@ def test_a_row_draws_the_same_whatever_the_batch():
     alone = torch.cat([sample_tokens(z[i : i + 1], keys[i : i + 1], 4, temperature=0.9, top_p=0.95) for i in range(6)])
     assert torch.equal(batch, alone)
     assert torch.equal(uniforms(keys, 4, 50)[2:3], uniforms(keys[2:3], 4, 50))
+    span = uniform_span(keys, 3, 4, 50)  # several positions per call: the same values
+    assert torch.equal(span, torch.stack([uniforms(keys, t, 50) for t in range(3, 7)], dim=1))
 
 
 def _engine(**kw):
@@ -161,3 +163,14 @@ def test_prefill_computes_the_head_on_the_last_position_only():
     finally:
         hook.remove()
     assert rows and set(rows) == {1}
+
+
+def test_drawing_several_positions_per_call_changes_no_sample(monkeypatch):
+    import portarl.rollout.hf as hf
+
+    engine, tok = _engine()
+    prompts, seeds = [tok.encode("3+4="), tok.encode("12+7=")] * 3, request_seeds(2, 1, 2, 3)
+    params = SamplingParams(max_new_tokens=7, top_k=30)
+    grouped = engine.generate(prompts, seeds, params)
+    monkeypatch.setattr(hf, "NOISE_WORDS_PER_CALL", 1)  # one position per Philox call
+    assert engine.generate(prompts, seeds, params).completion_ids == grouped.completion_ids
