@@ -26,6 +26,7 @@ from portarl.rollout.sampling import filter_logits, sample_tokens, seed_keys, un
 
 #: Philox words drawn per call (about 8 MiB per int64 temporary): several positions per call
 #: when B x V is small (a CPU pays per op, not per element), one position at a time otherwise.
+#: The log-probs of those positions are computed together too (their logits kept meanwhile).
 NOISE_WORDS_PER_CALL = 1 << 20
 
 __all__ = ["HFRollout", "filter_logits", "left_pad"]
@@ -97,7 +98,7 @@ class HFRollout(RolloutEngine):
             length = torch.zeros(n, dtype=torch.long, device=device)  # tokens kept per row
             vocab = logits.shape[-1]
             span = max(1, NOISE_WORDS_PER_CALL // (n * -(-vocab // 4)))
-            noise = None
+            noise, pending = None, []
             for t in range(params.max_new_tokens):
                 if not params.greedy and t % span == 0:
                     noise = uniform_span(keys, t, min(span, params.max_new_tokens - t), vocab)
@@ -105,7 +106,9 @@ class HFRollout(RolloutEngine):
                                     top_p=params.top_p, greedy=params.greedy,
                                     u=None if params.greedy else noise[:, t % span])
                 tokens[:, t] = tok
-                logps[:, t] = ops.logprobs(logits, tok, temperature=params.temperature).float()
+                pending.append(logits)
+                if len(pending) >= span:
+                    self._score(pending, tokens, logps, t + 1, params.temperature)
                 length += (~done).long()
                 done |= (tok[:, None] == stops).any(-1)
                 if self.finished_everywhere(bool(done.all())):
@@ -117,9 +120,22 @@ class HFRollout(RolloutEngine):
                 )
                 past, logits = out.past_key_values, out.logits[:, -1]
                 next_pos = next_pos + 1
+            self._score(pending, tokens, logps, t + 1, params.temperature)
             tokens, logps, length, done = tokens.cpu(), logps.cpu(), length.tolist(), done.tolist()
             completions = [tokens[i, : length[i]].tolist() for i in range(n)]
             logprobs = [logps[i, : length[i]].tolist() for i in range(n)]
             return RolloutBatch([list(p) for p in prompts], completions, logprobs, done)
         finally:
             model.train(was_training)
+
+    @staticmethod
+    def _score(pending: list, tokens: torch.Tensor, logps: torch.Tensor, end: int, temperature: float) -> None:
+        """Log-probs of the tokens at positions end - len(pending) .. end - 1, one
+        :func:`portarl.ops.logprobs` call for those positions (row-wise, so the same values
+        as one call per position); empties ``pending``."""
+        if not pending:
+            return
+        start = end - len(pending)
+        logits = pending[0][:, None] if len(pending) == 1 else torch.stack(pending, dim=1)
+        logps[:, start:end] = ops.logprobs(logits, tokens[:, start:end], temperature=temperature).float()
+        pending.clear()

@@ -172,5 +172,8 @@ def test_drawing_several_positions_per_call_changes_no_sample(monkeypatch):
     prompts, seeds = [tok.encode("3+4="), tok.encode("12+7=")] * 3, request_seeds(2, 1, 2, 3)
     params = SamplingParams(max_new_tokens=7, top_k=30)
     grouped = engine.generate(prompts, seeds, params)
-    monkeypatch.setattr(hf, "NOISE_WORDS_PER_CALL", 1)  # one position per Philox call
-    assert engine.generate(prompts, seeds, params).completion_ids == grouped.completion_ids
+    monkeypatch.setattr(hf, "NOISE_WORDS_PER_CALL", 1)  # one position per Philox / log-prob call
+    single = engine.generate(prompts, seeds, params)
+    assert single.completion_ids == grouped.completion_ids
+    for a, b in zip(single.logprobs, grouped.logprobs):
+        assert a == pytest.approx(b, abs=1e-6)
