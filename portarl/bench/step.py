@@ -15,7 +15,8 @@ machine load hits both alike. Per step: wall time and process CPU time
 for the cores, hence the meaningful number on a shared, loaded machine); the first
 ``warmup`` steps are dropped. Phases, timed by wrapping methods from outside (no trainer
 edits): rollout (portarl: ``rollout.generate``; TRL: ``_generate``), scoring (portarl:
-rewards and the no-grad old / reference log-prob forwards; TRL: the rest of
+rewards and the no-grad old / reference log-prob forwards, or the whole ``scoring.score``
+phase once the trainer is split into phase modules; TRL: the rest of
 ``_generate_and_score_completions``), update (the remainder of the step: loss forward,
 backward, optimizer). Peak RSS is the process's ``ru_maxrss`` (imports included).
 """
@@ -140,8 +141,12 @@ def run_portarl(steps: int, threads: int, beta: float) -> dict:
         phases: dict = {}
         engine = trainer.rollout
         engine.generate = timed(phases, "rollout", engine.generate)
-        for name in ("_rewards", "_no_grad_logprobs"):  # scoring; absent names leave the phase partial
-            if hasattr(trainer, name):
+        import portarl.trainer.grpo as grpo_module
+
+        if callable(getattr(grpo_module, "score", None)):  # trainer split into phase modules (issue 11)
+            grpo_module.score = timed(phases, "scoring", grpo_module.score)
+        else:  # one-module trainer: the reward call and the no-grad (old / reference) forwards
+            for name in ("_rewards", "_no_grad_logprobs"):
                 setattr(trainer, name, timed(phases, "scoring", getattr(trainer, name)))
         records = []
         for _ in range(steps):
