@@ -7,6 +7,7 @@
                   [--resume | --overwrite]
     portarl sft   [--config FILE.yaml] [--set key=value ...] [--device D] [--output-dir DIR] [--steps N] [--overwrite]
     portarl bench kernels | stability ...
+    portarl bench step [--vs trl] [--steps N] [--rounds R] [--threads T] [--out FILE.json]
     portarl --version
 
 Exit status: 0 on success, 1 when a parity check fails, 2 for bad usage, a bad config, an
@@ -174,6 +175,27 @@ def _cmd_bench_stability(args) -> int:
     return cmd_stability(args)
 
 
+def _cmd_bench_step(args) -> int:
+    import json
+    from pathlib import Path
+
+    from portarl.bench.step import main as bench_step
+
+    try:
+        result, table = bench_step(args, progress=_log)
+    except RuntimeError as err:
+        _log(f"portarl bench step: {err}")
+        return 2
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        out.with_suffix(".md").write_text(table)
+        print(f"written: {out} and {out.with_suffix('.md')}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="portarl", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"portarl {__version__}")
@@ -241,6 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
     from portarl.bench.stability.cli import add_arguments as _stability_arguments
 
     _stability_arguments(st, st_compare)
+    sp = bench_cmds.add_parser("step", help="per-step CPU / wall time, phases and peak RSS; --vs trl: TRL's GRPOTrainer on the same work")
+    sp.add_argument("--vs", choices=["trl"], help="also run TRL's GRPOTrainer (pip install 'portarl[bench]')")
+    sp.add_argument("--steps", type=int, default=6, help="steps per run (fresh process each)")
+    sp.add_argument("--warmup", type=int, default=1, help="first steps of each run left out of the medians")
+    sp.add_argument("--rounds", type=int, default=5, help="rounds; each runs every side once, order alternated")
+    sp.add_argument("--threads", type=int, default=1, help="torch / OMP / MKL threads in every run")
+    sp.add_argument("--beta", type=float, default=0.0, help="KL weight on both sides (0: no reference model)")
+    sp.add_argument("--out", help="JSON output (a .md table is written beside it)")
+    sp.set_defaults(func=_cmd_bench_step)
     return parser
 
 

@@ -1,19 +1,35 @@
 """The embedded rollout engine: a Hugging Face causal LM sampled with its KV cache.
 
 Batched, prompts left-padded (position ids from the attention mask, as the trainer uses),
-temperature / top-k / top-p, ``max_new_tokens``, stop on EOS. Sampling is written out
-rather than delegated to ``generate`` because each row needs its own random stream
-(Gumbel-max with a per-sample ``torch.Generator``): ``generate`` draws every row from one
-global stream, so results would depend on batch composition and a fixed seed per request
-would make every sample of a group identical.
+temperature / top-k / top-p, ``max_new_tokens``, stop on EOS or any of ``stop_token_ids``.
+Sampling is written out rather than delegated to ``generate`` because each row needs its
+own random stream: ``generate`` draws every row from one global stream, so results would
+depend on batch composition and a fixed seed per request would make every sample of a
+group identical. The stream is counter-based (Philox keyed by the sample seed, counter =
+completion position and vocabulary index; :mod:`portarl.rollout.sampling`), so it is drawn
+on the device for the whole batch at once.
+
+Host traffic: the prefill computes the head on the last position only (``logits_to_keep=1``
+where the model accepts it); tokens, log-probs and stop flags stay on the device until the
+end, and the only per-step transfer is one bool (are all rows done?) for the early stop.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
 from portarl import ops
 from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
+from portarl.rollout.sampling import filter_logits, sample_tokens, seed_keys, uniform_span
+
+#: Philox words drawn per call (about 8 MiB per int64 temporary): several positions per call
+#: when B x V is small (a CPU pays per op, not per element), one position at a time otherwise.
+#: The log-probs of those positions are computed together too (their logits kept meanwhile).
+NOISE_WORDS_PER_CALL = 1 << 20
+
+__all__ = ["HFRollout", "filter_logits", "left_pad"]
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,31 +43,36 @@ def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
     return ids.to(device), mask.to(device)
 
 
-def filter_logits(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """-inf outside the top-k / nucleus (top-p) set of each row; z is fp32 [B, V]."""
-    if top_k and top_k < z.shape[-1]:
-        kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
-        z = z.masked_fill(z < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_z, order = torch.sort(z, dim=-1, descending=True)
-        probs = torch.softmax(sorted_z, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each token
-        drop_sorted = before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        z = z.masked_fill(drop, float("-inf"))
-    return z
+def _last_logits_kwargs(model) -> dict:
+    """Ask the model for the last position's logits only (transformers >= 4.50 calls it
+    ``logits_to_keep``, 4.45-4.49 ``num_logits_to_keep``); {} when it accepts neither."""
+    try:
+        names = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - exotic wrappers
+        return {}
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in names:
+            return {name: 1}
+    return {}
 
 
 class HFRollout(RolloutEngine):
     name = "hf"
 
-    def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int):
+    def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
+                 stop_token_ids: tuple[int, ...] | list[int] | None = None):
+        """``stop_token_ids``: tokens that end a completion (kept in it, ``finished``);
+        default ``(eos_token_id,)``. Pass e.g. eos plus a chat end-of-turn (``<|im_end|>``)."""
         self.model = model
         #: ``flag -> bool``: whether every process is done (several FSDP ranks decode in
         #: lock step because each forward is collective). Default: this process alone.
         self.finished_everywhere = lambda flag: flag
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+        stops = (eos_token_id,) if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
+        if not stops:
+            raise ValueError("stop_token_ids is empty: generation would only stop at max_new_tokens")
+        self.stop_token_ids = tuple(dict.fromkeys(stops))
 
     @torch.no_grad()
     def generate(self, prompts, seeds, params: SamplingParams) -> RolloutBatch:
@@ -62,38 +83,59 @@ class HFRollout(RolloutEngine):
         model.eval()
         device = next(model.parameters()).device
         try:
-            gens = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
+            keys = seed_keys(seeds, device)
+            stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)
             ids, mask = left_pad(prompts, self.pad_token_id, device)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                        **_last_logits_kwargs(model))
             past, logits = out.past_key_values, out.logits[:, -1]
             next_pos = positions[:, -1:] + 1
             n = len(prompts)
-            completions = [[] for _ in range(n)]
-            logprobs = [[] for _ in range(n)]
-            done = torch.zeros(n, dtype=torch.bool)
-            for _ in range(params.max_new_tokens):
-                z = logits.float() / params.temperature
-                if params.greedy:
-                    tokens = z.argmax(-1).cpu()
-                else:
-                    filtered = filter_logits(z, params.top_k, params.top_p).cpu()
-                    u = torch.stack([torch.rand(z.shape[-1], generator=g) for g in gens]).clamp_(1e-20, 1.0)
-                    tokens = (filtered - torch.log(-torch.log(u))).argmax(-1)
-                lp = ops.logprobs(logits, tokens.to(device), temperature=params.temperature).cpu()
-                for i in torch.nonzero(~done).flatten().tolist():
-                    completions[i].append(int(tokens[i]))
-                    logprobs[i].append(float(lp[i]))
-                done |= tokens == self.eos_token_id
+            tokens = torch.full((n, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
+            logps = torch.zeros((n, params.max_new_tokens), dtype=torch.float32, device=device)
+            done = torch.zeros(n, dtype=torch.bool, device=device)
+            length = torch.zeros(n, dtype=torch.long, device=device)  # tokens kept per row
+            vocab = logits.shape[-1]
+            span = max(1, NOISE_WORDS_PER_CALL // (n * -(-vocab // 4)))
+            noise, pending = None, []
+            for t in range(params.max_new_tokens):
+                if not params.greedy and t % span == 0:
+                    noise = uniform_span(keys, t, min(span, params.max_new_tokens - t), vocab)
+                tok = sample_tokens(logits, keys, t, temperature=params.temperature, top_k=params.top_k,
+                                    top_p=params.top_p, greedy=params.greedy,
+                                    u=None if params.greedy else noise[:, t % span])
+                tokens[:, t] = tok
+                pending.append(logits)
+                if len(pending) >= span:
+                    self._score(pending, tokens, logps, t + 1, params.temperature)
+                length += (~done).long()
+                done |= (tok[:, None] == stops).any(-1)
                 if self.finished_everywhere(bool(done.all())):
                     break
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
                 out = model(
-                    input_ids=tokens.to(device)[:, None], attention_mask=mask, position_ids=next_pos,
+                    input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
                     past_key_values=past, use_cache=True,
                 )
                 past, logits = out.past_key_values, out.logits[:, -1]
                 next_pos = next_pos + 1
-            return RolloutBatch([list(p) for p in prompts], completions, logprobs, done.tolist())
+            self._score(pending, tokens, logps, t + 1, params.temperature)
+            tokens, logps, length, done = tokens.cpu(), logps.cpu(), length.tolist(), done.tolist()
+            completions = [tokens[i, : length[i]].tolist() for i in range(n)]
+            logprobs = [logps[i, : length[i]].tolist() for i in range(n)]
+            return RolloutBatch([list(p) for p in prompts], completions, logprobs, done)
         finally:
             model.train(was_training)
+
+    @staticmethod
+    def _score(pending: list, tokens: torch.Tensor, logps: torch.Tensor, end: int, temperature: float) -> None:
+        """Log-probs of the tokens at positions end - len(pending) .. end - 1, one
+        :func:`portarl.ops.logprobs` call for those positions (row-wise, so the same values
+        as one call per position); empties ``pending``."""
+        if not pending:
+            return
+        start = end - len(pending)
+        logits = pending[0][:, None] if len(pending) == 1 else torch.stack(pending, dim=1)
+        logps[:, start:end] = ops.logprobs(logits, tokens[:, start:end], temperature=temperature).float()
+        pending.clear()

@@ -1,0 +1,65 @@
+"""The TRL side of ``portarl bench step --vs trl``: TRL's GRPOTrainer on the same work.
+
+The only module of portarl that imports ``trl`` (``pip install 'portarl[bench]'``). The
+settings mirror :func:`portarl.bench.step.run_portarl` (see that module's docstring);
+``gradient_checkpointing=False`` because portarl does not checkpoint either. Steps are timed
+from ``on_step_begin`` to ``on_step_end`` (generation, scoring, loss, backward, optimizer;
+not TRL's logging); phases by wrapping ``_generate`` and ``_generate_and_score_completions``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+from portarl.bench.step import (
+    GROUP, LR, NEW_TOKENS, PROMPTS_PER_STEP, finish, model, prompts, score, set_threads, step_record, timed,
+)
+
+
+def run_trl(steps: int, threads: int, beta: float) -> dict:
+    started = time.perf_counter()
+    set_threads(threads)
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    def digit_share(prompts, completions, **kwargs):
+        return [score(c) for c in completions]
+
+    phases: dict = {}
+    records: list[dict] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            phases.clear()
+            self.w0, self.c0 = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            wall, cpu = time.perf_counter() - self.w0, time.process_time() - self.c0
+            both, rollout = phases.get("generate_and_score"), phases.get("rollout")
+            split = {"rollout": rollout} if rollout else {}
+            if both and rollout:
+                split["scoring"] = [both[0] - rollout[0], both[1] - rollout[1]]
+            records.append(step_record(wall, cpu, split))
+
+    from portarl.bench.step import tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = GRPOConfig(
+            output_dir=tmp, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP, num_generations=GROUP,
+            max_completion_length=NEW_TOKENS, max_steps=steps, learning_rate=LR, lr_scheduler_type="constant",
+            warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0, beta=beta,
+            epsilon=0.2, epsilon_high=0.28, loss_type="dapo", num_iterations=1, temperature=1.0, top_p=1.0,
+            top_k=0, gradient_checkpointing=False, use_cpu=True, bf16=False, fp16=False, report_to="none",
+            logging_steps=1, save_strategy="no", dataloader_num_workers=0, seed=0, log_completions=False,
+            disable_tqdm=True,
+        )
+        data = Dataset.from_list([{"prompt": p} for p, _ in prompts(PROMPTS_PER_STEP * (steps + 2))])
+        trainer = GRPOTrainer(model=model(), reward_funcs=[digit_share], args=config, train_dataset=data,
+                              processing_class=tokenizer(), callbacks=[StepTimer()])
+        trainer._generate = timed(phases, "rollout", trainer._generate)
+        trainer._generate_and_score_completions = timed(phases, "generate_and_score",
+                                                        trainer._generate_and_score_completions)
+        trainer.train()
+    return finish(records, threads, started)
