@@ -27,7 +27,10 @@ def test_bench_kernels_quick(tmp_path, capsys):
     data = json.loads(out.read_text())
     methods = {(r["op"], r["method"]) for r in data["results"]}
     assert {("logprobs", "portarl:reference"), ("logprobs", "eager"), ("logprobs", "rowloop"), ("kl", "eager")} <= methods
-    assert all(r["median_ms"] is not None and r["frac_copy_bw"] > 0 for r in data["results"])
+    assert all(r["median_ms"] is not None for r in data["results"])
+    # Copy-bandwidth fractions describe the memory-bound ops; linear_logprobs is a matmul.
+    assert all(r["frac_copy_bw"] > 0 for r in data["results"] if r["op"] in ("logprobs", "kl"))
+    assert {("linear_logprobs", "portarl:reference"), ("linear_logprobs", "eager")} <= methods
     assert data["copy_bandwidth_bytes_per_s"] > 0 and out.with_suffix(".md").exists()
 
 
