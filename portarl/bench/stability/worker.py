@@ -13,6 +13,7 @@ that step: the tests use it to show a native crash becomes that run's verdict.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -84,8 +85,11 @@ def run_job(job: dict) -> int:
     tokens: dict = {}
     trainer.hooks["old_logp"].append(_token_tap(trainer, tap, tokens, spec.label))
     write_json(run_dir / "run.json", info)  # a crash below still leaves who and where
+    # Issue 13's trainer refuses an existing output dir unless told to overwrite; this run
+    # dir is the harness's own scratch (run.json, stderr.log are written before training).
+    overwrite = {"overwrite": True} if "overwrite" in inspect.signature(trainer.train).parameters else {}
     try:
-        trainer.train()
+        trainer.train(**overwrite)
     except TrainingStopped as err:
         info["stopped"] = str(err)
     finally:
