@@ -172,3 +172,10 @@ def test_off_policy_step_of_a_replaying_run():
     tokens = {1: _tokens(logp, [-2.001, -1.0]), 2: _tokens(logp, [-2.002, -1.0]), 3: _tokens(logp, [-2.3, -1.2])}
     series, far = off_policy(_run("npu:bf16", [0.1] * 3, sha="s", tokens=tokens))
     assert far == 3 and len(series) == 3
+
+
+def test_compare_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
+    from portarl.cli import main
+
+    assert main(["bench", "stability", "compare", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
+    assert "is not a stability run directory (no manifest.json)" in capsys.readouterr().err

@@ -74,7 +74,7 @@ def plot_tokens(analysis: dict, path: Path) -> Path | None:
             if run["off_policy_from"] is not None:
                 ax.axvline(run["off_policy_from"], color=line.get_color(), linestyle=":", linewidth=1)
     ax.set_yscale("log")
-    ax.set_title("|d logp| replayed rollout vs trainer (dotted: far off-policy)")
+    ax.set_title("|d logp| rollout vs trainer (dotted: off-policy)")
     ax.set_xlabel("step")
     axes[0].legend(fontsize=8)
     fig.suptitle("same recorded tokens scored by each run: where the devices' numerics part, before the curves do",

@@ -13,6 +13,7 @@ that step: the tests use it to show a native crash becomes that run's verdict.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -30,15 +31,20 @@ def _token_tap(trainer, tap, store: dict, trainer_label: str):
     """An ``old_logp`` hook: keeps this step's per-token old log-probs, and the entropy of
     the same forward pass (the trainer exposes no entropy hook, so it is recomputed here
     with the trainer's own log-prob path on the same batch and weights)."""
-    from portarl.trainer.sequences import build_batch
+    from portarl.trainer.sequences import build_batch, completion_logprobs
+
+    cfg = trainer.config
+
+    def entropy_of(part):  # the trainer's own log-prob path (same settings and numerics profile)
+        return completion_logprobs(trainer.model, part, temperature=cfg.rollout.temperature,
+                                   logits_policy=cfg.precision.logits, with_entropy=True, emulate=trainer.emulate)[1]
 
     def hook(step: int, old_logp: torch.Tensor) -> torch.Tensor:
         rollout = tap.batches[-1]
         batch = build_batch(rollout.prompt_ids, rollout.completion_ids, trainer.codec.pad_token_id, trainer.device)
-        mb = trainer.config.train.micro_batch_size
+        mb = cfg.train.micro_batch_size
         with torch.no_grad():
-            entropy = torch.cat([trainer._logprobs(trainer.model, batch.rows(slice(i, i + mb)), with_entropy=True)[1]
-                                 for i in range(0, batch.labels.shape[0], mb)])
+            entropy = torch.cat([entropy_of(batch.rows(slice(i, i + mb))) for i in range(0, batch.labels.shape[0], mb)])
         mask = batch.mask
         store[step] = {
             "old_logp": old_logp.detach()[mask].float().cpu(),
@@ -79,8 +85,11 @@ def run_job(job: dict) -> int:
     tokens: dict = {}
     trainer.hooks["old_logp"].append(_token_tap(trainer, tap, tokens, spec.label))
     write_json(run_dir / "run.json", info)  # a crash below still leaves who and where
+    # Issue 13's trainer refuses an existing output dir unless told to overwrite; this run
+    # dir is the harness's own scratch (run.json, stderr.log are written before training).
+    overwrite = {"overwrite": True} if "overwrite" in inspect.signature(trainer.train).parameters else {}
     try:
-        trainer.train()
+        trainer.train(**overwrite)
     except TrainingStopped as err:
         info["stopped"] = str(err)
     finally:
