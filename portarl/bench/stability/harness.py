@@ -59,7 +59,7 @@ def run_stability(
     seed: int = 0,
     config_path: str | None = None,
     overrides: list[str] | None = None,
-    out_dir: str | Path = "bench/results/stability",
+    out_dir: str | Path = "runs/bench/stability",
     replay: bool = False,
     replay_from: str | Path | None = None,
     noise_floor: bool = False,

@@ -13,7 +13,6 @@ that step: the tests use it to show a native crash becomes that run's verdict.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import signal
@@ -85,11 +84,10 @@ def run_job(job: dict) -> int:
     tokens: dict = {}
     trainer.hooks["old_logp"].append(_token_tap(trainer, tap, tokens, spec.label))
     write_json(run_dir / "run.json", info)  # a crash below still leaves who and where
-    # Issue 13's trainer refuses an existing output dir unless told to overwrite; this run
-    # dir is the harness's own scratch (run.json, stderr.log are written before training).
-    overwrite = {"overwrite": True} if "overwrite" in inspect.signature(trainer.train).parameters else {}
+    # The run dir is the harness's own scratch: a rerun into the same --out replaces the
+    # run files (overwrite clears only those, not run.json / stderr.log written above).
     try:
-        trainer.train(**overwrite)
+        trainer.train(overwrite=True)
     except TrainingStopped as err:
         info["stopped"] = str(err)
     finally:
