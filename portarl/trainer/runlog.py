@@ -165,10 +165,11 @@ def summarize(rows: list[dict], window: int = 10) -> str:
             if has(key)]
     if last:
         lines.append("   ".join(last))
-    lines += [
-        f"skipped steps: {int(sum(r.get('skipped', 0) for r in grpo))}   spikes: {int(sum(r.get('guard/spike', 0) for r in grpo))}"
-        f"   identical-group frac (mean): {mean(grpo, 'rollout/identical_group_frac'):.3f}",
-    ]
+    guards = (f"skipped steps: {int(sum(r.get('skipped', 0) for r in grpo))}   "
+              f"spikes: {int(sum(r.get('guard/spike', 0) for r in grpo))}")
+    if has("rollout/identical_group_frac"):
+        guards += f"   identical-group frac (mean): {mean(grpo, 'rollout/identical_group_frac'):.3f}"
+    lines.append(guards)
     return "\n".join(lines)
 
 

@@ -67,7 +67,7 @@ CASES = {
     "steps-negative": (["--steps", "-3"], "--steps must be an integer > 0"),
     "top_p-not-a-number": (["--set", "rollout.top_p=abc"], "rollout.top_p"),
     "logging-progress-maybe": (["--set", "logging.progress=maybe"], "logging.progress must be true or false"),
-    "yaml-syntax-error": (["--config", "{bad_yaml}"], "YAML syntax error at line 2"),
+    "yaml-syntax-error": (["--config", "{bad_yaml}"], "YAML syntax error at line 3, column 6"),
     "output-dir-is-a-file": (["--output-dir", "{a_file}"], "is a file, not a directory"),
     "model-without-tokenizer": (["--set", "model.path={no-tokenizer}"], "has no tokenizer files"),
     "model-with-only-config": (["--set", "model.path={only-config}"], "has no weights"),
@@ -128,8 +128,11 @@ def test_bench_stability_absent_device_fails_before_any_training(tmp_path):
     proc = _portarl("bench", "stability", "--runs", "cpu:fp32,npu:bf16", "--steps", "2", "--out", str(tmp_path / "st"))
     line = _assert_one_line_error(proc, "npu:bf16")
     assert line.startswith("portarl bench stability: ")
+    # Fail-fast is shown by no run having started (a wall-clock bound would depend on the
+    # machine's load): the first run, cpu:fp32, would have created its run directory.
     assert not (tmp_path / "st" / "runs").exists(), "no run may start before every device is checked"
-    assert time.monotonic() - started < 60
+    assert "training" not in proc.stderr
+    del started
 
 
 def test_train_without_the_train_extra_names_it():
