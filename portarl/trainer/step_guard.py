@@ -135,6 +135,7 @@ def judge_spikes(trainer, sums: dict) -> None:
             why = f"{value:.4g} > ceiling {event['threshold']:.4g}"
         else:
             why = f"{value:.4g} > median {event['median']:.4g} + {g.spike_factor:g} x MAD {event['mad']:.3g}"
+        event["action"] = g.spike_action  # the log level follows it (runlog.event_level)
         trainer.guard.events.append((event["kind"], f"{detector.name} spike: {why} (spike_action={g.spike_action})",
                                      event))
     if tripped is None or g.spike_action == "log":
