@@ -124,6 +124,8 @@ def judge_spikes(trainer, sums: dict) -> None:
     checkpoint (``trainer.stop_reason``)."""
     g = trainer.config.guards
     kl = sums.get("kl/value", sums.get("pg/approx_kl", float("nan")))
+    if trainer.dist.enabled:  # every rank must reach the same verdict: judge the rank mean (grad norm is global)
+        kl = float(pdist.all_reduce(trainer.dist, torch.tensor([float(kl)]))[0]) / trainer.dist.world_size
     tripped = None
     for detector, value in ((trainer.kl_spikes, kl), (trainer.grad_spikes, sums["grad_norm"])):
         event = detector.update(value)
@@ -266,8 +268,9 @@ def checkpoint_refusal(trainer) -> str | None:
     """Why the weights must not be checkpointed now (a parameter or fp32 master holds
     NaN/inf; collective under torchrun), or None. Logged as an error when refused."""
     bad = first_nonfinite_weight(trainer)
-    if trainer.dist.enabled:
-        bad = bad or ("on another rank" if pdist.any_rank(trainer.dist, bad is not None) else None)
+    if trainer.dist.enabled:  # collective: every rank calls any_rank, whatever it found
+        anywhere = pdist.any_rank(trainer.dist, bad is not None)
+        bad = bad or ("on another rank" if anywhere else None)
     if bad is None:
         return None
     latest = trainer.checkpoints.latest()
