@@ -225,6 +225,15 @@ def run_sweep(
             for case in kl_cases:
                 for est in ops.KL_ESTIMATORS:
                     jobs.append((f"kl {case.name}/{est}", lambda c=case, e=est, b=backend, d=dtype: run_kl_case(c, e, b, d, device, repeats)))
+    from portarl.parity.linear_sweep import run_linear_logprobs_case, standard_linear_cases
+
+    for backend in names:
+        for dtype in dtype_list:
+            for case in standard_linear_cases():
+                if interpreted and backend == "cuda" and not case.fits_interpreter():
+                    continue
+                jobs.append((f"linear_logprobs {case.name}",
+                             lambda c=case, b=backend, d=dtype: run_linear_logprobs_case(c, b, d, device, repeats)))
     records: list[Record] = []
     width = len(str(len(jobs)))
     for i, (label, job) in enumerate(jobs, 1):

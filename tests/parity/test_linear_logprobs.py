@@ -162,3 +162,15 @@ def test_errors_name_the_argument():
         ops.linear_logprobs(h, w, y, temperature=0.0)
     with pytest.raises(ValueError, match=r"bias must be \[V\]"):
         ops.linear_logprobs(h, w, y, bias=torch.zeros(10))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: NAMES[d])
+def test_sweep_runner_passes(target, dtype):
+    """The runner `portarl parity` uses for linear_logprobs (small case here; the sweep has all)."""
+    from portarl.parity.linear_sweep import run_linear_logprobs_case, standard_linear_cases
+
+    case = standard_linear_cases()[0]
+    records = run_linear_logprobs_case(case, target.backend, dtype, torch.device(target.device), repeats=0)
+    assert {r.quantity for r in records} == {"logp", "entropy", "grad_hidden", "grad_weight"}
+    failed = [(r.quantity, r.error, r.worst_ratio) for r in records if not r.passed]
+    assert not failed, failed
