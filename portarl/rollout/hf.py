@@ -45,12 +45,14 @@ def filter_logits(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 class HFRollout(RolloutEngine):
     name = "hf"
 
-    def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int):
+    def __init__(self, model: torch.nn.Module, eos_token_id: int | list[int], pad_token_id: int):
         self.model = model
         #: ``flag -> bool``: whether every process is done (several FSDP ranks decode in
         #: lock step because each forward is collective). Default: this process alone.
         self.finished_everywhere = lambda flag: flag
-        self.eos_token_id = eos_token_id
+        #: Stop tokens: eos, or a list (eos and a chat template's end of turn, e.g. <|im_end|>).
+        self.stop_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
+        self.eos_token_id = self.stop_token_ids[0]
         self.pad_token_id = pad_token_id
 
     @torch.no_grad()
@@ -84,7 +86,7 @@ class HFRollout(RolloutEngine):
                 for i in torch.nonzero(~done).flatten().tolist():
                     completions[i].append(int(tokens[i]))
                     logprobs[i].append(float(lp[i]))
-                done |= tokens == self.eos_token_id
+                done |= torch.isin(tokens, torch.tensor(self.stop_token_ids))
                 if self.finished_everywhere(bool(done.all())):
                     break
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)

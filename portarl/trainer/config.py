@@ -76,9 +76,18 @@ class DataConfig:
     synthetic_size: int = 4000
     max_operand: int = 9
     operators: str = "+"
+    #: "auto" (the tokenizer's chat template for conversational prompts or when
+    #: system_prompt is set), "none", or a Jinja template file.
+    chat_template: str = "auto"
+    #: A system message put before every prompt (needs a chat template).
+    system_prompt: str | None = None
 
     def validate(self):
         _positive_int(self, "data", "synthetic_size", "max_operand")
+        _check(isinstance(self.chat_template, str) and bool(self.chat_template), "data.chat_template",
+               "must be 'auto', 'none' or a Jinja template file", self.chat_template)
+        _check(self.system_prompt is None or isinstance(self.system_prompt, str), "data.system_prompt",
+               "must be a string or null", self.system_prompt)
         _check(bool(self.operators) and set(self.operators) <= set("+-*"), "data.operators", "must use + - *", self.operators)
 
 
@@ -241,6 +250,13 @@ class LoggingConfig:
     tensorboard: bool = True
     progress: bool = True
     plot: bool = True
+    #: Every this many steps (and at step 1): a few samples to samples.jsonl, the console
+    #: and TensorBoard (0: never).
+    samples_every: int = 10
+    samples_count: int = 4
+
+    def validate(self):
+        _positive_int(self, "logging", "samples_every", "samples_count", allow_zero=True)
 
 
 @dataclasses.dataclass
@@ -280,7 +296,7 @@ class TrainConfig:
         _check(isinstance(self.output_dir, str) and bool(self.output_dir), "output_dir", "must be a directory path", self.output_dir)
         _check(isinstance(self.device, str), "device", "must be auto, cuda, npu or cpu", self.device)
         for section in (self.model, self.data, self.rollout, self.train, self.optim, self.precision,
-                        self.guards, self.checkpoint):
+                        self.guards, self.checkpoint, self.logging):
             section.validate()
         _check(bool(self.rewards), "rewards", "must list at least one reward", self.rewards)
         for i, spec in enumerate(self.rewards):
@@ -332,7 +348,10 @@ class TrainConfig:
             values = loaded or {}
         for item in overrides or []:
             apply_override(values, item)
-        return cls.from_dict(values)
+        config = cls.from_dict(values)
+        # Not a field (never saved): where `module:function` rewards are also looked for.
+        config.source_dir = str(Path(path).resolve().parent) if path is not None else None
+        return config
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))

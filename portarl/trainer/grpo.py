@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 
 from portarl.core import compute_advantages, compute_loss, kl_penalized_rewards, sequence_count, token_count
-from portarl.data import Example, arithmetic_examples, load_examples
+from portarl.data import Example, arithmetic_examples, encode_examples, load_examples
 from portarl import distributed as pdist
 from portarl.device import resolve_device
 from portarl.emulation import resolve_profile
-from portarl.rewards import resolve_reward
+from portarl.reward_runner import RewardError, RewardRunner
 from portarl.rollout import ENGINES, SamplingParams, identical_group_fraction, request_seeds
-from portarl.tokenizer import as_codec
+from portarl.tokenizer import as_codec, chat_template_option
 from portarl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from portarl.trainer.config import TrainConfig
 from portarl.trainer.guards import (
@@ -52,6 +52,7 @@ from portarl.trainer.guards import (
 )
 from portarl.trainer.precision import DTYPES, PrecisionPlan
 from portarl.trainer.runlog import RunLogger, plot_curves, read_metrics, summarize
+from portarl.trainer.samples import SampleLog
 from portarl.trainer.sequences import build_batch, completion_logits, completion_logprobs
 from portarl.trainer.sft import run_sft
 
@@ -115,11 +116,11 @@ class GRPOTrainer:
             self.model = model.to(self.device, dtype=dtype)
         self.model.train()
         self.tokenizer = tokenizer
-        self.codec = as_codec(tokenizer)
-        self.reward_fns = self._resolve_rewards(reward_fns)
+        d = self.config.data
+        self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)
+        self.rewards = self._resolve_rewards(reward_fns)
         self.examples: list[Example] = list(train_data)
-        if not self.examples:
-            raise ValueError("train_data is empty")
+        self._prompt_ids = self._check_examples()
         self.output_dir = Path(self.config.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = CheckpointManager(self.output_dir, self.config.checkpoint.keep_last)
@@ -172,7 +173,7 @@ class GRPOTrainer:
             from portarl.rollout.vllm import engine_from_trainer
 
             return engine_from_trainer(self)
-        engine = ENGINES["hf"](self.model, self.codec.eos_token_id, self.codec.pad_token_id)
+        engine = ENGINES["hf"](self.model, self.codec.stop_token_ids, self.codec.pad_token_id)
         if self.dist.enabled:  # FSDP forwards are collective: every rank decodes until all are done
             engine.finished_everywhere = lambda flag: not pdist.any_rank(self.dist, not flag)
         return engine
@@ -181,15 +182,30 @@ class GRPOTrainer:
     def rollout(self, engine) -> None:
         self._rollout = engine
 
-    def _resolve_rewards(self, reward_fns):
+    def _resolve_rewards(self, reward_fns) -> RewardRunner:
         if reward_fns is None:
             reward_fns = [(spec.name, spec.weight) for spec in self.config.rewards]
-        out = []
-        for item in reward_fns:
-            name, weight = item if isinstance(item, tuple) else (item, 1.0)
-            fn = resolve_reward(name)
-            out.append((getattr(fn, "__name__", str(name)) if callable(name) else str(name), fn, float(weight)))
-        return out
+        dirs = [os.getcwd()] + [d for d in [getattr(self.config, "source_dir", None)] if d]
+        return RewardRunner(reward_fns, search_dirs=dirs)
+
+    def _check_examples(self) -> dict[int, list[int]]:
+        """Every prompt encoded now (file:line in the error), answers present where needed,
+        and sampling with replacement announced. Returns ids by ``id(example)``."""
+        if not self.examples:
+            raise ValueError("train_data is empty")
+        ctx = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        ids = encode_examples(self.examples, self.codec, context_length=ctx,
+                              max_new_tokens=self.config.rollout.max_new_tokens)
+        need = self.rewards.needs_answer + (["train.sft_warmup_steps"] if self.config.train.sft_warmup_steps else [])
+        missing = next((ex for ex in self.examples if ex.answer is None), None)
+        if need and missing is not None:
+            raise ValueError(f"{missing.where or 'an example'}: no answer field (data.answer_field="
+                             f"{self.config.data.answer_field!r}), which {', '.join(need)} needs")
+        n = self.config.train.prompts_per_step
+        if n > len(self.examples) and self.dist.is_main:
+            log.warning("train.prompts_per_step=%d is larger than the %d examples: prompts are drawn with replacement "
+                        "(the same prompt can appear twice in a step)", n, len(self.examples))
+        return {id(ex): p for ex, p in zip(self.examples, ids)}
 
     def _install_fault_injection(self, spec: str | None) -> None:
         """TEST ONLY: ``PORTARL_FAULT_INJECT="point@step[@rank]"`` puts a NaN into that tensor
@@ -326,17 +342,12 @@ class GRPOTrainer:
         return rng.sample(self.examples, n) if n <= len(self.examples) else [rng.choice(self.examples) for _ in range(n)]
 
     def _rewards(self, examples: list[Example], texts: list[str]) -> tuple[torch.Tensor, dict]:
+        """Weighted total per sample (:mod:`portarl.reward_runner`; a failing reward raises
+        :class:`RewardError`). Keeps each function's values for the sample log."""
         g = self.config.rollout.group_size
-        total = torch.zeros(len(texts), dtype=torch.float32)
-        metrics = {}
-        for name, fn, weight in self.reward_fns:
-            values = torch.tensor(
-                [float(fn(examples[i // g].prompt, text, examples[i // g].answer)) for i, text in enumerate(texts)],
-                dtype=torch.float32,
-            )
-            metrics[f"reward/{name}"] = float(values.mean())
-            total += weight * values
-        return total, metrics
+        scores = self.rewards.score([examples[i // g] for i in range(len(texts))], texts)
+        self._last_reward_values = scores.per_function
+        return scores.total, scores.metrics
 
     def _logprobs(self, model, batch, *, with_entropy=False):
         return completion_logprobs(model, batch, temperature=self.config.rollout.temperature,
@@ -462,7 +473,7 @@ class GRPOTrainer:
         self._local_offset = self.dist.rank * per_rank
         examples = everyone[self._local_offset : self._local_offset + per_rank]  # whole groups per rank
         seeds = seeds[self._local_offset * g : (self._local_offset + per_rank) * g]
-        prompts = [self.codec.encode_prompt(ex.prompt) for ex in examples for _ in range(g)]
+        prompts = [self._prompt_ids.get(id(ex)) or self.codec.encode_prompt(ex.prompt) for ex in examples for _ in range(g)]
         self.rollout.sync_weights(self.model)
         rollout = self.rollout.generate(prompts, seeds, self.sampling)
         self.rollout.sleep()  # the trainer computes now: the engine frees what it can (vLLM: KV cache)
@@ -486,8 +497,12 @@ class GRPOTrainer:
 
         skipped, overflow = False, False
         self._pending_bad = None
+        self._last_samples = None
         try:
             rewards, reward_metrics = self._rewards(examples, texts)
+            self._last_samples = {"prompts": [examples[i // g].prompt_text for i in range(len(texts))],
+                                  "completions": texts, "finished": rollout.finished, "rewards": self._last_reward_values,
+                                  "total": rewards.tolist(), "advantages": None}
             metrics.update(reward_metrics)
             rewards = self._apply_hooks("reward", rewards)
             self._guard("reward", rewards)
@@ -524,6 +539,7 @@ class GRPOTrainer:
             mine = slice(self._local_offset * g, (self._local_offset + len(examples)) * g)
             advantages = self._apply_hooks("advantage", adv.advantages[mine].to(self.device))
             check_finite("advantage", advantages)
+            self._last_samples["advantages"] = advantages.cpu().tolist()
             # Dropped groups (DAPO dynamic sampling) are masked out, not removed, so every rank
             # runs the same number of micro-batches (FSDP forwards are collective).
             keep = adv.keep[mine].to(self.device)
@@ -628,11 +644,22 @@ class GRPOTrainer:
             self.ref_model = self._make_reference() if self._uses_reference() else None
         elif self._uses_reference() and self.ref_model is None:
             self.ref_model = self._make_reference()
+        samples = SampleLog(self.output_dir, cfg.logging.samples_every, cfg.logging.samples_count,
+                            getattr(logger, "writer", None)) if self.dist.is_main else None
         while self.step < cfg.train.steps:
-            with _forced_backend(cfg.precision.backend):
-                metrics = self.train_step()
+            try:
+                with _forced_backend(cfg.precision.backend):
+                    metrics = self.train_step()
+            except RewardError as err:
+                # Nothing of this step was applied: the checkpoint is the last good step.
+                last_ckpt = self.save_checkpoint()
+                message = f"stopping at step {self.step + 1}: {err}. Checkpoint of step {self.step}: {last_ckpt}"
+                logger.event(self.step + 1, "stopped", message)
+                raise TrainingStopped(message, "reward", last_ckpt) from err
             events = metrics.pop("_events")
             logger.step(metrics)
+            if samples is not None and samples.due(self.step) and self._last_samples is not None:
+                samples.write(self.step, self._last_samples)
             for kind, message, fields in events:
                 logger.event(self.step, kind, message, **{k: v for k, v in fields.items() if k != "kind"})
             if self.consecutive_skips >= cfg.guards.max_consecutive_skips:

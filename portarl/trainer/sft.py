@@ -17,7 +17,8 @@ from portarl.trainer.sequences import build_batch, completion_logprobs
 
 def sft_batch(codec: TextCodec, examples: list[Example], device):
     prompts = [codec.encode_prompt(ex.prompt) for ex in examples]
-    answers = [codec.encode_continuation(ex.answer) + [codec.eos_token_id] for ex in examples]
+    # A chat model's turn ends with its end-of-turn token (<|im_end|>), not eos.
+    answers = [codec.encode_continuation(ex.answer) + [codec.completion_end_id] for ex in examples]
     return build_batch(prompts, answers, codec.pad_token_id, device)
 
 
