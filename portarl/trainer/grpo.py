@@ -749,7 +749,7 @@ def build_from_config(config: TrainConfig):
         model, tokenizer = build_tiny(seed=m.init_seed, hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
                                       kv_heads=m.kv_heads, intermediate_size=m.intermediate_size)
     else:
-        model, tokenizer = load_local(m.path)
+        model, tokenizer = load_local(m.path, dtype=DTYPES[config.precision.dtype])
     d = config.data
     if d.path is None:
         examples = arithmetic_examples(d.synthetic_size, seed=config.train.seed, max_operand=d.max_operand, ops=d.operators)
