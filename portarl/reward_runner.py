@@ -62,7 +62,7 @@ class RewardFunction:
             return
         try:
             if self.batched:
-                sig.bind([], [])
+                sig.bind_partial([], [])  # columns are checked when it is called
             else:
                 sig.bind("prompt", "completion", "answer")
         except TypeError as err:
