@@ -94,6 +94,19 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None):
     finally:
         if progress:
             hf_logging.enable_progress_bar()
+    packed = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]
+    if packed:
+        raise ValueError(f"{path}: tensors {packed[:3]} stayed quantised; training needs them dequantised")
+    # The weights are plain tensors now, but transformers still marks the model as a GGUF
+    # quantised one and then refuses save_pretrained (every checkpoint): drop the marks.
+    model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    for attr in ("is_quantized", "quantization_method"):
+        try:
+            setattr(model, attr, False if attr == "is_quantized" else None)
+        except AttributeError:  # a read-only property in some transformers versions
+            pass
     return model, tokenizer
 
 

@@ -43,6 +43,7 @@ def write_tiny_gguf(path, seed: int = 0) -> dict[str, np.ndarray]:
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
     w.add_token_types([gguf.TokenType.CONTROL] * len(specials) + [gguf.TokenType.NORMAL] * (vocab - len(specials)))
+    w.add_token_scores([0.0] * vocab)
     w.add_token_merges([])
     w.add_bos_token_id(0)
     w.add_eos_token_id(2)
