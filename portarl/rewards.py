@@ -1,4 +1,11 @@
-"""Reward functions: ``fn(prompt, completion, answer) -> float``, by name or ``module:function``.
+"""Reward functions, by name or ``module:function``; two forms (see the README's reward contract):
+
+- per sample: ``fn(prompt, completion, answer) -> float``;
+- batched, as TRL's: ``fn(prompts, completions, **columns) -> list[float | None]``, with every
+  other column of the data rows; ``None`` means "no reward from this function for this sample".
+
+Running them (shape checks, errors naming the function and the sample) is
+:mod:`portarl.reward_runner`.
 
 Built in:
 - ``math_exact``: 1.0 when the completion's final answer equals the reference answer
@@ -9,6 +16,8 @@ Built in:
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
 import re
 from typing import Callable
 
@@ -46,8 +55,14 @@ def format_reward(prompt: str, completion: str, answer: str) -> float:
 BUILTIN_REWARDS: dict[str, RewardFn] = {"math_exact": math_exact, "format": format_reward}
 
 
-def resolve_reward(spec: str | RewardFn) -> RewardFn:
-    """A built-in name, ``"package.module:function"``, or a callable."""
+def resolve_reward(spec: str | RewardFn, search_dirs: list[str | Path] | tuple = ()) -> RewardFn:
+    """A built-in name, ``"package.module:function"``, or a callable.
+
+    ``module`` is imported as Python would, and failing that from ``search_dirs`` (the
+    current directory and the config file's directory): the installed ``portarl`` command
+    does not have the current directory on ``sys.path`` as ``python -m`` does, so a
+    ``myrewards.py`` next to the config would otherwise not be found.
+    """
     if callable(spec):
         return spec
     if spec in BUILTIN_REWARDS:
@@ -55,10 +70,30 @@ def resolve_reward(spec: str | RewardFn) -> RewardFn:
     if ":" not in spec:
         raise ValueError(f"reward {spec!r}: use a built-in ({', '.join(BUILTIN_REWARDS)}) or 'module:function'")
     module_name, _, attr = spec.partition(":")
+    dirs = [str(Path(d).resolve()) for d in search_dirs]
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        module = _import(module_name, dirs)
+        fn = getattr(module, attr)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"reward {spec!r} cannot be loaded: {err}") from None
+        where = f" (looked on sys.path and in {', '.join(dirs)})" if dirs else ""
+        raise ValueError(f"reward {spec!r} cannot be loaded: {err}{where}") from None
     if not callable(fn):
         raise ValueError(f"reward {spec!r} is not callable")
     return fn
+
+
+def _import(module_name: str, dirs: list[str]):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        top = module_name.split(".")[0]
+        if err.name != top or not dirs:  # an import inside the user's module failed: report that
+            raise
+    added = [d for d in dirs if d not in sys.path]
+    sys.path[:0] = added
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        for d in added:
+            if d in sys.path:
+                sys.path.remove(d)

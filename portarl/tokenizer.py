@@ -63,32 +63,106 @@ class CharTokenizer:
 
 
 class TextCodec:
-    """The tokenizer operations the trainer uses, for either tokenizer kind."""
+    """The tokenizer operations the trainer uses, for either tokenizer kind.
 
-    def __init__(self, tokenizer):
+    ``chat_template``: ``"auto"`` renders a prompt with the tokenizer's own chat template
+    (and the generation prompt) when the prompt is a conversation or ``system_prompt`` is
+    set; ``"none"`` never does (a conversation is then an error); any other value is the
+    Jinja source of a template to use for every prompt. Rendering goes through the
+    tokenizer's ``apply_chat_template``, so the ids are exactly what the model was
+    instruction-tuned on.
+
+    ``stop_token_ids``: eos plus the token that ends an assistant turn when the template
+    ends turns with something else (ChatML's ``<|im_end|>``): generation must stop there,
+    or the model writes the next user turn itself.
+    """
+
+    def __init__(self, tokenizer, *, chat_template: str = "auto", system_prompt: str | None = None):
         self.tokenizer = tokenizer
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         if self.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token_id: generation could never stop")
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else self.eos_token_id
+        self.system_prompt = system_prompt
+        own = getattr(tokenizer, "chat_template", None)
+        if chat_template in ("auto", "none"):
+            self.template = own if chat_template == "auto" else None
+            self.always_template = False
+        else:
+            if isinstance(tokenizer, CharTokenizer):
+                raise ValueError("data.chat_template: the built-in character tokenizer has no chat support; use a "
+                                 "Hugging Face tokenizer")
+            self.template, self.always_template = chat_template, True
+        if system_prompt is not None and self.template is None:
+            raise ValueError("data.system_prompt is set but the tokenizer has no chat template (set "
+                             "data.chat_template to a Jinja template file)")
+        self.end_of_turn_id = self._end_of_turn() if self.template is not None else None
+        self.stop_token_ids = [self.eos_token_id] + (
+            [self.end_of_turn_id] if self.end_of_turn_id not in (None, self.eos_token_id) else [])
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def uses_template(self, prompt) -> bool:
+        return self.template is not None and (
+            self.always_template or not isinstance(prompt, str) or self.system_prompt is not None)
+
+    def messages(self, prompt) -> list[dict]:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+    def _apply(self, messages, **kwargs):
+        out = self.tokenizer.apply_chat_template(
+            messages, chat_template=None if self.template is getattr(self.tokenizer, "chat_template", None) else self.template,
+            **kwargs)
+        if not isinstance(out, (str, list)):  # transformers >= 5 returns a BatchEncoding by default
+            out = out["input_ids"]
+        return out
+
+    def _end_of_turn(self) -> int | None:
+        """The first token after an assistant message's content in the rendered template,
+        when it is a special token (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``)."""
+        marker = "PORTARL_END_MARKER"
+        try:
+            text = self._apply([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+                               tokenize=False)
+        except Exception:  # templates that refuse a probe conversation: eos alone stops
+            return None
+        tail = text[text.rfind(marker) + len(marker):].lstrip(" ")
+        ids = self.tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        if ids and (ids[0] in special or ids[0] in added):
+            return int(ids[0])
+        return None
+
+    def encode_prompt(self, prompt) -> list[int]:
+        if self.uses_template(prompt):
+            return [int(i) for i in self._apply(self.messages(prompt), add_generation_prompt=True, tokenize=True)]
+        if not isinstance(prompt, str):
+            raise ValueError("the prompt is a conversation but there is no chat template (data.chat_template is "
+                             "'none' or the tokenizer has none): set data.chat_template to a Jinja template file")
         if isinstance(self.tokenizer, CharTokenizer):
-            return self.tokenizer.encode(text)
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+            return self.tokenizer.encode(prompt)
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
     def encode_continuation(self, text: str) -> list[int]:
         if isinstance(self.tokenizer, CharTokenizer):
             return self.tokenizer.encode(text, add_bos=False)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    @property
+    def completion_end_id(self) -> int:
+        """The token that ends a completion (supervised targets): end of turn, else eos."""
+        return self.end_of_turn_id if self.end_of_turn_id is not None else self.eos_token_id
+
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def as_codec(tokenizer) -> TextCodec:
-    return tokenizer if isinstance(tokenizer, TextCodec) else TextCodec(tokenizer)
+def as_codec(tokenizer, **options) -> TextCodec:
+    """``options``: ``chat_template``, ``system_prompt`` (see :class:`TextCodec`)."""
+    return tokenizer if isinstance(tokenizer, TextCodec) else TextCodec(tokenizer, **options)
 
 
 def load_tokenizer(directory: str | Path):
@@ -99,3 +173,14 @@ def load_tokenizer(directory: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def chat_template_option(value: str | None) -> str:
+    """``data.chat_template`` as :class:`TextCodec` takes it: ``auto`` / ``none`` as they are,
+    anything else a Jinja template file, read here (its path is named if it is missing)."""
+    if value in (None, "auto", "none"):
+        return value or "auto"
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"data.chat_template: {value!r} is neither 'auto', 'none' nor a Jinja template file")
+    return path.read_text()

@@ -120,7 +120,7 @@ def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, 
 class VLLMRollout(RolloutEngine):
     name = "vllm"
 
-    def __init__(self, model_dir: str | Path, *, eos_token_id: int, dtype: torch.dtype = torch.float32,
+    def __init__(self, model_dir: str | Path, *, eos_token_id: int | list[int], dtype: torch.dtype = torch.float32,
                  gpu_memory_utilization: float = 0.5, max_model_len: int = 2048, seed: int = 0,
                  enforce_eager: bool = True, sleep_mode: bool = False, additional_config: dict | None = None):
         npu = _npu_platform()
@@ -132,7 +132,9 @@ class VLLMRollout(RolloutEngine):
             raise RuntimeError(reason)
         from vllm import LLM
 
-        self.eos_token_id = eos_token_id
+        # eos, or a list: eos and a chat template's end of turn (<|im_end|>)
+        self.stop_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
+        self.eos_token_id = self.stop_token_ids[0]
         self.sleep_mode = sleep_mode
         self.weights_version = 0
         self.trainer_version = 0
@@ -214,10 +216,10 @@ class VLLMRollout(RolloutEngine):
             VSamplingParams(
                 n=1, seed=int(seed) % (2**63 - 1), temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k, max_tokens=params.max_new_tokens, logprobs=0,
-                stop_token_ids=[self.eos_token_id], detokenize=False,
+                stop_token_ids=list(self.stop_token_ids), detokenize=False,
             ) if not params.greedy else VSamplingParams(
                 n=1, temperature=0.0, max_tokens=params.max_new_tokens, logprobs=0,
-                stop_token_ids=[self.eos_token_id], detokenize=False,
+                stop_token_ids=list(self.stop_token_ids), detokenize=False,
             )
             for seed in seeds
         ]
@@ -248,7 +250,7 @@ def engine_from_trainer(trainer) -> VLLMRollout:
     prompt_budget = 64
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight sync without IPC copies
     return VLLMRollout(
-        model_dir, eos_token_id=trainer.codec.eos_token_id, dtype=next(trainer.model.parameters()).dtype,
+        model_dir, eos_token_id=trainer.codec.stop_token_ids, dtype=next(trainer.model.parameters()).dtype,
         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         max_model_len=r.vllm_max_model_len or prompt_budget + r.max_new_tokens,
         seed=cfg.train.seed, enforce_eager=r.vllm_enforce_eager, sleep_mode=r.vllm_sleep_mode,

@@ -105,9 +105,18 @@ class DataConfig:
     synthetic_size: int = 4000
     max_operand: int = 9
     operators: str = "+"
+    #: "auto" (the tokenizer's chat template for conversational prompts or when
+    #: system_prompt is set), "none", or a Jinja template file.
+    chat_template: str = "auto"
+    #: A system message put before every prompt (needs a chat template).
+    system_prompt: str | None = None
 
     def validate(self):
         _positive_int(self, "data", "synthetic_size", "max_operand")
+        _check(isinstance(self.chat_template, str) and bool(self.chat_template), "data.chat_template",
+               "must be 'auto', 'none' or a Jinja template file", self.chat_template)
+        _check(self.system_prompt is None or isinstance(self.system_prompt, str), "data.system_prompt",
+               "must be a string or null", self.system_prompt)
         _check(bool(self.operators) and set(self.operators) <= set("+-*"), "data.operators", "must use + - *", self.operators)
 
 
@@ -356,10 +365,15 @@ class LoggingConfig:
     tensorboard: bool = True
     progress: bool = True
     plot: bool = True
+    #: Every this many steps (and at step 1): a few samples to samples.jsonl, the console
+    #: and TensorBoard (0: never).
+    samples_every: int = 10
+    samples_count: int = 4
 
     def validate(self):
         for name in ("tensorboard", "progress", "plot"):
             _check(isinstance(getattr(self, name), bool), f"logging.{name}", "must be true or false", getattr(self, name))
+        _positive_int(self, "logging", "samples_every", "samples_count", allow_zero=True)
 
 
 @dataclasses.dataclass
@@ -460,7 +474,10 @@ class TrainConfig:
             values = loaded or {}
         for item in overrides or []:
             apply_override(values, item)
-        return cls.from_dict(values)
+        config = cls.from_dict(values)
+        # Not a field (never saved): where `module:function` rewards are also looked for.
+        config.source_dir = str(Path(path).resolve().parent) if path is not None else None
+        return config
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))

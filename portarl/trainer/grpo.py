@@ -34,11 +34,12 @@ from pathlib import Path
 import torch
 
 from portarl import distributed as pdist
-from portarl.data import Example, arithmetic_examples, load_examples
+from portarl.data import Example, arithmetic_examples, encode_examples, load_examples
 from portarl.device import resolve_device
 from portarl.emulation import resolve_profile
+from portarl.reward_runner import RewardError, RewardRunner
 from portarl.rollout import SamplingParams
-from portarl.tokenizer import as_codec
+from portarl.tokenizer import as_codec, chat_template_option
 from portarl.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from portarl.trainer.checkpoint import step_of as state_step
 from portarl.trainer.config import TrainConfig
@@ -49,7 +50,8 @@ from portarl.trainer.rollout_phase import run_rollout
 from portarl.trainer import run_dir
 from portarl.trainer.progress import progress_bar
 from portarl.trainer.runlog import RunLogger, plot_curves, read_metrics, summarize
-from portarl.trainer.scoring import compute_rewards, resolve_rewards, score
+from portarl.trainer.samples import SampleLog
+from portarl.trainer.scoring import score
 from portarl.trainer.sft import run_sft
 from portarl.trainer.step_guard import (
     StepGuard,
@@ -101,11 +103,12 @@ class GRPOTrainer:
         self.model, self._initial_reference = place_model(model, self.config, self.dist, self.device)
         self.model.train()
         self.tokenizer = tokenizer
-        self.codec = as_codec(tokenizer)
-        self.reward_fns = resolve_rewards(reward_fns, self.config)
+        d = self.config.data
+        self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)
+        self.rewards = self._resolve_rewards(reward_fns)
         self.examples: list[Example] = list(train_data)
-        if not self.examples:
-            raise ValueError("train_data is empty")
+        self._prompt_ids = self._check_examples()
+        self._last_samples = None
         self.output_dir = Path(self.config.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = CheckpointManager(self.output_dir, self.config.checkpoint.keep_last)
@@ -160,6 +163,31 @@ class GRPOTrainer:
     @rollout.setter
     def rollout(self, engine) -> None:
         self._rollout = engine
+
+    def _resolve_rewards(self, reward_fns) -> RewardRunner:
+        if reward_fns is None:
+            reward_fns = [(spec.name, spec.weight) for spec in self.config.rewards]
+        dirs = [os.getcwd()] + [d for d in [getattr(self.config, "source_dir", None)] if d]
+        return RewardRunner(reward_fns, search_dirs=dirs)
+
+    def _check_examples(self) -> dict[int, list[int]]:
+        """Every prompt encoded now (file:line in the error), answers present where needed,
+        and sampling with replacement announced. Returns ids by ``id(example)``."""
+        if not self.examples:
+            raise ValueError("train_data is empty")
+        ctx = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        ids = encode_examples(self.examples, self.codec, context_length=ctx,
+                              max_new_tokens=self.config.rollout.max_new_tokens)
+        need = self.rewards.needs_answer + (["train.sft_warmup_steps"] if self.config.train.sft_warmup_steps else [])
+        missing = next((ex for ex in self.examples if ex.answer is None), None)
+        if need and missing is not None:
+            raise ValueError(f"{missing.where or 'an example'}: no answer field (data.answer_field="
+                             f"{self.config.data.answer_field!r}), which {', '.join(need)} needs")
+        n = self.config.train.prompts_per_step
+        if n > len(self.examples) and self.dist.is_main:
+            log.warning("train.prompts_per_step=%d is larger than the %d examples: prompts are drawn with replacement "
+                        "(the same prompt can appear twice in a step)", n, len(self.examples))
+        return {id(ex): p for ex, p in zip(self.examples, ids)}
 
     def _uses_reference(self) -> bool:
         return self.config.loss.kl_coef > 0
@@ -267,8 +295,13 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------- one step
     def _rewards(self, examples: list[Example], texts: list[str]) -> tuple[torch.Tensor, dict]:
-        """The reward call: one value per completion (fp32, on the CPU) and ``reward/*`` metrics."""
-        return compute_rewards(self.reward_fns, examples, texts, self.config.rollout.group_size)
+        """The reward call: weighted total per completion (fp32, on the CPU) and ``reward/*``
+        metrics (:mod:`portarl.reward_runner`; a failing reward raises :class:`RewardError`).
+        Keeps each function's values for the sample log."""
+        g = self.config.rollout.group_size
+        scores = self.rewards.score([examples[i // g] for i in range(len(texts))], texts)
+        self._last_reward_values = scores.per_function
+        return scores.total, scores.metrics
 
     def train_step(self) -> dict:
         """Run iteration ``self.step + 1``; returns its metrics (``skipped`` = 1 when skipped).
@@ -284,6 +317,7 @@ class GRPOTrainer:
         skipped, overflow = False, False
         self.guard.reset()
         self.partial_update = None
+        self._last_samples = None
         try:
             scored = score(self, phase, metrics)
             overflow = run_update(self, scored, metrics, events)
@@ -365,6 +399,8 @@ class GRPOTrainer:
             self.ref_model = self._make_reference() if self._uses_reference() else None
         elif self._uses_reference() and self.ref_model is None:
             self.ref_model = self._make_reference()
+        samples = SampleLog(self.output_dir, cfg.logging.samples_every, cfg.logging.samples_count,
+                            getattr(logger, "writer", None)) if self.dist.is_main else None
         while self.step < cfg.train.steps:
             with forced_backend(cfg.precision.backend):
                 try:
@@ -373,8 +409,16 @@ class GRPOTrainer:
                     message = f"stopping at step {self.step + 1}: {err}. Last good checkpoint: {self.checkpoints.latest()}"
                     logger.event(self.step + 1, "stopped", message)
                     raise TrainingStopped(message, "optimizer_update", self.checkpoints.latest()) from None
+                except RewardError as err:
+                    # Nothing of this step was applied: the checkpoint is the last good step.
+                    last_ckpt = self.save_checkpoint()
+                    message = f"stopping at step {self.step + 1}: {err}. Checkpoint of step {self.step}: {last_ckpt}"
+                    logger.event(self.step + 1, "stopped", message)
+                    raise TrainingStopped(message, "reward", last_ckpt) from err
             events = metrics.pop("_events")
             logger.step(metrics)
+            if samples is not None and samples.due(self.step) and self._last_samples is not None:
+                samples.write(self.step, self._last_samples)
             for kind, message, fields in events:
                 logger.event(self.step, kind, message, **{k: v for k, v in fields.items() if k != "kind"})
             if self.stop_reason is not None:  # a guard with action "stop"
@@ -454,7 +498,9 @@ def build_from_config(config: TrainConfig):
         model, tokenizer = build_tiny(seed=m.init_seed, hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
                                       kv_heads=m.kv_heads, intermediate_size=m.intermediate_size)
     else:
-        model, tokenizer = load_local(m.path)
+        from portarl.trainer.precision import DTYPES
+
+        model, tokenizer = load_local(m.path, dtype=DTYPES[config.precision.dtype])
     d = config.data
     if d.path is None:
         examples = arithmetic_examples(d.synthetic_size, seed=config.train.seed, max_operand=d.max_operand, ops=d.operators)

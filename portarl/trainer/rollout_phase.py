@@ -39,7 +39,8 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
     trainer._local_offset = trainer.dist.rank * per_rank
     examples = everyone[trainer._local_offset : trainer._local_offset + per_rank]  # whole groups per rank
     seeds = seeds[trainer._local_offset * g : (trainer._local_offset + per_rank) * g]
-    prompts = [trainer.codec.encode_prompt(ex.prompt) for ex in examples for _ in range(g)]
+    # Encoded (and checked) once when the data loaded (GRPOTrainer._check_examples).
+    prompts = [trainer._prompt_ids.get(id(ex)) or trainer.codec.encode_prompt(ex.prompt) for ex in examples for _ in range(g)]
     trainer.rollout.sync_weights(trainer.model)
     rollout = trainer.rollout.generate(prompts, seeds, trainer.sampling)
     trainer.rollout.sleep()  # the trainer computes now: the engine frees what it can (vLLM: KV cache)

@@ -28,7 +28,8 @@ log = logging.getLogger("portarl.train")
 
 #: What a training run writes into its output directory (all of it, and only it, is
 #: removed by ``--overwrite``).
-RUN_FILES = ("checkpoints", "metrics.jsonl", "events.jsonl", "tensorboard", "config.yaml", "summary.txt", "curves.png")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "events.jsonl", "samples.jsonl", "tensorboard", "config.yaml", "summary.txt",
+             "curves.png")
 
 #: Fields (``section.field``; a trailing dot: the whole section) that ``--resume`` applies.
 MID_RUN_FIELDS = ("train.steps", "optim.lr", "logging.", "checkpoint.every", "checkpoint.keep_last", "device")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 from pathlib import Path
 
 from portarl.trainer.logfiles import prepare_log

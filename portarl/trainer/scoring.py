@@ -5,8 +5,8 @@ Every tensor is named and guarded (:class:`portarl.trainer.step_guard.StepGuard`
 as it exists; a non-finite one raises :class:`~portarl.trainer.guards.NonFiniteError` and
 the iteration is skipped before any optimizer step.
 
-The reward call is :func:`compute_rewards` (through ``GRPOTrainer._rewards``): one place to
-replace for batched / asynchronous rewards.
+The reward call is ``GRPOTrainer._rewards`` (:mod:`portarl.reward_runner`: per-sample and
+TRL-style batched rewards with dataset columns, errors naming the reward and the sample).
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import torch
 
 from portarl import distributed as pdist
 from portarl.core import compute_advantages, kl_penalized_rewards
-from portarl.data import Example
-from portarl.rewards import resolve_reward
 from portarl.trainer.guards import NonFiniteError, check_finite
 from portarl.trainer.sequences import build_batch, completion_logprobs
 
@@ -30,22 +28,6 @@ class Scored:
     ref_logp: torch.Tensor | None      # [B, T] fp32 or None when no KL to a reference
     rollout_logp: torch.Tensor         # [B, T] fp32: the engine's own log-probs
     advantages: torch.Tensor           # [B]
-
-
-def compute_rewards(reward_fns, examples: list[Example], texts: list[str], group_size: int) -> tuple[torch.Tensor, dict]:
-    """Weighted sum of the reward functions, one value per completion (sample ``i`` answers
-    ``examples[i // group_size]``), and ``reward/<name>`` means."""
-    g = group_size
-    total = torch.zeros(len(texts), dtype=torch.float32)
-    metrics = {}
-    for name, fn, weight in reward_fns:
-        values = torch.tensor(
-            [float(fn(examples[i // g].prompt, text, examples[i // g].answer)) for i, text in enumerate(texts)],
-            dtype=torch.float32,
-        )
-        metrics[f"reward/{name}"] = float(values.mean())
-        total += weight * values
-    return total, metrics
 
 
 def logprobs(trainer, model, batch, *, with_entropy=False):
@@ -69,6 +51,11 @@ def score(trainer, phase, metrics: dict) -> Scored:
     guard = trainer.guard
     rollout, examples = phase.rollout, phase.examples
     rewards, reward_metrics = trainer._rewards(examples, phase.texts)
+    # What the sample log shows (samples.jsonl): filled in as the phase goes.
+    trainer._last_samples = {"prompts": [examples[i // g].prompt_text for i in range(len(phase.texts))],
+                             "completions": phase.texts, "finished": rollout.finished,
+                             "rewards": getattr(trainer, "_last_reward_values", {}), "total": rewards.tolist(),
+                             "advantages": None}
     metrics.update(reward_metrics)
     rewards = trainer._apply_hooks("reward", rewards)
     guard.check("reward", rewards)
@@ -105,21 +92,9 @@ def score(trainer, phase, metrics: dict) -> Scored:
     mine = slice(trainer._local_offset * g, (trainer._local_offset + len(examples)) * g)
     advantages = trainer._apply_hooks("advantage", adv.advantages[mine].to(trainer.device))
     check_finite("advantage", advantages)
+    trainer._last_samples["advantages"] = advantages.cpu().tolist()
     # Dropped groups (DAPO dynamic sampling) are masked out, not removed, so every rank
     # runs the same number of micro-batches (FSDP forwards are collective).
     keep = adv.keep[mine].to(trainer.device)
     batch = dataclasses.replace(batch, mask=batch.mask & keep[:, None])
     return Scored(batch, old_logp, ref_logp, rollout_logp, advantages)
-
-
-def resolve_rewards(reward_fns, config) -> list[tuple[str, object, float]]:
-    """``[(name, fn, weight)]`` from the trainer's ``reward_fns`` argument (names, callables
-    or ``(name_or_fn, weight)`` pairs) or, when it is None, the config's ``rewards``."""
-    if reward_fns is None:
-        reward_fns = [(spec.name, spec.weight) for spec in config.rewards]
-    out = []
-    for item in reward_fns:
-        name, weight = item if isinstance(item, tuple) else (item, 1.0)
-        fn = resolve_reward(name)
-        out.append((getattr(fn, "__name__", str(name)) if callable(name) else str(name), fn, float(weight)))
-    return out

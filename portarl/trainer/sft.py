@@ -16,8 +16,13 @@ from portarl.trainer.sequences import build_batch, completion_logprobs
 
 
 def sft_batch(codec: TextCodec, examples: list[Example], device):
+    missing = next((ex for ex in examples if ex.answer is None), None)
+    if missing is not None:
+        raise ValueError(f"{missing.where or 'an example'}: no answer field; supervised training needs one (set "
+                         "data.answer_field, or train.sft_warmup_steps=0)")
     prompts = [codec.encode_prompt(ex.prompt) for ex in examples]
-    answers = [codec.encode_continuation(ex.answer) + [codec.eos_token_id] for ex in examples]
+    # A chat model's turn ends with its end-of-turn token (<|im_end|>), not eos.
+    answers = [codec.encode_continuation(ex.answer) + [codec.completion_end_id] for ex in examples]
     return build_batch(prompts, answers, codec.pad_token_id, device)
 
 

@@ -25,10 +25,14 @@ def test_jsonl_and_parquet(tmp_path):
     assert load_examples(tmp_path / "d.parquet", prompt_field="question", answer_field="solution") == examples
 
 
-def test_data_errors_name_the_place(tmp_path):
+def test_data_errors_name_the_place(tmp_path, make_trainer):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"prompt": "1+1="}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: missing field 'answer'"):
+    bad.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n" + json.dumps({"prompt": "1+2="}) + "\n")
+    assert load_examples(bad)[1].answer is None  # the answer is optional: batched rewards may not need one
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: no answer field .*math_exact"):
+        make_trainer(f"data.path={bad}")  # ... but math_exact does
+    bad.write_text(json.dumps({"answer": "2"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: missing field 'prompt'"):
         load_examples(bad)
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{oops\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):

@@ -1,0 +1,50 @@
+"""`model.path` as a .gguf file: transformers' GGUF loader, dequantised to the configured
+dtype, the tokenizer and chat template from the file (issue 16 item 5). The file is
+written here with the gguf package's own writer; nothing is downloaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("gguf", reason="GGUF loading needs the gguf package (pip install 'portarl[gguf]')")
+
+from gguf_tiny import write_tiny_gguf  # noqa: E402
+from portarl.models import load_local  # noqa: E402
+from portarl.tokenizer import as_codec  # noqa: E402
+from trainer_fast import fast_config  # noqa: E402
+
+
+def test_gguf_loads_dequantised_with_its_tokenizer(tmp_path):
+    written = write_tiny_gguf(tmp_path / "tiny.gguf")
+    model, tok = load_local(tmp_path / "tiny.gguf", dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    state = model.state_dict()
+    # the Q8_0 tensor comes back as its dequantised values; plain ones as written
+    for gguf_name, hf_name in [("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight"),
+                               ("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight"),
+                               ("token_embd.weight", "model.embed_tokens.weight")]:
+        assert torch.equal(state[hf_name], torch.from_numpy(written[gguf_name]).to(torch.bfloat16)), hf_name
+    codec = as_codec(tok)
+    assert tok.decode(tok("What is 2+3?")["input_ids"]) == "What is 2+3?"
+    assert codec.stop_token_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
+    ids = codec.encode_prompt(({"role": "user", "content": "2+3?"},))
+    assert tok.convert_ids_to_tokens(ids)[:1] == ["<|im_start|>"]
+
+
+def test_training_from_a_gguf_file(tmp_path):
+    from portarl.trainer import GRPOTrainer, build_from_config
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join('{"prompt": [{"role": "user", "content": "What is %d+1?"}], "answer": "%d"}\n' % (i, i + 1)
+                            for i in range(4)))
+    cfg = fast_config(tmp_path, f"model.path={tmp_path / 'tiny.gguf'}", f"data.path={data}", "train.steps=1",
+                      "model.hidden_size=32")
+    model, tok, examples = build_from_config(cfg)
+    trainer = GRPOTrainer(model, tok, None, examples, cfg, device="cpu")
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    with pytest.raises(FileNotFoundError, match="not a file"):
+        load_local(tmp_path / "missing.gguf")

@@ -1,0 +1,45 @@
+"""samples.jsonl, the console line and TensorBoard text (issue 16 item 3)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from portarl.trainer.samples import SampleLog, pick
+
+
+class _Writer:
+    def __init__(self):
+        self.texts = []
+
+    def add_text(self, tag, text, step):
+        self.texts.append((tag, text, step))
+
+
+def test_sample_log_rows_console_and_tensorboard(tmp_path, caplog):
+    writer = _Writer()
+    log = SampleLog(tmp_path, every=3, count=2, writer=writer)
+    assert [s for s in range(1, 10) if log.due(s)] == [1, 3, 6, 9]
+    assert pick(8, 2) == [0, 4] and pick(3, 5) == [0, 1, 2]
+    samples = {"prompts": ["p0", "p1", "p2", "p3"], "completions": ["a", "b", "c", "d"],
+               "finished": [True, False, True, True], "rewards": {"math_exact": [1.0, 0.0, None, 1.0]},
+               "total": [1.0, 0.0, 0.5, float("nan")], "advantages": [0.5, -0.5, 0.0, 0.1]}
+    with caplog.at_level(logging.INFO, logger="portarl.samples"):
+        log.write(3, samples)
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert rows == [
+        {"step": 3, "sample": 0, "prompt": "p0", "completion": "a", "rewards": {"math_exact": 1.0}, "reward": 1.0,
+         "advantage": 0.5, "finish_reason": "stop"},
+        {"step": 3, "sample": 2, "prompt": "p2", "completion": "c", "rewards": {"math_exact": None}, "reward": 0.5,
+         "advantage": 0.0, "finish_reason": "stop"},
+    ]
+    assert "sample at step 3: prompt 'p0' -> completion 'a'" in caplog.text
+    assert writer.texts[0][0] == "samples" and writer.texts[0][2] == 3 and "**completion**: `c`" in writer.texts[0][1]
+
+
+def test_training_writes_samples_at_the_first_step_and_every_n(make_trainer, tmp_path):
+    trainer = make_trainer("train.steps=4", "logging.samples_every=2", "logging.samples_count=3")
+    trainer.train()
+    rows = [json.loads(line) for line in (trainer.output_dir / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2, 4, 4, 4]
+    assert all(r["prompt"].endswith("=") and set(r["rewards"]) == {"math_exact", "format"} for r in rows)
