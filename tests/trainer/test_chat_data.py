@@ -68,7 +68,8 @@ def test_end_of_turn_token_stops_generation():
     model.register_forward_hook(prefer_im_end)
     prompt = codec.encode_prompt(CONVERSATION)
     params = SamplingParams(temperature=1.0, max_new_tokens=5)
-    stopped = HFRollout(model, codec.stop_token_ids, codec.pad_token_id).generate([prompt], [0], params)
+    stopped = HFRollout(model, codec.eos_token_id, codec.pad_token_id, stop_token_ids=codec.stop_token_ids).generate(
+        [prompt], [0], params)
     assert stopped.completion_ids == [[im_end]] and stopped.finished == [True]
     eos_only = HFRollout(model, tok.eos_token_id, codec.pad_token_id).generate([prompt], [0], params)
     assert len(eos_only.completion_ids[0]) == 5 and eos_only.finished == [False]

@@ -12,18 +12,15 @@ import torch
 from portarl.trainer import GRPOTrainer, TrainConfig, TrainingStopped, build_from_config
 from portarl.trainer.guards import SpikeDetector
 from portarl.trainer.rollout_phase import identical_cause
-from trainer_fast import fast_config
+from trainer_fast import fast_config, varied_reward
 
 
-def length_reward(prompt, completion, answer):
-    """Varies inside every group from the first step on, so the first step has a gradient."""
-    return float(len(completion))
 
 
 def _trainer(tmp_path, *overrides):
     cfg = fast_config(tmp_path, *overrides)
     model, tokenizer, examples = build_from_config(cfg)
-    return GRPOTrainer(model, tokenizer, [length_reward], examples, cfg, device="cpu")
+    return GRPOTrainer(model, tokenizer, [varied_reward], examples, cfg, device="cpu")
 
 
 def test_ceiling_judges_the_first_steps():

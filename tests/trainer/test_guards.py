@@ -13,6 +13,7 @@ import torch
 from portarl.trainer import TrainingStopped
 from portarl.trainer.checkpoint import CheckpointManager
 from portarl.trainer.guards import DegenerateDetector, SpikeDetector, is_degenerate
+from trainer_fast import varied_reward
 
 
 def _nan_at(step_to_poison, *, where=None):
@@ -48,7 +49,7 @@ def _assert_same(a, b):
 
 @pytest.mark.parametrize("point", ["old_logp", "reward", "grad", "advantage", "loss"])
 def test_nan_mid_run_skips_that_step_only(make_trainer, point):
-    trainer = make_trainer("loss.kl_coef=0.01")
+    trainer = make_trainer("loss.kl_coef=0.01", rewards=[varied_reward])  # a gradient from step 1 on
     trainer.hooks[point].append(_nan_at(2))
     first = trainer.train_step()
     assert first["skipped"] == 0

@@ -11,18 +11,15 @@ import torch
 
 from portarl.trainer import GRPOTrainer, build_from_config
 from portarl.trainer.update import lr_lambda, mini_batch_rows, optimizer_steps_total
-from trainer_fast import fast_config
+from trainer_fast import fast_config, varied_reward
 
 
-def length_reward(prompt, completion, answer):
-    """Varies inside every group from the first step on (unlike correctness on an untrained model)."""
-    return float(len(completion))
 
 
 def _trainer(tmp_path, *overrides, name="run"):
     cfg = fast_config(tmp_path / name, *overrides)
     model, tokenizer, examples = build_from_config(cfg)
-    return GRPOTrainer(model, tokenizer, [length_reward], examples, cfg, device="cpu")
+    return GRPOTrainer(model, tokenizer, [varied_reward], examples, cfg, device="cpu")
 
 
 def test_mini_batch_rows_partition_and_determinism():

@@ -24,3 +24,14 @@ FAST = [
 
 def fast_config(tmp_path, *overrides: str) -> TrainConfig:
     return TrainConfig.load(None, [*FAST, f"output_dir={tmp_path / 'run'}", *overrides])
+
+
+def varied_reward(prompt, completion, answer):
+    """A reward that differs between the samples of a group from the first step on: it
+    depends on every character of the completion, so (with the 79-token character
+    vocabulary) G random completions almost surely get different values. The tests that
+    need a first-step gradient use it; the demo's own rewards are 0 for every sample of an
+    untrained model, and a completion's length is the same for all of them whenever no
+    sample happens to stop early."""
+    return float(sum(map(ord, completion)) % 5)
+
