@@ -105,3 +105,14 @@ def test_smallest_valid_temperature_keeps_finite_logits_finite(target):
     assert torch.isfinite(logp).all() and torch.isfinite(entropy).all()
     want = torch.log_softmax(logits / TEMPERATURE_MIN, -1).gather(-1, labels[:, None])[:, 0]
     torch.testing.assert_close(logp.double().cpu(), want, rtol=0, atol=1e-3)
+
+
+def test_linear_logprobs_takes_the_same_temperature_range():
+    """The trainer scores through linear_logprobs: it refuses what ops.logprobs refuses."""
+    hidden, weight = torch.randn(3, 8), torch.randn(11, 8)
+    labels = torch.tensor([0, 5, 10])
+    with pytest.raises(ValueError, match=r"temperature=1e-45 is too small.*\[1e-06, inf\)"):
+        ops.linear_logprobs(hidden, weight, labels, temperature=1e-45)
+    with pytest.raises(ValueError, match="outside \\[0, 11\\)"):
+        ops.linear_logprobs(hidden, weight, torch.tensor([0, 11, 2]))
+    assert torch.isfinite(ops.linear_logprobs(hidden, weight, labels, temperature=1e-6)).all()

@@ -69,6 +69,23 @@ def check_temperature(value) -> float:
     return value
 
 
+def check_labels(labels: torch.Tensor, n_cols: int, ignore_index) -> torch.Tensor:
+    """Flat int64 labels, each in ``[0, n_cols)`` or equal to ``ignore_index``; the error
+    counts the bad ones and names the first. (One blocking check: a label out of range
+    would otherwise read outside a row.)"""
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    flat = labels.reshape(-1).to(torch.int64)
+    bad = ((flat < 0) | (flat >= n_cols)) & (flat != ignore_index)
+    if bool(bad.any()):
+        first = int(flat[bad][0])
+        raise ValueError(
+            f"labels: {int(bad.sum())} value(s) outside [0, {n_cols}) that are not ignore_index="
+            f"{ignore_index} (first: {first}); fix the labels or pass the ignore_index you pad with"
+        )
+    return flat
+
+
 def tag(tensor: torch.Tensor | None, backend_name: str) -> None:
     """Mark an op result with the backend that computed it (read by :func:`computed_by`)."""
     if tensor is not None:

@@ -7,7 +7,7 @@ import torch
 
 from portarl.backends.base import Backend
 from portarl.backends.dispatch import choose_backend
-from portarl.ops._checks import check_float_dtype, check_positive, check_same_device, check_tensor, tag
+from portarl.ops._checks import check_float_dtype, check_labels, check_same_device, check_temperature, check_tensor, tag
 
 
 def linear_logprobs(
@@ -32,7 +32,8 @@ def linear_logprobs(
         labels: integer ``[...]`` equal to ``hidden.shape[:-1]``; each in ``[0, V)`` or
             equal to ``ignore_index``.
         bias: optional ``[V]``, the same dtype as ``hidden``.
-        temperature: finite, > 0 (divides the logits).
+        temperature: in ``[1e-6, inf)`` as for :func:`portarl.ops.logprobs` (divides the logits;
+            smaller values overflow finite logits in fp32).
         ignore_index: label value marking positions to ignore.
         return_entropy: also return the entropy of each row.
         backend: ``"reference"``, ``"cuda"`` or ``"npu"`` or a Backend; default by device.
@@ -64,7 +65,7 @@ def linear_logprobs(
     Raises:
         TypeError: a non-tensor argument, non-integer labels, an unsupported or mismatched dtype.
         ValueError: weight not 2-D, H mismatch, bias not [V], shape mismatch of labels,
-            devices differ, V = 0, labels out of range, temperature <= 0.
+            devices differ, V = 0, labels out of range, temperature outside ``[1e-6, inf)``.
     """
     check_tensor("hidden", hidden)
     check_tensor("weight", weight)
@@ -99,19 +100,8 @@ def linear_logprobs(
         )
     tensors = (hidden, weight, labels) + ((bias,) if bias is not None else ())
     check_same_device(("hidden", "weight", "labels", "bias")[: len(tensors)], tensors)
-    temperature = check_positive("temperature", temperature)
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-
-    vocab = weight.shape[0]
-    flat_labels = labels.reshape(-1).to(torch.int64)
-    bad = ((flat_labels < 0) | (flat_labels >= vocab)) & (flat_labels != ignore_index)
-    if bool(bad.any()):
-        first = int(flat_labels[bad][0])
-        raise ValueError(
-            f"labels: {int(bad.sum())} value(s) outside [0, {vocab}) that are not ignore_index="
-            f"{ignore_index} (first: {first}); fix the labels or pass the ignore_index you pad with"
-        )
+    temperature = check_temperature(temperature)  # the same range as ops.logprobs
+    flat_labels = check_labels(labels, weight.shape[0], ignore_index)
 
     chosen = choose_backend("linear_logprobs", hidden.device, backend)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])

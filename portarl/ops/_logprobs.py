@@ -6,7 +6,7 @@ import torch
 
 from portarl.backends.base import Backend
 from portarl.backends.dispatch import choose_backend
-from portarl.ops._checks import check_float_dtype, check_same_device, check_temperature, check_tensor, tag
+from portarl.ops._checks import check_float_dtype, check_labels, check_same_device, check_temperature, check_tensor, tag
 
 
 def logprobs(
@@ -72,18 +72,7 @@ def logprobs(
         )
     check_same_device(("logits", "labels"), (logits, labels))
     temperature = check_temperature(temperature)
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-
-    n_cols = logits.shape[-1]
-    flat_labels = labels.reshape(-1).to(torch.int64)
-    bad = ((flat_labels < 0) | (flat_labels >= n_cols)) & (flat_labels != ignore_index)
-    if bool(bad.any()):
-        first = int(flat_labels[bad][0])
-        raise ValueError(
-            f"labels: {int(bad.sum())} value(s) outside [0, {n_cols}) that are not ignore_index="
-            f"{ignore_index} (first: {first}); fix the labels or pass the ignore_index you pad with"
-        )
+    flat_labels = check_labels(labels, logits.shape[-1], ignore_index)
 
     chosen = choose_backend("logprobs", logits.device, backend)
     if flat_labels.numel() == 0:
