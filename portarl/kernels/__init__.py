@@ -7,7 +7,7 @@ which lets them run on CPU tensors) is decided by triton when the decorators run
 so it is fixed for the life of the process: see :data:`INTERPRETED`.
 """
 
-from portarl.kernels.logprobs import logprobs_backward_kernel, logprobs_forward_kernel, logprobs_grad_kernel
+from portarl.kernels.logprobs import logprobs_forward_kernel, logprobs_grad_kernel
 from portarl.kernels.kl import kl_backward_kernel, kl_forward_kernel
 
 
@@ -33,7 +33,6 @@ __all__ = [
     "INTERPRETED",
     "kl_backward_kernel",
     "kl_forward_kernel",
-    "logprobs_backward_kernel",
     "logprobs_forward_kernel",
     "logprobs_grad_kernel",
     "round_bf16_in_interpreter",

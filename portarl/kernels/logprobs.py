@@ -124,58 +124,6 @@ def logprobs_forward_kernel(
 
 
 @triton.jit
-def logprobs_backward_kernel(
-    logits_ptr,
-    row_offsets_ptr,
-    col_stride,
-    labels_ptr,
-    lse_ptr,
-    entropy_ptr,
-    grad_logp_ptr,
-    grad_entropy_ptr,
-    grad_logits_ptr,
-    n_cols,
-    inv_temperature,
-    ignore_index,
-    BLOCK_V: tl.constexpr,
-    WITH_ENTROPY: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-):
-    """grad_z = g_logp * (onehot - p) - g_H * p * (log p + H); grad_logits = grad_z / T.
-
-    ``grad_logits`` is a contiguous [N, V] buffer in the logits' dtype.
-    """
-    row = tl.program_id(0).to(tl.int64)
-    label = tl.load(labels_ptr + row)
-    row_ptr = logits_ptr + tl.load(row_offsets_ptr + row)
-    out_ptr = grad_logits_ptr + row * n_cols
-    cols = tl.arange(0, BLOCK_V)
-    if label == ignore_index:
-        for start in range(0, n_cols, BLOCK_V):
-            idx = start + cols
-            zeros = tl.zeros([BLOCK_V], dtype=tl.float32)
-            tl.store(out_ptr + idx, cast_for_store(zeros, grad_logits_ptr, ROUND_BF16), mask=idx < n_cols)
-    else:
-        lse = tl.load(lse_ptr + row)
-        g_logp = tl.load(grad_logp_ptr + row)
-        if WITH_ENTROPY:
-            g_h = tl.load(grad_entropy_ptr + row)
-            h = tl.load(entropy_ptr + row)
-        for start in range(0, n_cols, BLOCK_V):
-            idx = start + cols
-            in_row = idx < n_cols
-            x = tl.load(row_ptr + idx * col_stride, mask=in_row, other=-float("inf"))
-            z = x.to(tl.float32) * inv_temperature
-            logp = z - lse
-            p = tl.exp(logp)
-            grad = tl.where(idx == label, g_logp, 0.0) - g_logp * p
-            if WITH_ENTROPY:
-                grad -= tl.where(p > 0.0, g_h * p * (logp + h), 0.0)
-            grad = grad * inv_temperature
-            tl.store(out_ptr + idx, cast_for_store(grad, grad_logits_ptr, ROUND_BF16), mask=in_row)
-
-
-@triton.jit
 def logprobs_grad_kernel(
     logits_ptr,
     row_offsets_ptr,
@@ -194,7 +142,8 @@ def logprobs_grad_kernel(
     IN_PLACE: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
-    """Grid (rows, cdiv(V, BLOCK_V)); same formula as :func:`logprobs_backward_kernel`.
+    """Grid (rows, cdiv(V, BLOCK_V)): grad_z = g_logp * (onehot - p) - g_H * p * (log p + H),
+    grad_logits = grad_z / T, one column block per program.
 
     Not ``IN_PLACE``: ``grad_logits`` is a contiguous [N, V] buffer in the logits' dtype.
     ``IN_PLACE``: the gradient goes over the logits (same offsets and stride);
@@ -276,11 +225,6 @@ def _aot_variants() -> list:
                                              IN_PLACE=in_place, ROUND_BF16=False))
     variants.append(_variant(logprobs_grad_kernel, dict(_GRAD_SIG, IN_PLACE="constexpr"), "bf16", largest_bwd,
                              WITH_ENTROPY=True, IN_PLACE=False, ROUND_BF16=True))
-    # The 1-D backward is no longer launched by portarl's host; kept (and compiled) for callers.
-    for entropy in (False, True):
-        old = {"BLOCK_V": MAX_BLOCK_V, "num_warps": 8, "num_stages": 1}
-        variants.append(_variant(logprobs_backward_kernel, _GRAD_SIG, "bf16", old, WITH_ENTROPY=entropy,
-                                 ROUND_BF16=False))
     return variants
 
 

@@ -19,11 +19,9 @@ import triton
 
 from portarl.backends.rows import row_offsets
 from portarl.kernels import round_bf16_in_interpreter
-from portarl.kernels.logprobs import (  # noqa: F401  (logprobs_backward_kernel: re-exported for callers)
-    MAX_BLOCK_V,
+from portarl.kernels.logprobs import (
     backward_config,
     forward_config,
-    logprobs_backward_kernel,
     logprobs_forward_kernel,
     logprobs_grad_kernel,
 )
