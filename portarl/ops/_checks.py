@@ -86,6 +86,19 @@ def check_labels(labels: torch.Tensor, n_cols: int, ignore_index) -> torch.Tenso
     return flat
 
 
+def shaped_result(logp: torch.Tensor, entropy: torch.Tensor | None, shape, backend_name: str,
+                  return_entropy: bool):
+    """An op's flat per-row results in ``shape``, tagged with the backend that computed them:
+    ``logp``, or ``(logp, entropy)`` when ``return_entropy``."""
+    logp = logp.view(shape)
+    tag(logp, backend_name)
+    if not return_entropy:
+        return logp
+    entropy = entropy.view(shape)
+    tag(entropy, backend_name)
+    return logp, entropy
+
+
 def tag(tensor: torch.Tensor | None, backend_name: str) -> None:
     """Mark an op result with the backend that computed it (read by :func:`computed_by`)."""
     if tensor is not None:

@@ -7,7 +7,14 @@ import torch
 
 from portarl.backends.base import Backend
 from portarl.backends.dispatch import choose_backend
-from portarl.ops._checks import check_float_dtype, check_labels, check_same_device, check_temperature, check_tensor, tag
+from portarl.ops._checks import (
+    check_float_dtype,
+    check_labels,
+    check_same_device,
+    check_temperature,
+    check_tensor,
+    shaped_result,
+)
 
 
 def linear_logprobs(
@@ -116,10 +123,4 @@ def linear_logprobs(
             flat_hidden, weight, bias, flat_labels,
             temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy,
         )
-        logp = logp.view(labels.shape)
-        entropy = entropy.view(labels.shape) if entropy is not None else None
-    tag(logp, chosen.name)
-    if not return_entropy:
-        return logp
-    tag(entropy, chosen.name)
-    return logp, entropy
+    return shaped_result(logp, entropy, labels.shape, chosen.name, return_entropy)
