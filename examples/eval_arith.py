@@ -37,7 +37,7 @@ def main() -> None:
     examples = load_examples(args.data)
     prompts = [codec.encode_prompt(ex.prompt) for ex in examples for _ in range(args.samples)]
     seeds = [args.seed + i for i in range(len(prompts))]
-    engine = HFRollout(model, codec.stop_token_ids, codec.pad_token_id)
+    engine = HFRollout(model, codec.eos_token_id, codec.pad_token_id, stop_token_ids=codec.stop_token_ids)
     started = time.perf_counter()
     out = engine.generate(prompts, seeds, SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens))
     texts = [codec.decode(c) for c in out.completion_ids]

@@ -63,6 +63,9 @@ class HFRollout(RolloutEngine):
                  stop_token_ids: tuple[int, ...] | list[int] | None = None):
         """``stop_token_ids``: tokens that end a completion (kept in it, ``finished``);
         default ``(eos_token_id,)``. Pass e.g. eos plus a chat end-of-turn (``<|im_end|>``)."""
+        if isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int):
+            raise TypeError(f"eos_token_id must be one token id (int), got {eos_token_id!r}; pass further stop tokens "
+                            "(a chat end-of-turn such as <|im_end|>) as stop_token_ids=[...]")
         self.model = model
         #: ``flag -> bool``: whether every process is done (several FSDP ranks decode in
         #: lock step because each forward is collective). Default: this process alone.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from portarl import ops
@@ -16,6 +17,14 @@ from portarl.rollout.hf import filter_logits
 def _engine():
     model, tok = build_tiny(seed=3)
     return HFRollout(model, tok.eos_token_id, tok.pad_token_id), tok
+
+
+def test_stop_token_list_as_eos_is_refused_with_the_fix():
+    """A list of stop tokens passed where the single eos id goes must not fail deep inside
+    (it did: ``unhashable type: 'list'``); the error names stop_token_ids."""
+    model, tok = build_tiny(seed=3)
+    with pytest.raises(TypeError, match="stop_token_ids"):
+        HFRollout(model, [tok.eos_token_id, 5], tok.pad_token_id)
 
 
 def test_per_sample_seeds_give_distinct_samples():
