@@ -97,12 +97,22 @@ def load_config(args, command: str):
 
 
 def check_model_dir(path: str) -> None:
-    """A local model directory must hold a config, weights and tokenizer files."""
+    """A local model directory must hold a config, weights and tokenizer files; a ``.gguf``
+    file (or ``package:<pkg>/<file>.gguf``) must exist."""
     if path == "tiny":
         return
-    directory = Path(path)
+    from portarl.models import resolve_model_path
+
+    try:
+        directory = resolve_model_path(path)
+    except FileNotFoundError as err:
+        raise UsageError(str(err)) from None
+    if directory.suffix == ".gguf":
+        if not directory.is_file():
+            raise UsageError(f"model.path {path!r}: GGUF file {directory} does not exist")
+        return
     if not directory.is_dir():
-        raise UsageError(f"model.path {path!r} is neither 'tiny' nor a directory")
+        raise UsageError(f"model.path {path!r} is neither 'tiny', a directory nor a .gguf file")
     names = {p.name for p in directory.iterdir()}
     if "config.json" not in names:
         raise UsageError(f"model directory {directory} has no config.json (a Hugging Face model directory, "

@@ -48,3 +48,32 @@ def test_training_from_a_gguf_file(tmp_path):
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     with pytest.raises(FileNotFoundError, match="not a file"):
         load_local(tmp_path / "missing.gguf")
+
+
+def test_cli_trains_from_a_gguf_file_and_names_a_missing_one(tmp_path):
+    """What the example does: ``portarl train`` with model.path a .gguf file (the CLI's model
+    check once refused anything but a directory), and a one-line error for a missing file."""
+    import os
+    import subprocess
+    import sys
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join('{"prompt": [{"role": "user", "content": "What is %d+1?"}], "answer": "%d"}\n' % (i, i + 1)
+                            for i in range(4)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    sets = ["train.steps=1", "train.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=3",
+            "train.sft_warmup_steps=0", "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
+            f"data.path={data}"]
+
+    def run(model_path, out):
+        args = [x for s in [*sets, f"model.path={model_path}"] for x in ("--set", s)]
+        return subprocess.run([sys.executable, "-m", "portarl", "train", "--output-dir", str(tmp_path / out), *args],
+                              capture_output=True, text=True, env=env, timeout=600)
+
+    ok = run(tmp_path / "tiny.gguf", "run")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+    missing = run(tmp_path / "missing.gguf", "run2")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr[-2000:]
+    assert "missing.gguf" in missing.stderr and "does not exist" in missing.stderr
