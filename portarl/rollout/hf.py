@@ -33,13 +33,11 @@ __all__ = ["HFRollout", "filter_logits", "left_pad"]
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to a common width, and their attention mask (one ``torch.tensor``
+    call each: per-row tensors cost more than the decode step on small models)."""
     width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(s)
-            mask[i, width - len(s) :] = 1
+    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in seqs], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
     return ids.to(device), mask.to(device)
 
 
@@ -124,9 +122,10 @@ class HFRollout(RolloutEngine):
                 past, logits = out.past_key_values, out.logits[:, -1]
                 next_pos = next_pos + 1
             self._score(pending, tokens, logps, t + 1, params.temperature)
-            tokens, logps, length, done = tokens.cpu(), logps.cpu(), length.tolist(), done.tolist()
-            completions = [tokens[i, : length[i]].tolist() for i in range(n)]
-            logprobs = [logps[i, : length[i]].tolist() for i in range(n)]
+            # One host transfer each, then plain list slicing (no per-row tensor ops).
+            tokens, logps, length, done = tokens.tolist(), logps.tolist(), length.tolist(), done.tolist()
+            completions = [row[:k] for row, k in zip(tokens, length)]
+            logprobs = [row[:k] for row, k in zip(logps, length)]
             return RolloutBatch([list(p) for p in prompts], completions, logprobs, done)
         finally:
             model.train(was_training)

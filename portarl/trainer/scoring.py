@@ -18,7 +18,7 @@ import torch
 from portarl import distributed as pdist
 from portarl.core import compute_advantages, kl_penalized_rewards
 from portarl.trainer.guards import NonFiniteError, check_finite
-from portarl.trainer.sequences import build_batch, completion_logprobs
+from portarl.trainer.sequences import build_batch, completion_logprobs, padded
 
 
 @dataclasses.dataclass
@@ -60,10 +60,7 @@ def score(trainer, phase, metrics: dict) -> Scored:
     rewards = trainer._apply_hooks("reward", rewards)
     guard.check("reward", rewards)
     batch = build_batch(rollout.prompt_ids, rollout.completion_ids, trainer.codec.pad_token_id, trainer.device)
-    rollout_logp = torch.zeros(batch.labels.shape, dtype=torch.float32)
-    for i, lp in enumerate(rollout.logprobs):
-        rollout_logp[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
-    rollout_logp = rollout_logp.to(trainer.device)
+    rollout_logp = padded(rollout.logprobs, batch.labels.shape[1], 0.0, torch.float32).to(trainer.device)
     old_logp = trainer._apply_hooks("old_logp", no_grad_logprobs(trainer, trainer.model, batch))
     try:
         guard.check("old_logp", old_logp, batch.mask)

@@ -34,22 +34,25 @@ class TokenBatch:
                           self.labels[index], self.mask[index], self.prompt_width)
 
 
+def padded(rows: list[list], width: int, fill, dtype: torch.dtype, *, left: bool = False) -> torch.Tensor:
+    """``rows`` (lists of numbers) padded with ``fill`` to ``width`` as one [len(rows), width]
+    tensor, built with a single ``torch.tensor`` call: a per-row tensor and slice assignment
+    costs tens of microseconds each, which added up to tens of ms per step at 64 rows."""
+    if left:
+        return torch.tensor([[fill] * (width - len(r)) + list(r) for r in rows], dtype=dtype)
+    return torch.tensor([list(r) + [fill] * (width - len(r)) for r in rows], dtype=dtype)
+
+
 def build_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device) -> TokenBatch:
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     width_p = max(len(p) for p in prompts)
     width_c = max(1, max(len(c) for c in completions))
-    n = len(prompts)
-    ids = torch.full((n, width_p + width_c), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, width_p + width_c), dtype=torch.long)
-    labels = torch.full((n, width_c), -100, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        ids[i, width_p - len(p) : width_p] = torch.tensor(p, dtype=torch.long)
-        attn[i, width_p - len(p) : width_p] = 1
-        if c:
-            ids[i, width_p : width_p + len(c)] = torch.tensor(c, dtype=torch.long)
-            attn[i, width_p : width_p + len(c)] = 1
-            labels[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+    rows = [[pad_id] * (width_p - len(p)) + list(p) + list(c) for p, c in zip(prompts, completions)]
+    ids = padded(rows, width_p + width_c, pad_id, torch.long)
+    attn = padded([[0] * (width_p - len(p)) + [1] * (len(p) + len(c)) for p, c in zip(prompts, completions)],
+                  width_p + width_c, 0, torch.long)
+    labels = padded(completions, width_c, -100, torch.long)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
     return TokenBatch(ids.to(device), attn.to(device), positions.to(device), labels.to(device),
                       (labels != -100).to(device), width_p)
