@@ -38,6 +38,31 @@ class RewardError(RuntimeError):
         super().__init__(f"reward {name!r} {problem}{where}")
         self.reward_name, self.index, self.prompt = name, index, prompt
 
+    @classmethod
+    def elsewhere(cls, message: str, rank: int) -> "RewardError":
+        """This rank's copy of another rank's failure (the message as that rank raised it)."""
+        err = cls.__new__(cls)
+        RuntimeError.__init__(err, f"{message} (on rank {rank})")
+        err.reward_name, err.index, err.prompt = None, None, None
+        return err
+
+
+def agree_on_failure(ctx, failure: RewardError | None) -> RewardError | None:
+    """Under several ranks, a reward that fails on one rank must stop every rank: the stop
+    saves a checkpoint, which is collective, so a rank that went on alone would hang its
+    peers until the timeout. One flag reduction per step; on a failure the first failing
+    rank's message reaches every rank (rank 0 writes the log)."""
+    from portarl import distributed as pdist
+
+    if not ctx.enabled or not pdist.any_rank(ctx, failure is not None):
+        return failure
+    import torch.distributed as dist
+
+    messages: list = [None] * ctx.world_size
+    dist.all_gather_object(messages, None if failure is None else str(failure))
+    rank = next(r for r, m in enumerate(messages) if m is not None)
+    return failure if failure is not None else RewardError.elsewhere(messages[rank], rank)
+
 
 def is_batched(fn) -> bool:
     try:

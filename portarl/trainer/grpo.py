@@ -37,7 +37,7 @@ from portarl import distributed as pdist
 from portarl.data import Example, arithmetic_examples, encode_examples, load_examples
 from portarl.device import resolve_device
 from portarl.emulation import resolve_profile
-from portarl.reward_runner import RewardError, RewardRunner
+from portarl.reward_runner import RewardError, RewardRunner, agree_on_failure
 from portarl.rollout import SamplingParams
 from portarl.tokenizer import as_codec, chat_template_option
 from portarl.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
@@ -299,7 +299,14 @@ class GRPOTrainer:
         metrics (:mod:`portarl.reward_runner`; a failing reward raises :class:`RewardError`).
         Keeps each function's values for the sample log."""
         g = self.config.rollout.group_size
-        scores = self.rewards.score([examples[i // g] for i in range(len(texts))], texts)
+        scores = failure = None
+        try:
+            scores = self.rewards.score([examples[i // g] for i in range(len(texts))], texts)
+        except RewardError as err:
+            failure = err
+        failure = agree_on_failure(self.dist, failure)  # one rank's failure stops every rank
+        if failure is not None:
+            raise failure
         self._last_reward_values = scores.per_function
         return scores.total, scores.metrics
 

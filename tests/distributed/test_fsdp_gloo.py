@@ -165,3 +165,18 @@ def test_save_on_two_ranks_resume_on_one(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3]
     assert CheckpointManager.load_state(CheckpointManager(tmp_path).latest())["step"] == 3
+
+
+def test_reward_error_on_one_rank_stops_both_with_a_checkpoint(tmp_path):
+    """A reward that raises on rank 1 only: every rank stops at that step (the stop's
+    checkpoint is collective, a rank going on alone would hang its peer), rank 0 logs the
+    failing rank's message, and the checkpoint of the last good step is complete."""
+    proc = _train(tmp_path, 2, "train.steps=3", "checkpoint.every=1000", "distributed.timeout_s=120",
+                  "rewards=[{name: 'dist_rewards:fails_on_rank_1_at_step_2'}]")
+    assert proc.returncode != 0, proc.stderr[-4000:]
+    assert "grader is down" in proc.stderr and "(on rank 1)" in proc.stderr, proc.stderr[-4000:]
+    assert [row["step"] for row in _rows(tmp_path)] == [1]
+    latest = CheckpointManager(tmp_path).latest()
+    assert CheckpointManager.is_sharded(latest) and CheckpointManager.load_state(latest)["step"] == 1
+    stopped = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert any(e.get("kind") == "stopped" and "(on rank 1)" in e.get("message", "") for e in stopped), stopped
