@@ -29,15 +29,23 @@ def check_distributed_config(cfg: TrainConfig, world: int) -> None:
                           "model.path to its output")
     if cfg.rollout.engine != "hf":
         raise ConfigError("rollout.engine must be 'hf' with several ranks for now")
+    if cfg.model.lora is not None:
+        raise ConfigError("model.lora: LoRA is not supported with FSDP2 (several ranks) yet; run with one process "
+                          "(without torchrun), or unset model.lora")
 
 
 def place_model(model, cfg: TrainConfig, dist, device):
     """``(model, initial_reference)``: the model on ``device`` in the configured dtype; under
     torchrun FSDP2-sharded (with fp32 parameters and a ``param_dtype`` compute policy when
     fp32 master weights are asked for), plus a sharded frozen reference copy when the loss
-    has a KL term (``None`` otherwise, and always ``None`` on one process)."""
+    has a KL term (``None`` otherwise, and always ``None`` on one process). With
+    ``model.lora`` the model is wrapped with its adapters first (:mod:`portarl.lora`)."""
     dtype = DTYPES[cfg.precision.dtype]
     if not dist.enabled:
+        if cfg.model.lora is not None:
+            from portarl.lora import apply_lora
+
+            model = apply_lora(model, cfg.model.lora, seed=cfg.model.init_seed)
         return model.to(device, dtype=dtype), None
     check_distributed_config(cfg, dist.world_size)
     reference = copy.deepcopy(model).to(device, dtype=dtype) if cfg.loss.kl_coef > 0 else None
