@@ -20,9 +20,14 @@ sync and export; each of those calls one helper here instead of knowing peft's l
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
+
+# peft's save_pretrained asks transformers a deprecated question on every checkpoint; the
+# answer is right, the FutureWarning is noise in every run's log.
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -491,16 +491,10 @@ class GRPOTrainer:
 def build_from_config(config: TrainConfig):
     """``(model, tokenizer, examples)`` as the config names them (built-in tiny model and
     synthetic arithmetic by default)."""
-    from portarl.models import build_tiny, load_local
+    from portarl.models import build_model
+    from portarl.trainer.precision import DTYPES
 
-    m = config.model
-    if m.path == "tiny":
-        model, tokenizer = build_tiny(seed=m.init_seed, hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
-                                      kv_heads=m.kv_heads, intermediate_size=m.intermediate_size)
-    else:
-        from portarl.trainer.precision import DTYPES
-
-        model, tokenizer = load_local(m.path, dtype=DTYPES[config.precision.dtype])
+    model, tokenizer = build_model(config.model, DTYPES[config.precision.dtype])
     d = config.data
     if d.path is None:
         examples = arithmetic_examples(d.synthetic_size, seed=config.train.seed, max_operand=d.max_operand, ops=d.operators)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 
 import torch
@@ -15,6 +16,8 @@ from portarl.rollout import ENGINES
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.trainer.precision import DTYPES, PrecisionPlan
 from portarl.trainer.update import lr_lambda, optimizer_steps_total
+
+log = logging.getLogger("portarl.train")
 
 
 def check_distributed_config(cfg: TrainConfig, world: int) -> None:
@@ -46,6 +49,9 @@ def place_model(model, cfg: TrainConfig, dist, device):
             from portarl.lora import apply_lora
 
             model = apply_lora(model, cfg.model.lora, seed=cfg.model.init_seed)
+            if cfg.train.sft_warmup_steps and cfg.loss.kl_coef > 0:
+                log.warning("model.lora with train.sft_warmup_steps: the warm-up trains the adapter, and the KL "
+                            "reference is the base model (adapter disabled), i.e. the model before the warm-up")
         return model.to(device, dtype=dtype), None
     check_distributed_config(cfg, dist.world_size)
     reference = copy.deepcopy(model).to(device, dtype=dtype) if cfg.loss.kl_coef > 0 else None
