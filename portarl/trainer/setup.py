@@ -33,8 +33,8 @@ def check_distributed_config(cfg: TrainConfig, world: int) -> None:
     if cfg.rollout.engine != "hf":
         raise ConfigError("rollout.engine must be 'hf' with several ranks for now")
     if cfg.model.lora is not None:
-        raise ConfigError("model.lora: LoRA is not supported with FSDP2 (several ranks) yet; run with one process "
-                          "(without torchrun), or unset model.lora")
+        raise ConfigError("model.lora: LoRA is not supported with FSDP2 yet; run with one process "
+                          "(no torchrun), or unset model.lora")
 
 
 def place_model(model, cfg: TrainConfig, dist, device):

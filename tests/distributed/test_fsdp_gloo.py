@@ -165,3 +165,15 @@ def test_save_on_two_ranks_resume_on_one(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3]
     assert CheckpointManager.load_state(CheckpointManager(tmp_path).latest())["step"] == 3
+
+
+def test_lora_is_refused_on_two_ranks_at_startup(tmp_path):
+    """LoRA under FSDP2 is not supported yet: refused before any training, one line, exit 2."""
+    pytest.importorskip("peft")
+    out = tmp_path / "lora"
+    proc = _train(out, 2, "train.steps=1", "model.lora.r=4")
+    assert proc.returncode != 0, proc.stderr[-4000:]  # torchrun's own code is 1; the ranks exit 2:
+    assert "exitcode  : 2" in proc.stderr, proc.stderr[-4000:]
+    assert "portarl train: model.lora: LoRA is not supported with FSDP2 yet; run with one process" in proc.stderr
+    assert "portarl/trainer" not in proc.stderr  # one line from each rank; the traceback there is torchrun's own
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
