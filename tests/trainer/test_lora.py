@@ -274,3 +274,23 @@ def test_export_of_a_full_model_checkpoint(make_trainer, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     ids = torch.randint(3, 60, (2, 8), generator=torch.Generator().manual_seed(3))
     assert torch.equal(_logits(loaded, ids), _logits(trainer.model, ids))
+
+
+def test_portarl_sft_with_lora_saves_a_merged_model(tmp_path):
+    from safetensors.torch import load_file
+
+    from portarl import cli
+    from portarl.models import load_local
+
+    sets = [x for item in FAST for x in ("--set", item)]
+    out = tmp_path / "sft"
+    assert cli.main(["sft", "--device", "cpu", "--output-dir", str(out), *sets, "--set", "model.lora.r=4",
+                     "--set", "train.sft_batch_size=8", "--steps", "2"]) == 0
+    plain, _, _ = build_from_config(fast_config(tmp_path))
+    saved = load_file(str(out / "sft-model" / "model.safetensors"))
+    assert set(saved) <= set(plain.state_dict()) and not any("lora_" in k for k in saved)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(saved[q], plain.state_dict()[q])  # the trained adapter is merged in
+    e = "model.embed_tokens.weight"
+    assert torch.equal(saved[e], plain.state_dict()[e])  # not a LoRA target: the base weight
+    load_local(out / "sft-model")
