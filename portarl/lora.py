@@ -52,10 +52,8 @@ def is_lora(model) -> bool:
 
 
 def apply_lora(model, lora, seed: int = 0):
-    """``model`` wrapped with LoRA adapters as ``lora`` (a ``LoraSection``) says; a model
-    that is already a peft model is returned as it is. Errors name ``model.lora.*``."""
-    if is_lora(model):
-        return model
+    """``model`` wrapped with LoRA adapters as ``lora`` (a ``LoraSection``) says. Errors
+    name ``model.lora.*``."""
     peft = require_peft()
     targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,

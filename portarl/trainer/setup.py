@@ -12,6 +12,7 @@ import os
 import torch
 
 from portarl import distributed as pdist
+from portarl.lora import apply_lora, is_lora
 from portarl.rollout import ENGINES
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.trainer.precision import DTYPES, PrecisionPlan
@@ -44,10 +45,11 @@ def place_model(model, cfg: TrainConfig, dist, device):
     has a KL term (``None`` otherwise, and always ``None`` on one process). With
     ``model.lora`` the model is wrapped with its adapters first (:mod:`portarl.lora`)."""
     dtype = DTYPES[cfg.precision.dtype]
+    if is_lora(model):  # resume and export rebuild the adapter from model.lora: it must be the one
+        raise ValueError("the model is already a peft model: pass the base model and set model.lora (portarl "
+                         "applies the adapter, so that --resume and portarl export can rebuild it)")
     if not dist.enabled:
         if cfg.model.lora is not None:
-            from portarl.lora import apply_lora
-
             model = apply_lora(model, cfg.model.lora, seed=cfg.model.init_seed)
             if cfg.train.sft_warmup_steps and cfg.loss.kl_coef > 0:
                 log.warning("model.lora with train.sft_warmup_steps: the warm-up trains the adapter, and the KL "

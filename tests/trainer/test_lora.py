@@ -294,3 +294,29 @@ def test_portarl_sft_with_lora_saves_a_merged_model(tmp_path):
     e = "model.embed_tokens.weight"
     assert torch.equal(saved[e], plain.state_dict()[e])  # not a LoRA target: the base weight
     load_local(out / "sft-model")
+
+
+def test_a_model_wrapped_by_the_caller_is_refused(tmp_path):
+    from portarl.lora import apply_lora
+    from portarl.trainer import GRPOTrainer
+
+    cfg = fast_config(tmp_path, *LORA)
+    model, tok, examples = build_from_config(cfg)
+    with pytest.raises(ValueError, match="pass the base model and set model.lora"):
+        GRPOTrainer(apply_lora(model, cfg.model.lora), tok, None, examples, cfg, device="cpu")
+
+
+def test_bf16_lora_resume_restores_masters_bitwise(make_trainer):
+    trainer = make_trainer(*LORA, "precision.dtype=bf16", "train.steps=1", rewards=[varied_reward])
+    trainer.train()
+    masters = [m.detach().clone() for m in trainer.precision.masters]
+    adapter = _adapter(trainer.model)
+    again = make_trainer(*LORA, "precision.dtype=bf16", "train.steps=2", rewards=[varied_reward])
+    assert again.resume() == 1
+    assert len(again.precision.masters) == len(masters) == len(adapter)
+    assert all(torch.equal(a, b) for a, b in zip(again.precision.masters, masters))
+    assert all(m.dtype == torch.float32 for m in again.precision.masters)
+    got = _adapter(again.model)
+    assert all(torch.equal(got[k], v) for k, v in adapter.items())
+    opt = [p for g in again.optimizer.param_groups for p in g["params"]]
+    assert all(p is m for p, m in zip(opt, again.precision.masters))  # the optimizer steps the restored masters
