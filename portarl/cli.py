@@ -215,7 +215,7 @@ def _cmd_export(args) -> int:
 
     try:
         out = export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
-    except (ExportError, CheckpointError, LoraUnavailable, FileNotFoundError, RuntimeError) as err:
+    except (ExportError, ValueError, CheckpointError, LoraUnavailable, OSError, RuntimeError) as err:
         _log(f"portarl export: {err}")
         return 2
     print(f"exported {args.checkpoint} to {out} (Hugging Face format; LoRA adapters merged)")

@@ -64,6 +64,12 @@ def apply_lora(model, lora, seed: int = 0):
             wrapped = peft.get_peft_model(model, config)
         except ValueError as err:
             raise ValueError(f"model.lora.target_modules={lora.target_modules!r}: {err}") from None
+    head = model.get_output_embeddings()
+    odd = [name for name, layer in _lora_layers(wrapped)
+           if not isinstance(layer.get_base_layer(), torch.nn.Linear) or layer.get_base_layer() is head]
+    if odd:  # an embedding or the (often tied) head: merged weights would not be the trained model
+        raise ValueError(f"model.lora.target_modules={lora.target_modules!r} adapts {odd[:3]}: portarl supports "
+                         "adapters on the decoder's linear layers only (not embeddings or the output head)")
     return wrapped
 
 
@@ -97,10 +103,12 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
         if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
             continue  # already folded in, or switched off
         key = f"{name}.weight"
-        weight = out[key]
-        delta = sum(layer.get_delta_weight(a).float() for a in layer.active_adapters if a in layer.lora_A)
-        if isinstance(delta, torch.Tensor):
-            out[key] = (weight.float() + delta).to(weight.dtype)
+        weight = out[key].float()
+        for a in layer.active_adapters:
+            if a in layer.lora_A:  # nn.Linear adapters only (apply_lora refuses the others)
+                delta = (layer.lora_B[a].weight.float() @ layer.lora_A[a].weight.float()) * layer.scaling[a]
+                weight = weight + (delta.T if getattr(layer, "fan_in_fan_out", False) else delta)
+        out[key] = weight.to(out[key].dtype)
     return out
 
 

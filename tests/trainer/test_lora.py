@@ -232,7 +232,6 @@ def test_export_writes_a_merged_hf_model_with_the_trained_logits(make_trainer, t
 
     trainer = make_trainer(*LORA, "train.steps=2", rewards=[varied_reward])
     trainer.train()
-    _ = trainer  # the trained peft model is the expected one
     out = tmp_path / "exported"
     assert cli.main(["export", "--checkpoint", str(trainer.output_dir), "--out", str(out)]) == 0
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
@@ -320,3 +319,23 @@ def test_bf16_lora_resume_restores_masters_bitwise(make_trainer):
     assert all(torch.equal(got[k], v) for k, v in adapter.items())
     opt = [p for g in again.optimizer.param_groups for p in g["params"]]
     assert all(p is m for p, m in zip(opt, again.precision.masters))  # the optimizer steps the restored masters
+
+
+def test_adapters_on_embeddings_or_head_are_refused(make_trainer):
+    for target in ("embed_tokens", "lm_head"):
+        with pytest.raises(ValueError, match="linear layers only"):
+            make_trainer(f"model.lora.target_modules=[q_proj,{target}]")
+
+
+def test_merged_bf16_weights_are_summed_in_fp32(make_trainer):
+    trainer = make_trainer(*LORA, "precision.dtype=bf16")
+    _randomize_lora_b(trainer.model)
+    merged = merged_state_dict(trainer.model)
+    layer = trainer.model.get_base_model().model.layers[0].self_attn.q_proj
+    w, a, b = layer.base_layer.weight, layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    expected = (w.float() + (b.float() @ a.float()) * layer.scaling["default"]).to(torch.bfloat16)
+    got = merged["model.layers.0.self_attn.q_proj.weight"]
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, expected)  # one rounding, of the fp32 sum (not of a bf16 delta first)
+    rounded_first = (w.float() + ((b @ a) * layer.scaling["default"]).float()).to(torch.bfloat16)
+    assert not torch.equal(rounded_first, expected), "bf16 and fp32 deltas agree here: the test cannot fail"
