@@ -58,13 +58,13 @@ def apply_lora(model, lora, seed: int = 0):
     targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                              bias="none")
+    head = model.get_output_embeddings()  # before wrapping: peft replaces it when it is a target
     with torch.random.fork_rng(devices=[]):  # the adapter init, seeded, leaves the run's RNG stream alone
         torch.manual_seed(seed)
         try:
             wrapped = peft.get_peft_model(model, config)
         except ValueError as err:
             raise ValueError(f"model.lora.target_modules={lora.target_modules!r}: {err}") from None
-    head = model.get_output_embeddings()
     odd = [name for name, layer in _lora_layers(wrapped)
            if not isinstance(layer.get_base_layer(), torch.nn.Linear) or layer.get_base_layer() is head]
     if odd:  # an embedding or the (often tied) head: merged weights would not be the trained model
