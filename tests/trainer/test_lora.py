@@ -339,3 +339,17 @@ def test_merged_bf16_weights_are_summed_in_fp32(make_trainer):
     assert torch.equal(got, expected)  # one rounding, of the fp32 sum (not of a bf16 delta first)
     rounded_first = (w.float() + ((b @ a) * layer.scaling["default"]).float()).to(torch.bfloat16)
     assert not torch.equal(rounded_first, expected), "bf16 and fp32 deltas agree here: the test cannot fail"
+
+
+def test_cli_resume_continues_a_lora_run_and_refuses_a_changed_rank(tmp_path, capsys):
+    from portarl import cli
+
+    sets = [x for item in FAST for x in ("--set", item)]
+    out = tmp_path / "run"
+    base = ["train", "--device", "cpu", "--output-dir", str(out), *sets, "--set", "model.lora.r=4"]
+    assert cli.main([*base, "--steps", "1"]) == 0
+    capsys.readouterr()
+    assert cli.main([*base, "--steps", "2", "--resume", "--set", "model.lora.r=8"]) == 2
+    assert "model.lora.r: 4 -> 8" in capsys.readouterr().err
+    assert cli.main([*base, "--steps", "2", "--resume"]) == 0
+    assert (out / "checkpoints" / "step-000002" / ADAPTER_WEIGHTS).is_file()
