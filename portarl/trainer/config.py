@@ -27,39 +27,7 @@ from portarl.trainer.config_fields import (  # noqa: F401  (ConfigError, apply_o
     _positive_int,
     apply_override,
 )
-
-
-#: LoRA's default targets: the attention and MLP projections of Llama / Qwen2 / Mistral.
-LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclasses.dataclass
-class LoraSection:
-    """``model.lora``: train low-rank adapters (peft) instead of every weight. Off unless the
-    section is set (``--set model.lora.r=16`` turns it on with the other defaults)."""
-
-    #: Rank of each adapter (A: r x in, B: out x r).
-    r: int = 16
-    #: Scaling numerator: the update is (alpha / r) * B @ A. None: 2 x r (scale 2).
-    alpha: float | None = None
-    #: Dropout on the adapter's input. 0 by default: above 0 the policy's own log-probs
-    #: (old_logp, and so the PPO ratio) become random in training mode.
-    dropout: float = 0.0
-    #: Module names to adapt (suffixes, as peft matches them), or "all-linear" (every
-    #: linear layer but the output head).
-    target_modules: Any = dataclasses.field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
-
-    def validate(self):
-        _positive_int(self, "model.lora", "r")
-        if self.alpha is None:
-            self.alpha = float(2 * self.r)
-        _number(self, "model.lora", "alpha", low=0.0)
-        _number(self, "model.lora", "dropout", low=0.0, strict=False)
-        _check(self.dropout < 1, "model.lora.dropout", "must be in [0, 1)", self.dropout)
-        t = self.target_modules
-        ok = t == "all-linear" or (isinstance(t, list) and bool(t) and all(isinstance(n, str) and n for n in t))
-        _check(ok, "model.lora.target_modules", "must be a non-empty list of module names (e.g. [q_proj, v_proj]) "
-               "or 'all-linear'", t)
+from portarl.trainer.config_lora import LORA_DEFAULT_TARGETS, LoraSection, lora_section  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -78,17 +46,7 @@ class ModelConfig:
     def validate(self):
         _check(isinstance(self.path, str) and bool(self.path), "model.path", "must be 'tiny' or a directory", self.path)
         _positive_int(self, "model", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
-        if self.lora is True:  # `lora: true`: the defaults
-            self.lora = {}
-        if isinstance(self.lora, dict):
-            self.lora = _build(LoraSection, "model.lora", self.lora)
-        _check(self.lora is None or self.lora is False or isinstance(self.lora, LoraSection), "model.lora",
-               "must be a mapping (r, alpha, dropout, target_modules) or null", self.lora)
-        if self.lora is False:
-            self.lora = None
-        if self.lora is not None:
-            _coerce_numbers(self.lora, "model.lora")
-            self.lora.validate()
+        self.lora = lora_section(self.lora)
 
 
 @dataclasses.dataclass
