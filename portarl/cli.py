@@ -6,13 +6,15 @@
     portarl train [--config FILE.yaml] [--set key=value ...] [--device D] [--output-dir DIR] [--steps N]
                   [--resume | --overwrite]
     portarl sft   [--config FILE.yaml] [--set key=value ...] [--device D] [--output-dir DIR] [--steps N] [--overwrite]
+    portarl export --checkpoint C --out DIR [--overwrite]
     portarl bench kernels | stability ...
     portarl bench step [--vs trl] [--steps N] [--rounds R] [--threads T] [--out FILE.json]
     portarl --version
 
 Exit status: 0 on success, 1 when a parity check fails, 2 for bad usage, a bad config, an
 output directory holding another run, a model directory or data that cannot be used, an
-unusable device, or no checkpoint that verifies on --resume (one line on stderr, no
+unusable device, no checkpoint that verifies on --resume, or a missing / incomplete /
+damaged checkpoint or a non-empty --out for export (one line on stderr, no
 traceback), 3 when training stopped itself (persistent non-finite values; a checkpoint was
 saved), 128 + the signal number on SIGINT (130) or SIGTERM (143): after the current step and
 a checkpoint on the first signal, at once on a second (the message says whether a checkpoint
@@ -196,6 +198,30 @@ def _cmd_bench_step(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from portarl.cli_train import UsageError, require_train_extra
+
+    try:
+        require_train_extra("export")
+    except UsageError as err:
+        _log(f"portarl export: {err}")
+        return 2
+    from portarl.trainer.progress import quiet_third_party
+
+    quiet_third_party()
+    from portarl.export import ExportError, export_checkpoint
+    from portarl.lora import LoraUnavailable
+    from portarl.trainer.checkpoint import CheckpointError
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
+    except (ExportError, ValueError, CheckpointError, LoraUnavailable, OSError, RuntimeError) as err:
+        _log(f"portarl export: {err}")
+        return 2
+    print(f"exported {args.checkpoint} to {out} (Hugging Face format; LoRA adapters merged)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="portarl", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"portarl {__version__}")
@@ -233,6 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
         p = commands.add_parser(name, help=help_text, description=help_text)
         cli_train.add_run_arguments(p, name)
         p.set_defaults(func=func)
+
+    ex = commands.add_parser("export", help="write a checkpoint as a Hugging Face model directory (LoRA merged in)",
+                             description="Write a training checkpoint as a Hugging Face model directory: the model "
+                             "rebuilt from the run config saved in it, its weights (a LoRA adapter merged into the "
+                             "base weights), and the tokenizer. The checkpoint is verified against its manifest first.")
+    ex.add_argument("--checkpoint", required=True,
+                    help="a checkpoint directory (runs/x/checkpoints/step-000300) or a run's output directory (its "
+                         "newest checkpoint)")
+    ex.add_argument("--out", required=True, help="output directory (must be absent or empty unless --overwrite)")
+    ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    ex.set_defaults(func=_cmd_export)
 
     bench = commands.add_parser("bench", help="kernel speed / memory, and training stability across settings")
     bench_cmds = bench.add_subparsers(dest="bench_command", required=True)

@@ -138,6 +138,13 @@ def prepare(args, command: str) -> Prepared:
     tokenizer and data. Raises :class:`UsageError` with a one-line message."""
     require_train_extra(command)
     config = load_config(args, command)
+    if config.model.lora is not None:
+        from portarl.lora import LoraUnavailable, require_peft
+
+        try:
+            require_peft()
+        except LoraUnavailable as err:
+            raise UsageError(str(err)) from None
     from portarl.device import DeviceUnavailableError, resolve_device
     from portarl.trainer.run_dir import RunDirError, check_output_dir, check_resume_config
 
@@ -239,7 +246,7 @@ def cmd_sft(args) -> int:
     _setup_logging()
     import shutil
 
-    from portarl.models import save_local
+    from portarl.lora import apply_lora, save_merged
     from portarl.tokenizer import as_codec
     from portarl.trainer.progress import progress_bar
     from portarl.trainer.sft import run_sft
@@ -248,6 +255,8 @@ def cmd_sft(args) -> int:
     steps = args.steps or config.train.sft_warmup_steps or 100
     try:
         codec = as_codec(ready.tokenizer)
+        if config.model.lora is not None:  # the adapter is trained; sft-model/ gets it merged in
+            ready.model = apply_lora(ready.model, config.model.lora, seed=config.model.init_seed)
         ready.model.to(ready.device)
         bar = progress_bar(steps, "sft", enabled=config.logging.progress)
 
@@ -274,7 +283,7 @@ def cmd_sft(args) -> int:
     out = Path(config.output_dir) / "sft-model"
     if out.exists():  # --overwrite (checked before training)
         shutil.rmtree(out)
-    save_local(ready.model, ready.tokenizer, out)
+    save_merged(ready.model, out, ready.tokenizer)  # a plain HF directory, LoRA merged in
     print(f"sft: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {steps} steps; model saved to {out} "
           f"(train on it with --set model.path={out})")
     return 0

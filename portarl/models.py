@@ -32,6 +32,16 @@ def build_tiny(seed: int = 0, **sizes):
     return tiny_qwen2(len(tokenizer), seed=seed, **sizes), tokenizer
 
 
+def build_model(m, dtype: torch.dtype | None = None):
+    """``(model, tokenizer)`` as a ``ModelConfig`` names them: the tiny model (built in fp32
+    from ``init_seed``) or a local directory / .gguf file loaded in ``dtype``. Without
+    ``model.lora`` (applied later, by the trainer or ``portarl export``)."""
+    if m.path == "tiny":
+        return build_tiny(seed=m.init_seed, hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
+                          kv_heads=m.kv_heads, intermediate_size=m.intermediate_size)
+    return load_local(m.path, dtype=dtype)
+
+
 def load_local(path: str | Path, dtype: torch.dtype | None = None):
     """``(model, tokenizer)`` from a local Hugging Face model directory or a ``.gguf`` file
     (no network)."""

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from portarl.lora import merged_state_dict
 from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 
 log = logging.getLogger("portarl.rollout")
@@ -150,7 +151,9 @@ class VLLMRollout(RolloutEngine):
         """Push ``model``'s current weights into vLLM (in memory) and drop cached KV."""
         self.wake_up()
         tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-        weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()
+        # LoRA: W + scaling * B @ A under the base model's names, computed aside (the
+        # training model stays unmerged); otherwise the model's own state_dict.
+        weights = [(name, tensor.detach()) for name, tensor in merged_state_dict(model).items()
                    if not (tied and name == "lm_head.weight")]
 
         try:
@@ -243,9 +246,9 @@ def engine_from_trainer(trainer) -> VLLMRollout:
     if model_dir is None or not (model_dir / "config.json").exists():
         model_dir = trainer.output_dir / "rollout-init-model"
         if not (model_dir / "config.json").exists():
-            from portarl.models import save_local
+            from portarl.lora import save_merged  # a plain HF directory, also for a LoRA model
 
-            save_local(trainer.model, trainer.tokenizer, model_dir)
+            save_merged(trainer.model, model_dir, trainer.tokenizer)
     r = cfg.rollout
     prompt_budget = 64
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight sync without IPC copies

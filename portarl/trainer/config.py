@@ -27,6 +27,7 @@ from portarl.trainer.config_fields import (  # noqa: F401  (ConfigError, apply_o
     _positive_int,
     apply_override,
 )
+from portarl.trainer.config_lora import LORA_DEFAULT_TARGETS, LoraSection, lora_section  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -39,10 +40,13 @@ class ModelConfig:
     kv_heads: int = 2
     intermediate_size: int = 192
     init_seed: int = 0
+    #: LoRA adapters (a :class:`LoraSection` mapping), or None: every weight is trained.
+    lora: LoraSection | None = None
 
     def validate(self):
         _check(isinstance(self.path, str) and bool(self.path), "model.path", "must be 'tiny' or a directory", self.path)
         _positive_int(self, "model", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
+        self.lora = lora_section(self.lora)
 
 
 @dataclasses.dataclass

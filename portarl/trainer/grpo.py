@@ -37,6 +37,7 @@ from portarl import distributed as pdist
 from portarl.data import Example, arithmetic_examples, encode_examples, load_examples
 from portarl.device import resolve_device
 from portarl.emulation import resolve_profile
+from portarl.lora import is_lora
 from portarl.reward_runner import RewardError, RewardRunner, agree_on_failure
 from portarl.rollout import SamplingParams
 from portarl.tokenizer import as_codec, chat_template_option
@@ -144,8 +145,7 @@ class GRPOTrainer:
         if self.emulate:
             log.warning("NPU numerics EMULATION on (%s): not portarl's fp32 path and not Ascend hardware",
                         ", ".join(sorted(self.emulate)))
-        self._stop_requested = False
-        self._stop_signal: int | None = None
+        self._stop_requested, self._stop_signal = False, None  # the signal: an int once one arrives
         if self.config.precision.dtype != "fp32" and not self.config.precision.use_master:
             log.warning("precision.master_weights_fp32=false with %s: the optimizer steps the %s weights themselves, "
                         "so updates below their resolution are lost (see update/lost_frac); the default 'auto' keeps "
@@ -193,8 +193,8 @@ class GRPOTrainer:
         return self.config.loss.kl_coef > 0
 
     def _make_reference(self):
-        if self._initial_reference is not None:  # distributed: the sharded copy made before training
-            return self._initial_reference
+        if self._initial_reference is not None or is_lora(self.model):  # FSDP2: the sharded copy; LoRA: none
+            return self._initial_reference  # (LoRA's reference is the adapter disabled: trainer/reference.py)
         ref = copy.deepcopy(self.model)
         ref.eval()
         for p in ref.parameters():
@@ -498,16 +498,10 @@ class GRPOTrainer:
 def build_from_config(config: TrainConfig):
     """``(model, tokenizer, examples)`` as the config names them (built-in tiny model and
     synthetic arithmetic by default)."""
-    from portarl.models import build_tiny, load_local
+    from portarl.models import build_model
+    from portarl.trainer.precision import DTYPES
 
-    m = config.model
-    if m.path == "tiny":
-        model, tokenizer = build_tiny(seed=m.init_seed, hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
-                                      kv_heads=m.kv_heads, intermediate_size=m.intermediate_size)
-    else:
-        from portarl.trainer.precision import DTYPES
-
-        model, tokenizer = load_local(m.path, dtype=DTYPES[config.precision.dtype])
+    model, tokenizer = build_model(config.model, DTYPES[config.precision.dtype])
     d = config.data
     if d.path is None:
         examples = arithmetic_examples(d.synthetic_size, seed=config.train.seed, max_operand=d.max_operand, ops=d.operators)

@@ -18,6 +18,7 @@ import torch
 from portarl import distributed as pdist
 from portarl.core import compute_advantages, kl_penalized_rewards
 from portarl.trainer.guards import NonFiniteError, check_finite
+from portarl.trainer.reference import reference_model
 from portarl.trainer.sequences import build_batch, completion_logprobs, padded
 
 
@@ -69,9 +70,8 @@ def score(trainer, phase, metrics: dict) -> Scored:
         raise
     ref_logp = None
     if trainer._uses_reference():
-        if trainer.ref_model is None:
-            trainer.ref_model = trainer._make_reference()
-        ref_logp = trainer._apply_hooks("ref_logp", no_grad_logprobs(trainer, trainer.ref_model, batch))
+        with reference_model(trainer) as ref:  # a frozen copy, or (LoRA) the model with its adapter disabled
+            ref_logp = trainer._apply_hooks("ref_logp", no_grad_logprobs(trainer, ref, batch))
         guard.check("ref_logp", ref_logp, batch.mask)
         if cfg.loss.kl_in_reward:
             rewards, kl_metrics = kl_penalized_rewards(rewards.to(trainer.device), old_logp, ref_logp, batch.mask,

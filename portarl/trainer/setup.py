@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 
 import torch
 
 from portarl import distributed as pdist
+from portarl.lora import apply_lora, is_lora
 from portarl.rollout import ENGINES
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.trainer.precision import DTYPES, PrecisionPlan
 from portarl.trainer.update import lr_lambda, optimizer_steps_total
+
+log = logging.getLogger("portarl.train")
 
 
 def check_distributed_config(cfg: TrainConfig, world: int) -> None:
@@ -29,15 +33,27 @@ def check_distributed_config(cfg: TrainConfig, world: int) -> None:
                           "model.path to its output")
     if cfg.rollout.engine != "hf":
         raise ConfigError("rollout.engine must be 'hf' with several ranks for now")
+    if cfg.model.lora is not None:
+        raise ConfigError("model.lora: LoRA is not supported with FSDP2 yet; run with one process "
+                          "(no torchrun), or unset model.lora")
 
 
 def place_model(model, cfg: TrainConfig, dist, device):
     """``(model, initial_reference)``: the model on ``device`` in the configured dtype; under
     torchrun FSDP2-sharded (with fp32 parameters and a ``param_dtype`` compute policy when
     fp32 master weights are asked for), plus a sharded frozen reference copy when the loss
-    has a KL term (``None`` otherwise, and always ``None`` on one process)."""
+    has a KL term (``None`` otherwise, and always ``None`` on one process). With
+    ``model.lora`` the model is wrapped with its adapters first (:mod:`portarl.lora`)."""
     dtype = DTYPES[cfg.precision.dtype]
+    if is_lora(model):  # resume and export rebuild the adapter from model.lora: it must be the one
+        raise ValueError("the model is already a peft model: pass the base model and set model.lora (portarl "
+                         "applies the adapter, so that --resume and portarl export can rebuild it)")
     if not dist.enabled:
+        if cfg.model.lora is not None:
+            model = apply_lora(model, cfg.model.lora, seed=cfg.model.init_seed)
+            if cfg.train.sft_warmup_steps and cfg.loss.kl_coef > 0:
+                log.warning("model.lora with train.sft_warmup_steps: the warm-up trains the adapter, and the KL "
+                            "reference is the base model (adapter disabled), i.e. the model before the warm-up")
         return model.to(device, dtype=dtype), None
     check_distributed_config(cfg, dist.world_size)
     reference = copy.deepcopy(model).to(device, dtype=dtype) if cfg.loss.kl_coef > 0 else None

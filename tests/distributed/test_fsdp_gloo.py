@@ -180,3 +180,15 @@ def test_reward_error_on_one_rank_stops_both_with_a_checkpoint(tmp_path):
     assert CheckpointManager.is_sharded(latest) and CheckpointManager.load_state(latest)["step"] == 1
     stopped = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert any(e.get("kind") == "stopped" and "(on rank 1)" in e.get("message", "") for e in stopped), stopped
+
+
+def test_lora_is_refused_on_two_ranks_at_startup(tmp_path):
+    """LoRA under FSDP2 is not supported yet: refused before any training, one line, exit 2."""
+    pytest.importorskip("peft")
+    out = tmp_path / "lora"
+    proc = _train(out, 2, "train.steps=1", "model.lora.r=4")
+    assert proc.returncode != 0, proc.stderr[-4000:]  # torchrun's own code is 1; the ranks exit 2:
+    assert "exitcode  : 2" in proc.stderr, proc.stderr[-4000:]
+    assert "portarl train: model.lora: LoRA is not supported with FSDP2 yet; run with one process" in proc.stderr
+    assert "portarl/trainer" not in proc.stderr  # one line from each rank; the traceback there is torchrun's own
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()

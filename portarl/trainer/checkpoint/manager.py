@@ -117,6 +117,8 @@ class CheckpointManager:
         return final
 
     def save(self, step: int, model, tokenizer, state: dict) -> Path:
+        """A LoRA (peft) model's ``save_pretrained`` writes its adapter only
+        (``adapter_model.safetensors``, ``adapter_config.json``), not the base weights."""
         tmp, final = self._begin(step, f"-{os.getpid()}")
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
@@ -234,11 +236,15 @@ class CheckpointManager:
     @staticmethod
     def load_weights(model, directory: Path, *, verify: bool = True) -> None:
         """Load ``model.safetensors`` into ``model`` (after verifying the manifest unless the
-        caller just did)."""
+        caller just did); for a LoRA (peft) model, its adapter only (:mod:`portarl.lora`)."""
         from safetensors.torch import load_model
+
+        from portarl.lora import is_lora, load_adapter
 
         if verify:
             mf.verify(directory)
+        if is_lora(model):  # the checkpoint holds the adapter; the base weights came from model.path
+            return load_adapter(model, directory)
         path = directory / "model.safetensors"
         try:
             missing, unexpected = load_model(model, str(path), strict=False)
