@@ -41,51 +41,38 @@ from portarl.lora import is_lora
 from portarl.reward_runner import RewardError, RewardRunner, agree_on_failure
 from portarl.rollout import SamplingParams
 from portarl.tokenizer import as_codec, chat_template_option
-from portarl.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
-from portarl.trainer.checkpoint import step_of as state_step
+from portarl.trainer.checkpoint import CheckpointManager
 from portarl.trainer.config import TrainConfig
 from portarl.core.kl_control import make_kl_controller
 from portarl.trainer.guards import DegenerateDetector, GuardTripped, SpikeDetector
 from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
 from portarl.trainer.rollout_phase import run_rollout
-from portarl.trainer import run_dir
+from portarl.trainer import persistence, run_dir
 from portarl.trainer.progress import progress_bar
 from portarl.trainer.runlog import RunLogger, plot_curves, read_metrics, summarize
-from portarl.trainer.samples import SampleLog
 from portarl.trainer.scoring import score
 from portarl.trainer.sft import run_sft
 from portarl.trainer.step_guard import (
     StepGuard,
-    UpdateUnrecoverable,
     finish_metrics,
-    checkpoint_refusal,
     record_bad,
     record_clean,
     record_skip,
 )
 from portarl.trainer.setup import (
     SilentLogger,
-    forced_backend,
     make_optimizer,
     make_precision,
     make_rollout_engine,
     place_model,
 )
+from portarl.trainer.loop import TrainingStopped, run_loop
 from portarl.trainer.update import run_update
-from portarl.trainer.signals import StopRequested, graceful_stop
+from portarl.trainer.signals import graceful_stop
 
 log = logging.getLogger("portarl.train")
 
 __all__ = ["FAULT_ENV", "HOOK_POINTS", "GRPOTrainer", "TrainResult", "TrainingStopped", "build_from_config"]
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped itself (persistent non-finite values); a checkpoint was saved."""
-
-    def __init__(self, message: str, tensor_name: str, checkpoint: Path | None):
-        super().__init__(message)
-        self.tensor_name = tensor_name
-        self.checkpoint = checkpoint
 
 
 @dataclasses.dataclass
@@ -212,86 +199,16 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------- checkpoints
     def _state(self) -> dict:
-        return {
-            "step": self.step,
-            "sft_done": self.sft_done,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "precision": self.precision.state_dict(),
-            "rng": rng_state(),
-            "kl_spikes": self.kl_spikes.state_dict(),
-            "grad_spikes": self.grad_spikes.state_dict(),
-            "degenerate": self.degenerate.state_dict(),
-            "skipped_total": self.skipped_total,
-            "consecutive_skips": self.consecutive_skips,
-            "streak_first_bad": self.streak_first_bad,
-            "kl_ctl": self.kl_ctl.state_dict(),
-            "ref_model": {k: v.detach().cpu() for k, v in self.ref_model.state_dict().items()} if self.ref_model is not None else None,
-            "config": self.config.to_dict(),
-        }
+        return persistence.trainer_state(self)
 
     def save_checkpoint(self) -> Path | None:
-        """Write a checkpoint of this step; refuse (log an error, return the last good one)
-        when a weight or fp32 master is not finite: a checkpoint is what a run resumes
-        from, and a corrupted one would hide the failure behind a restart."""
-        self.refused_checkpoint = checkpoint_refusal(self)
-        if self.refused_checkpoint is not None:
-            return self.checkpoints.latest()
-        if self.dist.enabled:
-            state = self._state()
-            state.pop("optimizer")  # in the DCP shards
-            state["ref_model"] = None  # the reference is the initial model: rebuilt from model.path
-            path = self.checkpoints.save_sharded(self.step, self.model, self.optimizer, self.tokenizer, state, self.dist)
-            if self.dist.is_main:
-                log.info("checkpoint saved (DCP, %d ranks): %s", self.dist.world_size, path)
-            return path
-        path = self.checkpoints.save(self.step, self.model, self.tokenizer, self._state())
-        log.info("checkpoint saved: %s", path)
-        return path
+        """Write a checkpoint of this step (:func:`persistence.save_checkpoint`: refused
+        while a weight or fp32 master is not finite)."""
+        return persistence.save_checkpoint(self)
 
     def resume(self) -> int:
-        """Load the latest complete checkpoint; returns its step (0 when there is none)."""
-        if self.dist.enabled:
-            pdist.barrier(self.dist)
-        for removed in (self.checkpoints.clean_partial() if self.dist.is_main else []):
-            log.warning("removed an incomplete checkpoint left by an interrupted write: %s", removed)
-        # Newest checkpoint that verifies against its manifest (damaged ones are skipped,
-        # named and moved aside by rank 0); every rank must pick the same one.
-        found = self.checkpoints.load_newest_verified(quarantine=self.dist.is_main)
-        if self.dist.enabled:
-            chosen = -1 if found is None else state_step(found[0])
-            if pdist.first_code(self.dist, chosen) != -pdist.first_code(self.dist, -chosen):
-                raise CheckpointError(f"ranks chose different checkpoints to resume from in {self.checkpoints.root} "
-                                      f"(rank {self.dist.rank}: step {chosen}); is the directory shared by every rank?")
-        if found is None:
-            log.info("no checkpoint in %s: starting from scratch", self.checkpoints.root)
-            return 0
-        latest, state = found
-        if self.checkpoints.is_sharded(latest):
-            self.checkpoints.load_sharded(latest, self.model, self.optimizer, verify=False)  # just verified
-            state["optimizer"] = self.optimizer.state_dict()
-        else:
-            self.checkpoints.load_weights(self.model, latest, verify=False)
-        self.precision = make_precision(self.model, self.config, self.dist)
-        self.precision.load_state_dict(state["precision"])
-        if self.precision.use_master:
-            self.optimizer.param_groups[0]["params"] = self.precision.optimizer_params()
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        self.kl_spikes.load_state_dict(state["kl_spikes"])
-        self.grad_spikes.load_state_dict(state["grad_spikes"])
-        self.degenerate.load_state_dict(state["degenerate"])
-        self.step, self.sft_done = state["step"], state["sft_done"]
-        self.skipped_total, self.consecutive_skips = state["skipped_total"], state["consecutive_skips"]
-        self.streak_first_bad = state["streak_first_bad"]
-        if state.get("kl_ctl") is not None:  # absent in checkpoints written before the KL controller
-            self.kl_ctl.load_state_dict(state["kl_ctl"])
-        if state["ref_model"] is not None and not self.dist.enabled:
-            self.ref_model = self._make_reference()
-            self.ref_model.load_state_dict(state["ref_model"])
-        log.info("resumed from %s (step %d)", latest, self.step)
-        return self.step
+        """Load the latest verified checkpoint (:func:`persistence.resume`); returns its step."""
+        return persistence.resume(self)
 
     # ---------------------------------------------------------------- one step
     def _rewards(self, examples: list[Example], texts: list[str]) -> tuple[torch.Tensor, dict]:
@@ -399,65 +316,6 @@ class GRPOTrainer:
             self._rollout.close()
             self._rollout = None
 
-    def _run_loop(self, logger: RunLogger, last_ckpt: Path | None) -> Path | None:
-        cfg = self.config
-        if not self.sft_done:
-            self.warmup_sft(logger)
-            self.ref_model = self._make_reference() if self._uses_reference() else None
-        elif self._uses_reference() and self.ref_model is None:
-            self.ref_model = self._make_reference()
-        samples = SampleLog(self.output_dir, cfg.logging.samples_every, cfg.logging.samples_count,
-                            getattr(logger, "writer", None)) if self.dist.is_main else None
-        while self.step < cfg.train.steps:
-            with forced_backend(cfg.precision.backend):
-                try:
-                    metrics = self.train_step()
-                except UpdateUnrecoverable as err:  # guards.update_snapshot=false: nothing to restore from
-                    message = f"stopping at step {self.step + 1}: {err}. Last good checkpoint: {self.checkpoints.latest()}"
-                    logger.event(self.step + 1, "stopped", message)
-                    raise TrainingStopped(message, "optimizer_update", self.checkpoints.latest()) from None
-                except RewardError as err:
-                    # Nothing of this step was applied: the checkpoint is the last good step.
-                    last_ckpt = self.save_checkpoint()
-                    message = f"stopping at step {self.step + 1}: {err}. Checkpoint of step {self.step}: {last_ckpt}"
-                    logger.event(self.step + 1, "stopped", message)
-                    raise TrainingStopped(message, "reward", last_ckpt) from err
-            events = metrics.pop("_events")
-            logger.step(metrics)
-            if samples is not None and samples.due(self.step) and self._last_samples is not None:
-                samples.write(self.step, self._last_samples)
-            for kind, message, fields in events:
-                logger.event(self.step, kind, message, **{k: v for k, v in fields.items() if k != "kind"})
-            if self.stop_reason is not None:  # a guard with action "stop"
-                last_ckpt = self._stop(logger, f"stopping at step {self.step}: {self.stop_reason} "
-                                                f"(guards.spike_action=stop); that optimizer step was not applied",
-                                       self.stop_reason)
-            if self.consecutive_skips >= cfg.guards.max_consecutive_skips:
-                self._stop(logger, f"stopping at step {self.step}: {self.consecutive_skips} steps in a row skipped; the "
-                                   f"first non-finite tensor was {self.streak_first_bad}", self.streak_first_bad)
-            if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps:
-                last_ckpt = self.save_checkpoint()
-                if self.refused_checkpoint:
-                    logger.event(self.step, "checkpoint_refused", self.refused_checkpoint)
-            if self._stop_requested_anywhere():
-                if self.checkpoints.latest() != self.checkpoints.root / f"step-{self.step:06d}":
-                    last_ckpt = self.save_checkpoint()
-                logger.event(self.step, "interrupted", f"stopped on request after step {self.step}; checkpoint {last_ckpt}")
-                raise StopRequested(self._stop_signal, self.step, last_ckpt)
-        return last_ckpt
-
-    def _stop(self, logger, message: str, tensor_name: str | None):
-        """Save a checkpoint (refused when the weights are not finite), log, raise TrainingStopped."""
-        self.refused_checkpoint = None
-        ckpt = self.save_checkpoint()
-        if self.refused_checkpoint:
-            message += f". No checkpoint written: {self.refused_checkpoint}"
-            logger.event(self.step, "checkpoint_refused", self.refused_checkpoint)
-        else:
-            message += f". Checkpoint: {ckpt}"
-        logger.event(self.step, "stopped", message)
-        raise TrainingStopped(message, tensor_name or "unknown", ckpt)
-
     def train(self, resume: bool = False, overwrite: bool = False) -> TrainResult:
         """Train to ``train.steps``. A directory holding another run is refused unless
         ``resume`` (continue it; mid-run settings applied, others refused) or ``overwrite``
@@ -482,7 +340,7 @@ class GRPOTrainer:
                          "updates below the weights' resolution are lost (update/lost_frac)")
         try:
             with graceful_stop(self):  # SIGINT and SIGTERM: finish the step, save, stop
-                last_ckpt = self._run_loop(logger, last_ckpt)
+                last_ckpt = run_loop(self, logger, last_ckpt)
         finally:
             logger.close()
         if not self.dist.is_main:

@@ -1,0 +1,91 @@
+"""The GRPO run loop: one :meth:`GRPOTrainer.train_step` after another, with logging,
+the sample log, checkpoints on cadence, and every way a run ends early (a guard's stop, a
+streak of skipped steps, a reward error, a signal) saving what it can first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from portarl.reward_runner import RewardError
+from portarl.trainer.samples import SampleLog
+from portarl.trainer.setup import forced_backend
+from portarl.trainer.signals import StopRequested
+from portarl.trainer.step_guard import UpdateUnrecoverable
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped itself (persistent non-finite values); a checkpoint was saved."""
+
+    def __init__(self, message: str, tensor_name: str, checkpoint: Path | None):
+        super().__init__(message)
+        self.tensor_name = tensor_name
+        self.checkpoint = checkpoint
+
+
+def run_loop(trainer, logger, last_ckpt: Path | None) -> Path | None:
+    """Steps until ``train.steps``: each logged, sampled, checked by the stop rules (guard
+    stops, skip streaks, reward errors, signals agreed by every rank) and checkpointed on
+    cadence. Returns the last checkpoint; raises :class:`TrainingStopped` or
+    :class:`~portarl.trainer.signals.StopRequested`."""
+    cfg = trainer.config
+    if not trainer.sft_done:
+        trainer.warmup_sft(logger)
+        trainer.ref_model = trainer._make_reference() if trainer._uses_reference() else None
+    elif trainer._uses_reference() and trainer.ref_model is None:
+        trainer.ref_model = trainer._make_reference()
+    samples = SampleLog(trainer.output_dir, cfg.logging.samples_every, cfg.logging.samples_count,
+                        getattr(logger, "writer", None)) if trainer.dist.is_main else None
+    while trainer.step < cfg.train.steps:
+        with forced_backend(cfg.precision.backend):
+            try:
+                metrics = trainer.train_step()
+            except UpdateUnrecoverable as err:  # guards.update_snapshot=false: nothing to restore from
+                message = f"stopping at step {trainer.step + 1}: {err}. Last good checkpoint: {trainer.checkpoints.latest()}"
+                logger.event(trainer.step + 1, "stopped", message)
+                raise TrainingStopped(message, "optimizer_update", trainer.checkpoints.latest()) from None
+            except RewardError as err:
+                # Nothing of this step was applied: the checkpoint is the last good step.
+                last_ckpt = trainer.save_checkpoint()
+                message = f"stopping at step {trainer.step + 1}: {err}. Checkpoint of step {trainer.step}: {last_ckpt}"
+                logger.event(trainer.step + 1, "stopped", message)
+                raise TrainingStopped(message, "reward", last_ckpt) from err
+        events = metrics.pop("_events")
+        logger.step(metrics)
+        if samples is not None and samples.due(trainer.step) and trainer._last_samples is not None:
+            samples.write(trainer.step, trainer._last_samples)
+        for kind, message, fields in events:
+            logger.event(trainer.step, kind, message, **{k: v for k, v in fields.items() if k != "kind"})
+        if trainer.stop_reason is not None:  # a guard with action "stop"
+            last_ckpt = stop_with_checkpoint(trainer, logger, f"stopping at step {trainer.step}: {trainer.stop_reason} "
+                                            f"(guards.spike_action=stop); that optimizer step was not applied",
+                                   trainer.stop_reason)
+        if trainer.consecutive_skips >= cfg.guards.max_consecutive_skips:
+            stop_with_checkpoint(trainer, logger, f"stopping at step {trainer.step}: {trainer.consecutive_skips} steps in "
+                                 f"a row skipped; the first non-finite tensor was {trainer.streak_first_bad}",
+                                 trainer.streak_first_bad)
+        if trainer.step % cfg.checkpoint.every == 0 or trainer.step == cfg.train.steps:
+            last_ckpt = trainer.save_checkpoint()
+            if trainer.refused_checkpoint:
+                logger.event(trainer.step, "checkpoint_refused", trainer.refused_checkpoint)
+        if trainer._stop_requested_anywhere():
+            if trainer.checkpoints.latest() != trainer.checkpoints.root / f"step-{trainer.step:06d}":
+                last_ckpt = trainer.save_checkpoint()
+            logger.event(trainer.step, "interrupted", f"stopped on request after step {trainer.step}; checkpoint {last_ckpt}")
+            raise StopRequested(trainer._stop_signal, trainer.step, last_ckpt)
+    return last_ckpt
+
+
+def stop_with_checkpoint(trainer, logger, message: str, tensor_name: str | None):
+    """Save a checkpoint (refused when the weights are not finite), log, raise TrainingStopped."""
+    trainer.refused_checkpoint = None
+    ckpt = trainer.save_checkpoint()
+    if trainer.refused_checkpoint:
+        message += f". No checkpoint written: {trainer.refused_checkpoint}"
+        logger.event(trainer.step, "checkpoint_refused", trainer.refused_checkpoint)
+    else:
+        message += f". Checkpoint: {ckpt}"
+    logger.event(trainer.step, "stopped", message)
+    raise TrainingStopped(message, tensor_name or "unknown", ckpt)
+
+
+__all__ = ["TrainingStopped", "run_loop", "stop_with_checkpoint"]
