@@ -137,10 +137,28 @@ def tile_logprobs_backward_kernel(
             tl.store(row_ptr + idx, grad, mask=in_row)
 
 
+#: Row kernels' pipeline stages (a row longer than its tile prefetches the next one).
+ROW_STAGES = 2
+#: Every row tile :func:`row_config` can return: 16 .. MAX_BLOCK_V columns.
+ROW_BLOCKS = [16 << i for i in range((MAX_BLOCK_V // 16).bit_length())]
+
+
+def row_config(n_cols: int) -> dict:
+    """``BLOCK_V``, ``num_warps``, ``num_stages`` of both row kernels for a vocabulary of ``n_cols``.
+
+    A function of V only (batch invariance), shared by the host
+    (:mod:`portarl.backends.cuda.linear_logprobs`) and :data:`AOT_VARIANTS`.
+    """
+    block = min(MAX_BLOCK_V, max(16, triton.next_power_of_2(n_cols)))
+    return {"BLOCK_V": block, "num_warps": 8 if block >= 2048 else 4, "num_stages": ROW_STAGES}
+
+
 def _variants():
     out = []
     dtypes = ("*fp32", "*bf16", "*fp16")
-    ints = {k: "i64" for k in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm",
+    # Python ints below 2**31 launch as i32 (triton's mangle_type), and every size or stride
+    # here is one (V, H, rows per chunk); the AOT build compiles what the JIT would.
+    ints = {k: "i32" for k in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm",
                               "stride_cn")}
     combos = []  # (a, b, HAS_BIAS, ACCUMULATE) as launched by the host
     for d in dtypes:
@@ -154,22 +172,22 @@ def _variants():
                     "constexprs": {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K,
                                    "HAS_BIAS": has_bias, "ACCUMULATE": acc, "BROADCAST_DOT": False},
                     "num_warps": TILE_WARPS, "num_stages": TILE_STAGES})
-    blocks = [16 << i for i in range(0, 8)]  # 16 .. MAX_BLOCK_V
-    for block in blocks:
+    for block in ROW_BLOCKS:
+        config = row_config(block)
         for ent in (False, True):
             out.append({"kernel": tile_logprobs_forward_kernel,
                         "signature": {"z_ptr": "*fp32", "labels_ptr": "*i64", "logp_ptr": "*fp32",
-                                      "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "n_cols": "i64",
-                                      "ignore_index": "i64", "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr"},
+                                      "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "n_cols": "i32",
+                                      "ignore_index": "i32", "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr"},
                         "constexprs": {"BLOCK_V": block, "WITH_ENTROPY": ent},
-                        "num_warps": 8 if block >= 2048 else 4, "num_stages": 2})
+                        "num_warps": config["num_warps"], "num_stages": config["num_stages"]})
             out.append({"kernel": tile_logprobs_backward_kernel,
                         "signature": {"z_ptr": "*fp32", "labels_ptr": "*i64", "lse_ptr": "*fp32",
                                       "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32", "grad_entropy_ptr": "*fp32",
-                                      "n_cols": "i64", "inv_temperature": "fp32", "ignore_index": "i64",
+                                      "n_cols": "i32", "inv_temperature": "fp32", "ignore_index": "i32",
                                       "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr"},
                         "constexprs": {"BLOCK_V": block, "WITH_ENTROPY": ent},
-                        "num_warps": 8 if block >= 2048 else 4, "num_stages": 2})
+                        "num_warps": config["num_warps"], "num_stages": config["num_stages"]})
     return out
 
 

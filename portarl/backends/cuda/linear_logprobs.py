@@ -20,21 +20,13 @@ from portarl.kernels.linear_logprobs import (
     BLOCK_K,
     BLOCK_M,
     BLOCK_N,
-    MAX_BLOCK_V,
     TILE_STAGES,
     TILE_WARPS,
     linear_tile_kernel,
+    row_config,
     tile_logprobs_backward_kernel,
     tile_logprobs_forward_kernel,
 )
-
-
-def _block_v(n_cols: int) -> int:
-    return min(MAX_BLOCK_V, max(16, triton.next_power_of_2(n_cols)))
-
-
-def _warps(block: int) -> int:
-    return 8 if block >= 2048 else 4
 
 
 def matmul_into(c, a, b, *, bias=None, scale=1.0, accumulate=False):
@@ -80,12 +72,12 @@ class TritonLinearLogprobs(torch.autograd.Function):
         logp = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else None
-        block = _block_v(vocab)
+        config = row_config(vocab)
 
         def row_forward(r0, r1, z):
             tile_logprobs_forward_kernel[(r1 - r0,)](
                 z, labels[r0:r1], logp[r0:r1], (entropy if with_entropy else lse)[r0:r1], lse[r0:r1],
-                vocab, ignore_index, BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=_warps(block),
+                vocab, ignore_index, WITH_ENTROPY=with_entropy, **config,
             )
 
         forward_chunks(TritonChunkMath(), hidden, weight, bias, inv_t, row_forward)
@@ -99,13 +91,12 @@ class TritonLinearLogprobs(torch.autograd.Function):
         g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.float().contiguous()
         use_h = ctx.with_entropy and g_entropy is not None
         g_ent = g_entropy.float().contiguous() if use_h else g_logp
-        block = _block_v(weight.shape[0])
+        config = row_config(weight.shape[0])
 
         def row_backward(r0, r1, z):  # in place: the tile becomes its gradient
             tile_logprobs_backward_kernel[(r1 - r0,)](
                 z, labels[r0:r1], lse[r0:r1], (entropy if use_h else lse)[r0:r1], g_logp[r0:r1], g_ent[r0:r1],
-                weight.shape[0], ctx.inv_t, ctx.ignore_index, BLOCK_V=block, WITH_ENTROPY=use_h,
-                num_warps=_warps(block),
+                weight.shape[0], ctx.inv_t, ctx.ignore_index, WITH_ENTROPY=use_h, **config,
             )
             return z
 
