@@ -68,3 +68,10 @@ def test_parse_shapes():
     for bad in ("4096", "4096x0x5", "ax5", "1x2x3x4"):
         with pytest.raises(ValueError, match="NxHxV"):
             _parse_shapes([bad])
+
+
+def test_bench_kernels_rejects_a_bad_shape_before_running(capsys):
+    from portarl.cli import main
+
+    assert main(["bench", "kernels", "--device", "cpu", "--ops", "linear_logprobs", "--shapes", "4096x896x"]) == 2
+    assert "expected NxV (logprobs, kl) or NxHxV (linear_logprobs)" in capsys.readouterr().err
