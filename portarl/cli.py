@@ -121,6 +121,21 @@ def _device_slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
 
 
+def _parse_shapes(items: list[str]) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+    """``--shapes`` of ``bench kernels``: ``NxV`` items (logprobs, kl), ``NxHxV`` (linear_logprobs)."""
+    rows, linear = [], []
+    for item in items:
+        try:
+            dims = tuple(int(d) for d in item.lower().split("x"))
+        except ValueError:
+            dims = ()
+        if len(dims) not in (2, 3) or min(dims) <= 0:
+            raise ValueError(f"--shapes {item!r}: expected NxV (logprobs, kl) or NxHxV (linear_logprobs), "
+                             "positive integers, e.g. 4096x151936 or 4096x896x151936")
+        (rows if len(dims) == 2 else linear).append(dims)
+    return rows, linear
+
+
 def _cmd_bench_kernels(args) -> int:
     import dataclasses
     import json
@@ -138,21 +153,27 @@ def _cmd_bench_kernels(args) -> int:
     from portarl import envinfo
     from portarl.bench.kernels import QUICK_SHAPES, markdown_table, run_kernels
 
-    from portarl.bench.linear import QUICK_LINEAR_SHAPES, linear_table, run_linear
+    from portarl.bench.linear import QUICK_LINEAR_SHAPES, linear_table, liger_status, run_linear
 
     env = envinfo.environment(device)
-    shapes = QUICK_SHAPES if args.quick else None
+    try:
+        row_shapes, linear_shapes = _parse_shapes(args.shapes or [])
+    except ValueError as err:
+        _log(f"portarl bench kernels: {err}")
+        return 2
+    shapes = row_shapes or (QUICK_SHAPES if args.quick else None)
     results, bandwidth, table = [], 0.0, ""
     if set(args.ops) & {"logprobs", "kl"}:
         results, bandwidth = run_kernels(device, shapes=shapes, dtypes=args.dtypes, repeats=args.repeats, progress=_log)
         table = markdown_table(results, env["device_name"], bandwidth)
     if "linear_logprobs" in args.ops:
-        linear = run_linear(device, shapes=QUICK_LINEAR_SHAPES if args.quick else None, dtypes=args.dtypes,
-                            repeats=args.repeats, progress=_log)
+        linear = run_linear(device, shapes=linear_shapes or (QUICK_LINEAR_SHAPES if args.quick else None),
+                            dtypes=args.dtypes, repeats=args.repeats, progress=_log)
         results += linear
         conditions = (f"{env['device_name']}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
                       f"median of {args.repeats} alternating repeats, memory from the warm-up call")
-        table += "\n## linear_logprobs (hidden [N, H] x weight [V, H] -> log-probs)\n\n" + linear_table(linear, conditions)
+        table += ("\n## linear_logprobs (hidden [N, H] x weight [V, H] -> log-probs)\n\n"
+                  + linear_table(linear, conditions, liger=liger_status(device)))
     print(table)
     out = Path(args.out) if args.out else Path(BENCH_OUT) / f"kernels-{_device_slug(env['device_name'])}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -280,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32", "fp16"])
     k.add_argument("--repeats", type=int, default=5)
     k.add_argument("--quick", action="store_true", help="one tiny shape (smoke test)")
+    k.add_argument("--shapes", nargs="+", metavar="SHAPE",
+                   help="NxV for logprobs and kl, NxHxV for linear_logprobs (e.g. 4096x896x151936); "
+                        "replaces that op's default shapes")
     k.add_argument("--ops", nargs="+", default=["logprobs", "kl", "linear_logprobs"],
                    choices=["logprobs", "kl", "linear_logprobs"], help="which ops to benchmark")
     k.set_defaults(func=_cmd_bench_kernels)

@@ -199,6 +199,7 @@ class KernelResult:
     gbps: float | None = None
     frac_copy_bw: float | None = None
     error: str | None = None
+    h: int | None = None  # linear_logprobs: the hidden size
 
 
 def shapes_v0(shapes, n: int) -> int:

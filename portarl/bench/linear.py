@@ -6,7 +6,9 @@ Methods, each ``fwd`` and ``fwd+bwd`` (gradients for hidden and weight):
   N x V logits, their fp32 copy and their gradients all exist;
 - ``chunked``: TRL-style, ``F.linear`` + selective log-softmax one chunk of
   :data:`CHUNK_ROWS` rows at a time (bounded forward; autograd keeps every chunk's logits);
-- ``liger``: Liger-Kernel's fused linear cross-entropy (``reduction="none"``), where installed.
+- ``liger``: Liger-Kernel's fused linear cross-entropy (``reduction="none"``, fp32 weight-grad
+  accumulation) on CUDA where installed; elsewhere the report says why the column is empty
+  (:func:`liger_status`). Liger is never a dependency of portarl.
 
 Timing alternates the methods within each repeat (a loaded machine drifts) and reports the
 median; peak extra memory (live tensor bytes torch allocates on CPU, the allocator peak on
@@ -48,9 +50,25 @@ def chunked(hidden, weight, labels):
 
 
 def liger(hidden, weight, labels):
+    """Liger-Kernel's fused linear cross-entropy, per token (``reduction="none"``): logp = -loss.
+
+    ``accum_dtype=torch.float32``: its weight gradient accumulated in fp32, as portarl's is
+    (Liger's default accumulates in the parameters' dtype)."""
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    return -LigerFusedLinearCrossEntropyLoss(reduction="none")(weight, hidden, labels)
+    loss = LigerFusedLinearCrossEntropyLoss(reduction="none", accum_dtype=torch.float32)
+    return -loss(weight, hidden, labels)
+
+
+def liger_status(device: torch.device) -> str | None:
+    """None when the Liger column can be measured on ``device``, else why not (for the report)."""
+    if device.type != "cuda":
+        return "needs CUDA"
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return "not installed"
+    return None
 
 
 def fused(backend):
@@ -66,13 +84,8 @@ def linear_methods(device: torch.device) -> dict[str, Callable]:
             methods[f"portarl:{name}"] = fused(name)
     methods["eager"] = eager
     methods["chunked"] = chunked
-    if device.type == "cuda":
-        try:
-            import liger_kernel  # noqa: F401
-
-            methods["liger"] = liger
-        except ImportError:
-            pass
+    if liger_status(device) is None:
+        methods["liger"] = liger
     return methods
 
 
@@ -104,7 +117,7 @@ def run_linear(device: torch.device, *, shapes=None, dtypes=("bf16",), repeats: 
             for mode in ("fwd", "fwd+bwd"):
                 calls = {name: _call(fn, hidden, weight, labels, mode == "fwd+bwd")
                          for name, fn in linear_methods(device).items()}
-                rows = {name: KernelResult("linear_logprobs", name, mode, dname, n, v) for name in calls}
+                rows = {name: KernelResult("linear_logprobs", name, mode, dname, n, v, h=h) for name in calls}
                 times: dict[str, list[float]] = {name: [] for name in calls}
                 for name, call in calls.items():  # warm-up, and the memory measurement
                     try:
@@ -132,18 +145,44 @@ def run_linear(device: torch.device, *, shapes=None, dtypes=("bf16",), repeats: 
     return results
 
 
-def linear_table(results: list[KernelResult], conditions: str) -> str:
-    lines = [f"Conditions: {conditions}", "",
-             "| N | V | dtype | mode | method | median ms | peak extra MiB | vs eager (time) | vs eager (memory) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    eager_rows = {(r.n, r.v, r.dtype, r.mode): r for r in results if r.method == "eager" and r.median_ms}
-    for r in results:
-        if r.median_ms is None:
-            lines.append(f"| {r.n} | {r.v} | {r.dtype} | {r.mode} | {r.method} | - | - | - | {r.error} |")
-            continue
-        e = eager_rows.get((r.n, r.v, r.dtype, r.mode))
-        rel_t = f"{r.median_ms / e.median_ms:.2f}x" if e else "-"
-        rel_m = f"{r.peak_extra_mb / e.peak_extra_mb:.3f}x" if e and e.peak_extra_mb else "-"
-        lines.append(f"| {r.n} | {r.v} | {r.dtype} | {r.mode} | {r.method} | {r.median_ms:.1f} | "
-                     f"{r.peak_extra_mb:.1f} | {rel_t} | {rel_m} |")
+def _cell(row: KernelResult | None) -> str:
+    if row is None:
+        return "-"
+    if row.median_ms is None:
+        return row.error or "-"
+    return f"{row.median_ms:.1f} ms / {row.peak_extra_mb:.1f} MiB"
+
+
+def linear_table(results: list[KernelResult], conditions: str, *, liger: str | None = None) -> str:
+    """Markdown: one row per (shape, dtype, mode), one column per method (median time / peak
+    extra memory), then each portarl backend relative to eager. ``liger`` is
+    :func:`liger_status`: where not None, the Liger column says why it is empty."""
+    methods = list(dict.fromkeys(r.method for r in results))
+    fused_methods = [m for m in methods if m.startswith("portarl:")]
+    others = [m for m in methods if m not in ("eager", "liger") and m not in fused_methods]
+    columns = ["eager", *others, *fused_methods, "liger"]
+    note = "measured" if liger is None else liger
+    lines = [f"Conditions: {conditions}", f"liger: {note}", "",
+             "| N | H | V | dtype | mode | " + " | ".join(columns) + " | "
+             + " | ".join(f"{m} vs eager (time, memory)" for m in fused_methods) + " |",
+             "|" + "---|" * (5 + len(columns) + len(fused_methods))]
+    cases = list(dict.fromkeys((r.n, r.h, r.v, r.dtype, r.mode) for r in results))
+    for case in cases:
+        by_method = {r.method: r for r in results if (r.n, r.h, r.v, r.dtype, r.mode) == case}
+        cells = []
+        for m in columns:
+            if m == "liger" and liger is not None:
+                cells.append(f"liger: {liger}")
+            else:
+                cells.append(_cell(by_method.get(m)))
+        e = by_method.get("eager")
+        for m in fused_methods:
+            f = by_method.get(m)
+            if f is None or f.median_ms is None or e is None or not e.median_ms:
+                cells.append("-")
+                continue
+            rel_m = f"{f.peak_extra_mb / e.peak_extra_mb:.3f}x" if e.peak_extra_mb else "-"
+            cells.append(f"{f.median_ms / e.median_ms:.2f}x, {rel_m}")
+        n, h, v, dtype, mode = case
+        lines.append(f"| {n} | {h if h is not None else '-'} | {v} | {dtype} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -7,10 +7,12 @@ the host walks the rows in chunks whose fp32 logits tile [n, V] fits the
 - :func:`linear_tile_kernel` computes C (+)= (A @ B + bias) * scale with fp32 loads and an
   fp32 ``tl.dot`` (``input_precision="ieee"``: no TF32), for the logits tile and for the
   two backward contractions (grad_hidden = grad_z @ W, grad_W += grad_z.T @ h);
-- :func:`tile_logprobs_forward_kernel` reduces each tile row with an online logsumexp and
-  the max-relative entropy of :mod:`portarl.kernels.logprobs`;
+- :func:`tile_logprobs_forward_kernel` reduces each tile row with the online logsumexp and
+  max-relative entropy of :func:`portarl.kernels._rowmath.row_lse_entropy`, the same code
+  the ``logprobs`` kernels run;
 - :func:`tile_logprobs_backward_kernel` overwrites the recomputed tile with its own
-  gradient, in place (the chunk's logits buffer is reused for its gradient).
+  gradient (:func:`portarl.kernels._rowmath.softmax_grad`, shared with ``logprobs``), in
+  place (the chunk's logits buffer is reused for its gradient).
 
 Batch invariance: an output element of :func:`linear_tile_kernel` is a sum over K in
 BLOCK_K steps in a fixed order, and the block sizes are constants, so a row's logits do
@@ -24,6 +26,8 @@ for ahead-of-time compilation checks (sm_80 / sm_90, no spills).
 
 import triton
 import triton.language as tl
+
+from portarl.kernels._rowmath import row_lse_entropy, softmax_grad
 
 #: Tiles of linear_tile_kernel: constants (batch invariance), small enough not to spill.
 BLOCK_M = 32
@@ -92,31 +96,11 @@ def tile_logprobs_forward_kernel(
         if WITH_ENTROPY:
             tl.store(entropy_ptr + row, 0.0)
     else:
-        cols = tl.arange(0, BLOCK_V)
-        m = -float("inf")
-        s = 0.0
-        t = 0.0
-        for start in range(0, n_cols, BLOCK_V):
-            idx = start + cols
-            z = tl.load(row_ptr + idx, mask=idx < n_cols, other=-float("inf"))
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-            e = tl.exp(z - shift)
-            scale = tl.exp(m - shift)
-            s_prev = s
-            s = s * scale + tl.sum(e, axis=0)
-            if WITH_ENTROPY:
-                tile_t = tl.sum(tl.where(e > 0.0, e * (z - shift), 0.0), axis=0)
-                moved = tl.where(s_prev > 0.0, (m - shift) * s_prev, 0.0)
-                t = scale * (t + moved) + tile_t
-            m = m_new
-        shift = tl.where(m == -float("inf"), 0.0, m)
-        log_s = tl.log(s)
-        lse = shift + log_s
+        lse, entropy = row_lse_entropy(row_ptr, 1, n_cols, 1.0, BLOCK_V, WITH_ENTROPY)
         tl.store(logp_ptr + row, tl.load(row_ptr + label) - lse)
         tl.store(lse_ptr + row, lse)
         if WITH_ENTROPY:
-            tl.store(entropy_ptr + row, log_s - t / s)
+            tl.store(entropy_ptr + row, entropy)
 
 
 @triton.jit
@@ -140,6 +124,8 @@ def tile_logprobs_backward_kernel(
     else:
         lse = tl.load(lse_ptr + row)
         g_logp = tl.load(grad_logp_ptr + row)
+        g_h = 0.0
+        h = 0.0
         if WITH_ENTROPY:
             g_h = tl.load(grad_entropy_ptr + row)
             h = tl.load(entropy_ptr + row)
@@ -147,18 +133,32 @@ def tile_logprobs_backward_kernel(
             idx = start + cols
             in_row = idx < n_cols
             z = tl.load(row_ptr + idx, mask=in_row, other=-float("inf"))
-            logp = z - lse
-            p = tl.exp(logp)
-            grad = tl.where(idx == label, g_logp, 0.0) - g_logp * p
-            if WITH_ENTROPY:
-                grad -= tl.where(p > 0.0, g_h * p * (logp + h), 0.0)
-            tl.store(row_ptr + idx, grad * inv_temperature, mask=in_row)
+            grad = softmax_grad(z, idx == label, lse, g_logp, g_h, h, inv_temperature, WITH_ENTROPY)
+            tl.store(row_ptr + idx, grad, mask=in_row)
+
+
+#: Row kernels' pipeline stages (a row longer than its tile prefetches the next one).
+ROW_STAGES = 2
+#: Every row tile :func:`row_config` can return: 16 .. MAX_BLOCK_V columns.
+ROW_BLOCKS = [16 << i for i in range((MAX_BLOCK_V // 16).bit_length())]
+
+
+def row_config(n_cols: int) -> dict:
+    """``BLOCK_V``, ``num_warps``, ``num_stages`` of both row kernels for a vocabulary of ``n_cols``.
+
+    A function of V only (batch invariance), shared by the host
+    (:mod:`portarl.backends.cuda.linear_logprobs`) and :data:`AOT_VARIANTS`.
+    """
+    block = min(MAX_BLOCK_V, max(16, triton.next_power_of_2(n_cols)))
+    return {"BLOCK_V": block, "num_warps": 8 if block >= 2048 else 4, "num_stages": ROW_STAGES}
 
 
 def _variants():
     out = []
     dtypes = ("*fp32", "*bf16", "*fp16")
-    ints = {k: "i64" for k in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm",
+    # Python ints below 2**31 launch as i32 (triton's mangle_type), and every size or stride
+    # here is one (V, H, rows per chunk); the AOT build compiles what the JIT would.
+    ints = {k: "i32" for k in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm",
                               "stride_cn")}
     combos = []  # (a, b, HAS_BIAS, ACCUMULATE) as launched by the host
     for d in dtypes:
@@ -172,22 +172,22 @@ def _variants():
                     "constexprs": {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K,
                                    "HAS_BIAS": has_bias, "ACCUMULATE": acc, "BROADCAST_DOT": False},
                     "num_warps": TILE_WARPS, "num_stages": TILE_STAGES})
-    blocks = [16 << i for i in range(0, 8)]  # 16 .. MAX_BLOCK_V
-    for block in blocks:
+    for block in ROW_BLOCKS:
+        config = row_config(block)
         for ent in (False, True):
             out.append({"kernel": tile_logprobs_forward_kernel,
                         "signature": {"z_ptr": "*fp32", "labels_ptr": "*i64", "logp_ptr": "*fp32",
-                                      "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "n_cols": "i64",
-                                      "ignore_index": "i64", "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr"},
+                                      "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "n_cols": "i32",
+                                      "ignore_index": "i32", "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr"},
                         "constexprs": {"BLOCK_V": block, "WITH_ENTROPY": ent},
-                        "num_warps": 8 if block >= 2048 else 4, "num_stages": 2})
+                        "num_warps": config["num_warps"], "num_stages": config["num_stages"]})
             out.append({"kernel": tile_logprobs_backward_kernel,
                         "signature": {"z_ptr": "*fp32", "labels_ptr": "*i64", "lse_ptr": "*fp32",
                                       "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32", "grad_entropy_ptr": "*fp32",
-                                      "n_cols": "i64", "inv_temperature": "fp32", "ignore_index": "i64",
+                                      "n_cols": "i32", "inv_temperature": "fp32", "ignore_index": "i32",
                                       "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr"},
                         "constexprs": {"BLOCK_V": block, "WITH_ENTROPY": ent},
-                        "num_warps": 8 if block >= 2048 else 4, "num_stages": 2})
+                        "num_warps": config["num_warps"], "num_stages": config["num_stages"]})
     return out
 
 

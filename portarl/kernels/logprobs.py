@@ -23,7 +23,9 @@ written, by the one program that owns it), flash-attention's ``inplace_backward`
 cross-entropy and Liger's reuse of the logits buffer: a caller that owns a logits chunk
 (a fused linear log-prob op) gets its gradient without a second N x V buffer.
 
-Entropy is accumulated relative to the running maximum m:
+The row walk and the per-element gradient are :mod:`portarl.kernels._rowmath`'s
+:func:`row_lse_entropy` and :func:`softmax_grad`, shared with the fused linear log-probs
+kernels. Entropy is accumulated relative to the running maximum m:
     s = sum exp(z - m),  t = sum exp(z - m) * (z - m),  H = log(s) - t / s
 which keeps both terms O(log V) even for logits of magnitude 1e4 (accumulating
 sum p * z directly would cancel two numbers of size |z|).
@@ -32,6 +34,7 @@ sum p * z directly would cancel two numbers of size |z|).
 import triton
 import triton.language as tl
 
+from portarl.kernels._rowmath import row_lse_entropy, softmax_grad
 from portarl.kernels.rounding import cast_for_store
 
 #: Largest forward tile of a row held at once (columns).
@@ -91,36 +94,12 @@ def logprobs_forward_kernel(
         if WITH_ENTROPY:
             tl.store(entropy_ptr + row, 0.0)
     else:
-        cols = tl.arange(0, BLOCK_V)
-        m = -float("inf")
-        s = 0.0
-        t = 0.0
-        for start in range(0, n_cols, BLOCK_V):
-            idx = start + cols
-            in_row = idx < n_cols
-            x = tl.load(row_ptr + idx * col_stride, mask=in_row, other=-float("inf"))
-            z = x.to(tl.float32) * inv_temperature
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            # All entries so far -inf: shift by 0 so exp() sees -inf, not nan (-inf - -inf).
-            shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-            e = tl.exp(z - shift)
-            scale = tl.exp(m - shift)
-            s_prev = s
-            s = s * scale + tl.sum(e, axis=0)
-            if WITH_ENTROPY:
-                # p * (z - m) is 0 where p is 0, also for z = -inf (0 * -inf would be nan).
-                tile_t = tl.sum(tl.where(e > 0.0, e * (z - shift), 0.0), axis=0)
-                moved = tl.where(s_prev > 0.0, (m - shift) * s_prev, 0.0)
-                t = scale * (t + moved) + tile_t
-            m = m_new
-        shift = tl.where(m == -float("inf"), 0.0, m)
-        log_s = tl.log(s)
-        lse = shift + log_s
+        lse, entropy = row_lse_entropy(row_ptr, col_stride, n_cols, inv_temperature, BLOCK_V, WITH_ENTROPY)
         z_label = tl.load(row_ptr + label * col_stride).to(tl.float32) * inv_temperature
         tl.store(logp_ptr + row, z_label - lse)
         tl.store(lse_ptr + row, lse)
         if WITH_ENTROPY:
-            tl.store(entropy_ptr + row, log_s - t / s)
+            tl.store(entropy_ptr + row, entropy)
 
 
 @triton.jit
@@ -159,15 +138,14 @@ def logprobs_grad_kernel(
     else:
         lse = tl.load(lse_ptr + row)
         g_logp = tl.load(grad_logp_ptr + row)
-        x = tl.load(row_ptr + idx * col_stride, mask=in_row, other=-float("inf"))
-        logp = x.to(tl.float32) * inv_temperature - lse
-        p = tl.exp(logp)
-        grad = tl.where(idx == label, g_logp, 0.0) - g_logp * p
+        g_h = 0.0
+        h = 0.0
         if WITH_ENTROPY:
             g_h = tl.load(grad_entropy_ptr + row)
             h = tl.load(entropy_ptr + row)
-            grad -= tl.where(p > 0.0, g_h * p * (logp + h), 0.0)
-        grad = grad * inv_temperature
+        x = tl.load(row_ptr + idx * col_stride, mask=in_row, other=-float("inf"))
+        grad = softmax_grad(x.to(tl.float32) * inv_temperature, idx == label, lse, g_logp, g_h, h,
+                            inv_temperature, WITH_ENTROPY)
     if IN_PLACE:
         tl.store(row_ptr + idx * col_stride, cast_for_store(grad, logits_ptr, ROUND_BF16), mask=in_row)
     else:

@@ -18,7 +18,7 @@ import portarl.backends.cuda.logprobs as host_lp  # noqa: E402
 from portarl.kernels import kl as kernels_kl  # noqa: E402
 from portarl.kernels import logprobs as kernels_lp  # noqa: E402
 
-INTERPRETER_ONLY = ("ROUND_BF16", "ROUND_BF16_LOGP", "ROUND_BF16_REF")  # False on a GPU
+INTERPRETER_ONLY = ("ROUND_BF16", "ROUND_BF16_LOGP", "ROUND_BF16_REF", "BROADCAST_DOT")  # False on a GPU
 # Both sides of every power of two up to 2**18, and real vocabularies.
 VOCABS = sorted({1 << i for i in range(19)} | {(1 << i) + 1 for i in range(19)} | {32000, 151936})
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -88,3 +88,29 @@ def test_kl_launches_are_covered(monkeypatch):
                         out.sum().backward()
     assert len({e[:4] for e in log}) == 24  # 12 flag combinations x (forward, backward)
     _check(log, kernels_kl.AOT_VARIANTS)
+
+
+def test_linear_logprob_launches_are_covered(monkeypatch):
+    """The fused linear log-probs host: the tile matmul (logits, grad_hidden, grad_weight, with
+    and without bias), the row kernels over every row tile size, entropy on and off, every
+    dtype; with several row chunks (a small chunk budget)."""
+    import portarl.backends.cuda.linear_logprobs as host_lin
+    from portarl.kernels import linear_logprobs as kernels_lin
+
+    log = []
+    for name in ("linear_tile_kernel", "tile_logprobs_forward_kernel", "tile_logprobs_backward_kernel"):
+        monkeypatch.setattr(host_lin, name, Recorder(getattr(kernels_lin, name), log))
+    monkeypatch.setenv("PORTARL_CHUNK_ELEMENTS", "4096")
+    for v in (1, 17, 33, 65, 129, 257, 513, 1025, 2049):  # row tiles 16 .. 2048
+        for dtype in DTYPES:
+            for entropy in (False, True):
+                for with_bias in (False, True):
+                    hidden = torch.zeros(3, 8, dtype=dtype, requires_grad=True)
+                    weight = torch.zeros(v, 8, dtype=dtype, requires_grad=True)
+                    bias = torch.zeros(v, dtype=dtype, requires_grad=True) if with_bias else None
+                    logp, ent = host_lin.TritonLinearLogprobs.apply(hidden, weight, bias, torch.zeros(3, dtype=torch.int64),
+                                                                  1.0, -100, entropy)
+                    (logp.sum() + (ent.sum() if entropy else 0)).backward()
+    assert {e[0] for e in log} == {"linear_tile_kernel", "tile_logprobs_forward_kernel", "tile_logprobs_backward_kernel"}
+    assert len({e[:4] for e in log if e[0] != "linear_tile_kernel"}) == 8 * 2 * 2  # 8 row tiles x entropy x fwd/bwd
+    _check(log, kernels_lin.AOT_VARIANTS)

@@ -1,7 +1,8 @@
 """NPU fused linear log-probs: chunked fp32 matmul feeding ``npu_cross_entropy_loss``.
 
 Rows in chunks whose fp32 logits tile [n, V] fits ``PORTARL_CHUNK_ELEMENTS`` (and at most
-the operator's 200,000 rows). Each tile is ``hidden_chunk.float() @ weight_block.float().T``
+the operator's 200,000 rows), walked by :mod:`portarl.backends._linear_chunks` (the driver
+shared with the cuda backend). Each tile is ``hidden_chunk.float() @ weight_block.float().T``
 (weight upcast one vocabulary block at a time, never whole), divided by T, and fed in fp32
 to the operator through :mod:`portarl.backends.npu.torch_npu_api` (its outputs come back in
 the input's dtype, so fp32 in means fp32 log-probs). Entropy comes from the operator's
@@ -14,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from portarl.backends._linear_chunks import ChunkMath, backward_chunks, forward_chunks
 from portarl.backends.npu import torch_npu_api
 from portarl.backends.npu.logprobs import _bad_rows, _entropy_from_log_prob
-from portarl.backends.rows import chunk_elements, chunk_rows
+from portarl.backends.rows import chunk_elements
 
 
 def _vocab_block(width: int) -> int:
@@ -44,25 +46,43 @@ def _grad_hidden(grad_z, weight):
     return out
 
 
+class NpuChunkMath(ChunkMath):
+    """torch matmuls over fp32 upcasts; a fresh tile per chunk (the backward differentiates it)."""
+
+    @property
+    def max_rows(self):
+        return torch_npu_api.CROSS_ENTROPY_MAX_ROWS  # read per call: the operator's row limit
+
+    def rows(self, hidden_rows):
+        return hidden_rows.float()
+
+    def logits(self, rows, weight, bias, inv_t):
+        return _tile(rows, weight, bias, inv_t)
+
+    def grad_hidden(self, grad_z, weight):
+        return _grad_hidden(grad_z, weight)
+
+    def accumulate_grad_weight(self, gw32, grad_z, rows):
+        gw32.addmm_(grad_z.T, rows)
+
+
 class NpuLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, inv_t, ignore_index, with_entropy):
-        n_rows, vocab = hidden.shape[0], weight.shape[0]
         valid = labels != ignore_index
         target = torch.where(valid, labels, 0)
-        logp = torch.zeros(n_rows, dtype=torch.float32, device=hidden.device)
+        logp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros_like(logp) if with_entropy else None
-        step = chunk_rows(vocab, max_rows=torch_npu_api.CROSS_ENTROPY_MAX_ROWS)
-        for r0 in range(0, n_rows, step):
-            r1 = min(n_rows, r0 + step)
-            z = _tile(hidden[r0:r1].float(), weight, bias, inv_t)
+
+        def row_forward(r0, r1, z):
             loss, log_prob = torch_npu_api.cross_entropy_loss(z, target[r0:r1])
             keep, bad = valid[r0:r1], _bad_rows(z)
             logp[r0:r1] = torch.where(keep, torch.where(bad, float("nan"), -loss.float()), 0.0)
             if with_entropy:
                 h = torch.where(bad, float("nan"), _entropy_from_log_prob(log_prob.float()))
                 entropy[r0:r1] = torch.where(keep, h, 0.0)
-            del z, loss, log_prob
+
+        forward_chunks(NpuChunkMath(), hidden, weight, bias, inv_t, row_forward)
         ctx.save_for_backward(hidden, weight, bias, target, valid, entropy)
         ctx.inv_t, ctx.with_entropy = inv_t, with_entropy
         return logp, entropy
@@ -70,20 +90,13 @@ class NpuLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
         hidden, weight, bias, target, valid, entropy = ctx.saved_tensors
-        n_rows, vocab = hidden.shape[0], weight.shape[0]
-        want_h, want_w, want_b = ctx.needs_input_grad[:3]
         if g_logp is None:
-            g_logp = torch.zeros(n_rows, dtype=torch.float32, device=hidden.device)
+            g_logp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         use_h = ctx.with_entropy and g_entropy is not None
-        grad_h = torch.empty_like(hidden) if want_h else None
-        gw32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        gb32 = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if want_b else None
-        step = chunk_rows(vocab, max_rows=torch_npu_api.CROSS_ENTROPY_MAX_ROWS)
-        for r0 in range(0, n_rows, step):
-            r1 = min(n_rows, r0 + step)
+
+        def row_backward(r0, r1, z):
             keep = valid[r0:r1]
-            h32 = hidden[r0:r1].float()
-            z = _tile(h32, weight, bias, ctx.inv_t).requires_grad_(True)
+            z.requires_grad_(True)
             with torch.enable_grad():
                 loss, log_prob = torch_npu_api.cross_entropy_loss(z, target[r0:r1])
                 w_rows = torch.where(keep, -g_logp[r0:r1], 0.0).to(loss.dtype)
@@ -99,15 +112,11 @@ class NpuLinearLogprobs(torch.autograd.Function):
             del log_prob
             grad_z = torch.where(keep.unsqueeze(-1), grad_z, 0.0)
             grad_z *= ctx.inv_t
-            if want_h:
-                grad_h[r0:r1] = _grad_hidden(grad_z, weight)
-            if want_w:
-                gw32.addmm_(grad_z.T, h32)
-            if want_b:
-                gb32 += grad_z.sum(dim=0)
-        grad_w = gw32.to(weight.dtype) if want_w else None
-        grad_b = gb32.to(bias.dtype) if want_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+            return grad_z
+
+        grads = backward_chunks(NpuChunkMath(), hidden, weight, bias, ctx.inv_t, row_backward,
+                                ctx.needs_input_grad[:3])
+        return (*grads, None, None, None, None)
 
 
 def npu_linear_logprobs(hidden, weight, bias, labels, *, temperature, ignore_index, return_entropy):
