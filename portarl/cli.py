@@ -168,7 +168,7 @@ def _cmd_bench_kernels(args) -> int:
         table = markdown_table(results, env["device_name"], bandwidth)
     if "linear_logprobs" in args.ops:
         linear = run_linear(device, shapes=linear_shapes or (QUICK_LINEAR_SHAPES if args.quick else None),
-                            dtypes=args.dtypes, repeats=args.repeats, progress=_log)
+                            dtypes=args.dtypes, repeats=args.repeats, modes=args.modes, progress=_log)
         results += linear
         conditions = (f"{env['device_name']}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
                       f"median of {args.repeats} alternating repeats, memory from the warm-up call")
@@ -306,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "replaces that op's default shapes")
     k.add_argument("--ops", nargs="+", default=["logprobs", "kl", "linear_logprobs"],
                    choices=["logprobs", "kl", "linear_logprobs"], help="which ops to benchmark")
+    k.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"],
+                   help="linear_logprobs: forward only, and/or forward + backward (default both)")
     k.set_defaults(func=_cmd_bench_kernels)
     st = bench_cmds.add_parser("stability", help="train one config under several settings and compare the runs")
     st.add_argument("--runs", default="cpu:fp32,cpu:bf16,cpu:bf16:npu-emulated",

@@ -102,8 +102,17 @@ def _call(fn, hidden, weight, labels, backward):
     return call
 
 
-def run_linear(device: torch.device, *, shapes=None, dtypes=("bf16",), repeats: int = 3,
+MODES = ("fwd", "fwd+bwd")
+
+
+def run_linear(device: torch.device, *, shapes=None, dtypes=("bf16",), repeats: int = 3, modes=MODES,
                progress: Callable[[str], None] | None = None) -> list[KernelResult]:
+    """Time and peak extra memory of every method on every (shape, dtype, mode). ``modes``
+    may drop ``fwd+bwd``: on a CPU without native bf16 GEMMs, eager's backward at N 4096 x
+    V 151,936 takes many minutes per call."""
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise ValueError(f"modes {list(modes)!r}: choose from {list(MODES)}")
     shapes = shapes or (CUDA_LINEAR_SHAPES if device.type == "cuda" else CPU_LINEAR_SHAPES)
     dtype_map = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
     results = []
@@ -114,7 +123,7 @@ def run_linear(device: torch.device, *, shapes=None, dtypes=("bf16",), repeats: 
             hidden = torch.randn(n, h, generator=gen).to(dtype).to(device)
             weight = (torch.randn(v, h, generator=gen) / h**0.5).to(dtype).to(device)
             labels = torch.randint(0, v, (n,), generator=gen).to(device)
-            for mode in ("fwd", "fwd+bwd"):
+            for mode in modes:
                 calls = {name: _call(fn, hidden, weight, labels, mode == "fwd+bwd")
                          for name, fn in linear_methods(device).items()}
                 rows = {name: KernelResult("linear_logprobs", name, mode, dname, n, v, h=h) for name in calls}

@@ -75,3 +75,20 @@ def test_bench_kernels_rejects_a_bad_shape_before_running(capsys):
 
     assert main(["bench", "kernels", "--device", "cpu", "--ops", "linear_logprobs", "--shapes", "4096x896x"]) == 2
     assert "expected NxV (logprobs, kl) or NxHxV (linear_logprobs)" in capsys.readouterr().err
+
+
+def test_forward_only_mode_times_no_backward(tmp_path):
+    """``--modes fwd``: the CPU table's N 4096 row, where eager's bf16 backward alone takes
+    minutes; every row is forward, and each method's numbers are measured."""
+    from portarl.cli import main
+
+    out = tmp_path / "k.json"
+    assert main(["bench", "kernels", "--device", "cpu", "--ops", "linear_logprobs", "--dtypes", "fp32",
+                 "--shapes", "16x8x64", "--repeats", "1", "--modes", "fwd", "--out", str(out)]) == 0
+    import json
+
+    rows = json.loads(out.read_text())["results"]
+    assert rows and {r["mode"] for r in rows} == {"fwd"}
+    assert all(r["median_ms"] is not None and r["median_ms"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="modes"):
+        linear.run_linear(torch.device("cpu"), shapes=[(4, 4, 8)], modes=("bwd",))
