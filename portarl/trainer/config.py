@@ -168,6 +168,10 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     #: Gradient-norm clipping (None: off).
     grad_clip: float | None = 1.0
+    #: AdamW implementation: "auto" (fused on CUDA, foreach elsewhere: one kernel, or one
+    #: op per tensor list, instead of a loop over parameters; same results within fp32
+    #: rounding), or "fused", "foreach", "single" (torch's per-parameter loop) to force one.
+    implementation: str = "auto"
 
     def validate(self):
         _number(self, "optim", "lr", low=0.0)
@@ -182,6 +186,8 @@ class OptimConfig:
         _check(self.schedule in ("constant", "cosine"), "optim.schedule", "must be 'constant' or 'cosine'", self.schedule)
         _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
         _number(self, "optim", "grad_clip", low=0.0, allow_none=True)
+        _check(self.implementation in ("auto", "fused", "foreach", "single"), "optim.implementation",
+               "must be auto, fused, foreach or single", self.implementation)
 
 
 @dataclasses.dataclass

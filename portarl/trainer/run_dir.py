@@ -32,7 +32,8 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "events.jsonl", "samples.jsonl", "t
              "curves.png")
 
 #: Fields (``section.field``; a trailing dot: the whole section) that ``--resume`` applies.
-MID_RUN_FIELDS = ("train.steps", "optim.lr", "logging.", "checkpoint.every", "checkpoint.keep_last", "device")
+MID_RUN_FIELDS = ("train.steps", "optim.lr", "optim.implementation", "logging.", "checkpoint.every", "checkpoint.keep_last",
+                  "device")
 
 #: Never compared: the directory is where the saved config was found.
 _IGNORED = ("output_dir",)
