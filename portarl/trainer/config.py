@@ -144,8 +144,15 @@ class TrainSection:
     sft_warmup_steps: int = 40
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
+    #: Old (behaviour-policy) log-probs: "auto" takes them from the training forward
+    #: (detached) when the rollout sampled the trainer's current weights and the batch gets
+    #: one optimizer step (ppo_epochs x mini_batches = 1), saving a no-grad forward per
+    #: step; "recompute" always runs that forward. See portarl.trainer.scoring.
+    old_logprobs: str = "auto"
 
     def validate(self):
+        _check(self.old_logprobs in ("auto", "recompute"), "train.old_logprobs", "must be 'auto' or 'recompute'",
+               self.old_logprobs)
         _positive_int(self, "train", "steps", "prompts_per_step", "ppo_epochs", "mini_batches", "micro_batch_size",
                       "sft_batch_size")
         _positive_int(self, "train", "sft_warmup_steps", "seed", allow_zero=True)

@@ -22,7 +22,7 @@ import torch
 from portarl import distributed as pdist
 from portarl.core import compute_loss, sequence_count, token_count
 from portarl.trainer.guards import GuardTripped, NonFiniteError, first_nonfinite_gradient
-from portarl.trainer.scoring import logprobs
+from portarl.trainer.scoring import check_old_logp, logprobs
 from portarl.trainer.step_guard import guarded_optimizer_step, judge_spikes
 
 #: Metrics also logged as ``<key>/first`` and ``<key>/last`` over an iteration's optimizer
@@ -78,7 +78,7 @@ def run_update(trainer, scored, metrics: dict, events: list) -> bool:
             index += 1
             try:
                 step_metrics, overflow = optimizer_step(
-                    trainer, scored.batch.rows(rows), scored.old_logp[rows],
+                    trainer, scored.batch.rows(rows), None if scored.old_logp is None else scored.old_logp[rows],
                     None if scored.ref_logp is None else scored.ref_logp[rows], scored.rollout_logp[rows],
                     scored.advantages[rows],
                 )
@@ -130,7 +130,9 @@ def _combine(done: list[dict], total: int) -> dict:
 
 
 def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages) -> tuple[dict, bool]:
-    """One optimizer step over ``batch`` (micro-batched). Returns (metrics, overflow)."""
+    """One optimizer step over ``batch`` (micro-batched). Returns (metrics, overflow).
+    ``old_logp`` None: each micro-batch's training forward, detached, is its old log-probs
+    (hooked and guarded as in scoring, before its backward)."""
     cfg = trainer.config
     dist, precision = trainer.dist, trainer.precision
     mb = cfg.train.micro_batch_size
@@ -146,8 +148,13 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
         part = batch.rows(rows)
         out = logprobs(trainer, trainer.model, part, with_entropy=want_entropy)
         logp, entropy = out if want_entropy else (out, None)
+        if old_logp is None:  # on-policy: the rollout sampled these weights (scoring.old_logprobs_recompute_reason)
+            old = trainer._apply_hooks("old_logp", logp.detach())
+            check_old_logp(trainer, part, old)
+        else:
+            old = old_logp[rows]
         loss, metrics = compute_loss(
-            logp, old_logp[rows], advantages[rows], part.mask, config=loss_cfg,
+            logp, old, advantages[rows], part.mask, config=loss_cfg,
             ref_logp=None if ref_logp is None else ref_logp[rows],
             rollout_logp=None if rollout_logp is None else rollout_logp[rows],
             entropy=entropy, **norms,
