@@ -3,13 +3,15 @@ agree on a failure, how a skipped iteration is counted, and the spike judgment.
 
 Order of the checks in an iteration (the first failure names the step's bad tensor):
 ``logits`` (blamed when old log-probs are non-finite because the model itself produced
-NaN/inf), ``reward``, ``old_logp``, ``ref_logp``, ``advantage``; then per optimizer step (with
-``train.old_logprobs=auto`` on-policy, ``old_logp`` is checked here instead, per micro-batch
-of the training forward, before its backward) ``loss``, ``gradient`` (fp16 dynamic scaling: an overflow, not a failure), the spike
+NaN/inf), ``reward``, ``old_logp``, ``ref_logp``, ``advantage``; then per optimizer step
+``loss``, ``gradient`` (fp16 dynamic scaling: an overflow, not a failure), the spike
 detectors (``grad_norm_spike``, ``kl_spike``; act only with ``guards.spike_action``
 skip / stop), ``optimizer_update`` (parameters and optimizer state after the step, and
 with fp32 masters the cast back into the model's dtype, before it is written). Last,
-checkpoints: one whose weights are not finite is never written.
+checkpoints: one whose weights are not finite is never written. With
+``train.old_logprobs=auto`` on-policy there is no scoring forward: ``old_logp`` is checked
+in the update, per micro-batch of the training forward and before its backward (a
+non-finite ``ref_logp`` found first still blames the trainer's logits when they are the cause).
 
 Primitives (``check_finite``, the detectors) live in :mod:`portarl.trainer.guards`.
 """
