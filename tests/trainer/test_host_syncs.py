@@ -94,3 +94,34 @@ def test_label_check_on_accelerators_is_a_device_assert(monkeypatch):
     # On CPU the device assert fires at once; on an accelerator at the next sync.
     with pytest.raises(RuntimeError, match="labels: value.*outside \\[0, 5\\).*PORTARL_DEBUG_CHECKS=1"):
         _checks.check_labels(bad, 5, -100)
+
+
+def _poison_grad_of(trainer, index: int, value: float) -> str:
+    """A non-finite gradient in one parameter (not the first) during the next backward."""
+    name, param = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad][index]
+    param.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), value))
+    return name
+
+
+def test_nonfinite_gradient_names_its_parameter(make_trainer):
+    """Finiteness comes from the grad norm; the parameter is searched for only then, and named."""
+    trainer = make_trainer(rewards=[varied_reward])
+    name = _poison_grad_of(trainer, 3, float("nan"))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    metrics = trainer.train_step()
+    assert metrics["skipped"] == 1 and metrics["guard/nonfinite_tensor"] == "gradient"
+    message = next(msg for kind, msg, _ in metrics["_events"] if kind == "skipped_step")
+    assert f"parameter {name})" in message, message
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_fp16_overflow_lowers_the_scale_and_skips_the_update(make_trainer):
+    trainer = make_trainer("precision.dtype=fp16", rewards=[varied_reward])
+    scale = trainer.precision.scale
+    _poison_grad_of(trainer, 3, float("inf"))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    metrics = trainer.train_step()
+    assert metrics["precision/overflow"] == 1.0 and metrics["skipped"] == 0
+    assert trainer.precision.scale == metrics["precision/loss_scale"] == scale / 2
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert not trainer.optimizer.state  # AdamW never stepped
