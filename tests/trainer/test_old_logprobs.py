@@ -139,3 +139,12 @@ def test_nan_old_logp_from_the_training_forward_is_guarded_before_backward(make_
     assert shapes and shapes[0][0] == 8  # one micro-batch (train.micro_batch_size=8)
     for name, p in trainer.model.named_parameters():
         assert torch.equal(p, before[name]), name
+
+
+def test_nan_logits_are_named_when_old_logp_comes_from_the_training_forward(make_trainer):
+    trainer = make_trainer("loss.kl_coef=0")  # no reference forward in scoring to find them first
+    assert scoring.old_logprobs_recompute_reason(trainer) is None
+    with torch.no_grad():
+        trainer.model.get_input_embeddings().weight[5:] = float("nan")
+    metrics = trainer.train_step()
+    assert metrics["skipped"] == 1 and metrics["guard/nonfinite_tensor"] == "logits"
