@@ -217,8 +217,8 @@ def guarded_optimizer_step(trainer) -> dict:
     watched = list(targets)
     for t in targets:
         watched.extend(v for v in optimizer.state.get(t, {}).values() if torch.is_tensor(v) and v.is_floating_point())
-    flags = _all_finite(targets)
-    state_ok = all(_all_finite(watched[len(targets):]))
+    everything = _all_finite(watched)  # parameters and state in one host transfer
+    flags, state_ok = everything[: len(targets)], all(everything[len(targets):])
     bad_index = next((i for i, ok in enumerate(flags) if not ok), None)
     if bad_index is None and not state_ok:
         bad_index = next(i for i, t in enumerate(targets)

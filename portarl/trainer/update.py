@@ -130,8 +130,9 @@ def _combine(done: list[dict], total: int) -> dict:
 
 
 def _to_host(values: list[torch.Tensor]) -> list[float]:
-    """The one device-to-host transfer of an optimizer step: its metrics, loss flag and
-    grad norm, stacked (tests count the calls)."""
+    """The device-to-host transfer of an optimizer step's results: its metrics, guard
+    counters and grad norm, stacked (tests count the calls). The only other one is the
+    step's token / sequence counts, read before the forward passes (the loss normalisers)."""
     return torch.stack([v.detach().float().reshape(()) for v in values]).tolist()
 
 
@@ -145,7 +146,7 @@ def grad_norm_of(targets: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     if not grads:
         zero = torch.zeros((), device=targets[0].device if targets else None)
         return zero, zero
-    norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=True)
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)  # as clip_grad_norm_ does
     return norm, (norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
@@ -166,7 +167,8 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
 
     Host syncs: the micro-batches' metrics stay 0-d device tensors, and the ``old_logp``
     (on-policy) and ``loss`` guards are device counters; all travel to the host with the
-    grad norm in one transfer (:func:`_to_host`) after the backward passes. The guards are
+    grad norm in one transfer (:func:`_to_host`) after the backward passes (the token and
+    sequence counts, needed first as loss normalisers, are the step's other). The guards are
     then judged in their order, ``old_logp``, ``loss``, ``gradient`` (from the grad norm:
     the fp16 overflow; the parameter is named only when the norm is not finite); a refused
     step's gradients are dropped, never applied."""
@@ -239,7 +241,7 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
         raise NonFiniteError("gradient", f"parameter {bad}" if bad is not None else "norm")
     clip = cfg.optim.grad_clip
     if clip is not None:
-        torch.nn.utils.clip_grads_with_norm_(targets, clip, norm, foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(targets, clip, norm)
     metrics_out["grad_norm"] = host[2]
     judge_spikes(trainer, metrics_out)  # before the update: "skip" / "stop" must leave the weights as they are
     metrics_out.update(guarded_optimizer_step(trainer))
