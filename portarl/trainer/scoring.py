@@ -101,9 +101,10 @@ def score(trainer, phase, metrics: dict) -> Scored:
     rewards = trainer._apply_hooks("reward", rewards)
     guard.check("reward", rewards)
     batch = build_batch(rollout.prompt_ids, rollout.completion_ids, trainer.codec.pad_token_id, trainer.device)
-    rollout_logp = torch.zeros(batch.labels.shape, dtype=torch.float32)
-    for i, lp in enumerate(rollout.logprobs):
-        rollout_logp[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    rollout_logp = torch.zeros(batch.labels.shape, dtype=torch.float32)  # one tensor built, not one per row
+    lengths = torch.tensor([len(lp) for lp in rollout.logprobs])
+    rollout_logp[torch.arange(rollout_logp.shape[1]) < lengths[:, None]] = torch.tensor(
+        [v for lp in rollout.logprobs for v in lp], dtype=torch.float32)
     rollout_logp = rollout_logp.to(trainer.device)
     old_logp = None
     if old_logprobs_recompute_reason(trainer) is not None:
