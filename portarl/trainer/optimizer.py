@@ -1,4 +1,5 @@
-"""AdamW in the implementation the device runs best (``optim.implementation``).
+"""AdamW as one kernel (fused) or one op per tensor list (foreach) instead of a Python loop
+over the parameters (``optim.implementation``).
 
 torch's default AdamW loops over the parameters in Python (``single``), a handful of small
 kernels each; ``foreach`` runs each arithmetic op once over the whole tensor list, and

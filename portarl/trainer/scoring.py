@@ -8,9 +8,10 @@ the iteration is skipped before any optimizer step.
 Old log-probs (``train.old_logprobs``): with ``auto`` (default) the no-grad forward that
 scores the batch under the trainer is skipped when its numbers would equal the training
 forward's, and the update takes ``old_logp = logp.detach()`` from that forward instead
-(:func:`portarl.trainer.update.optimizer_step`; same guard, hooks and logit blame, applied
-per micro-batch before the backward; every mismatch metric then compares the rollout's
-log-probs with the training forward). :func:`old_logprobs_recompute_reason` says when the
+(:func:`portarl.trainer.update.optimizer_step`; same hook, guard and logit blame, per
+micro-batch, judged with the step's one host transfer before anything is applied: a
+non-finite value refuses the step and its gradients are dropped; every mismatch metric
+then compares the rollout's log-probs with the training forward). :func:`old_logprobs_recompute_reason` says when the
 extra forward still runs: ``recompute``; several optimizer steps per rollout
 (``ppo_epochs x mini_batches > 1``: later steps need the pre-update policy); a KL penalty in
 the reward (``loss.kl_in_reward``: old log-probs are needed before the update); the NPU

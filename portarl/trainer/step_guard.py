@@ -10,8 +10,9 @@ skip / stop), ``optimizer_update`` (parameters and optimizer state after the ste
 with fp32 masters the cast back into the model's dtype, before it is written). Last,
 checkpoints: one whose weights are not finite is never written. With
 ``train.old_logprobs=auto`` on-policy there is no scoring forward: ``old_logp`` is checked
-in the update, per micro-batch of the training forward and before its backward (a
-non-finite ``ref_logp`` found first still blames the trainer's logits when they are the cause).
+in the update, on each micro-batch's training forward, and judged before ``loss`` and
+``gradient`` with the step's one host transfer, before anything is applied (a non-finite
+``ref_logp`` found first still blames the trainer's logits when they are the cause).
 
 Primitives (``check_finite``, the detectors) live in :mod:`portarl.trainer.guards`.
 """
