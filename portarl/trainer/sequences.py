@@ -35,21 +35,26 @@ class TokenBatch:
 
 
 def build_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device) -> TokenBatch:
+    """The batch tensors built at once from the flattened token lists and position masks
+    (row-major boolean assignment fills each row left to right), not one small tensor per
+    row: this runs every step on the host."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     width_p = max(len(p) for p in prompts)
     width_c = max(1, max(len(c) for c in completions))
     n = len(prompts)
+    p_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)[:, None]
+    c_len = torch.tensor([len(c) for c in completions], dtype=torch.long)[:, None]
+    cols = torch.arange(width_p + width_c)[None, :]
+    in_prompt = (cols >= width_p - p_len) & (cols < width_p)
+    in_completion = (cols >= width_p) & (cols < width_p + c_len)
+    flat_c = torch.tensor([t for c in completions for t in c], dtype=torch.long)
     ids = torch.full((n, width_p + width_c), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, width_p + width_c), dtype=torch.long)
+    ids[in_prompt] = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+    ids[in_completion] = flat_c
+    attn = (in_prompt | in_completion).long()
     labels = torch.full((n, width_c), -100, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        ids[i, width_p - len(p) : width_p] = torch.tensor(p, dtype=torch.long)
-        attn[i, width_p - len(p) : width_p] = 1
-        if c:
-            ids[i, width_p : width_p + len(c)] = torch.tensor(c, dtype=torch.long)
-            attn[i, width_p : width_p + len(c)] = 1
-            labels[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+    labels[torch.arange(width_c)[None, :] < c_len] = flat_c
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
     return TokenBatch(ids.to(device), attn.to(device), positions.to(device), labels.to(device),
                       (labels != -100).to(device), width_p)
