@@ -16,7 +16,9 @@ for the cores, hence the meaningful number on a shared, loaded machine); the fir
 ``warmup`` steps are dropped. Phases, timed by wrapping methods from outside (no trainer
 edits): rollout (portarl: ``rollout.generate``; TRL: ``_generate``), scoring (portarl:
 rewards and the no-grad old / reference log-prob forwards, or the whole ``scoring.score``
-phase once the trainer is split into phase modules; TRL: the rest of
+phase once the trainer is split into phase modules; with ``train.old_logprobs=auto``, the
+default, the on-policy old log-probs come from the update's forward and there is no old
+forward in scoring; TRL: the rest of
 ``_generate_and_score_completions``), update (the remainder of the step: loss forward,
 backward, optimizer). Peak RSS is the process's ``ru_maxrss`` (imports included).
 """

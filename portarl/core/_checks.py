@@ -65,12 +65,17 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    if not bool(mask.any()):
+    """Max of ``values`` over ``mask``; 0 when the mask is empty. No host sync (no
+    ``mask.any()`` branch, no boolean indexing): metrics stay on the device."""
+    if values.numel() == 0:
         return values.new_zeros(())
-    return values[mask].max()
+    out = torch.where(mask, values, float("-inf")).amax()
+    return torch.where(mask.any(), out, values.new_zeros(()))
 
 
 def masked_min(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    if not bool(mask.any()):
+    """Min of ``values`` over ``mask``; 0 when the mask is empty. No host sync."""
+    if values.numel() == 0:
         return values.new_zeros(())
-    return values[mask].min()
+    out = torch.where(mask, values, float("inf")).amin()
+    return torch.where(mask.any(), out, values.new_zeros(()))

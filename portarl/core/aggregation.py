@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from portarl.core._checks import check_mask, check_positive, check_tokens
+from portarl.ops import _checks as op_checks
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -32,19 +33,26 @@ def sequence_count(mask: torch.Tensor) -> int:
     return int(check_mask(mask, mask).any(dim=-1).sum())
 
 
-def _normaliser(name: str, given, local: torch.Tensor) -> torch.Tensor:
+def _normaliser(name: str, given, local: torch.Tensor):
+    """The divisor: ``local`` (a tensor) when no global count is given, else the given count
+    as a Python number (no tensor built from it, no host sync). That the given count is not
+    below the local one is checked eagerly on CPU, as a device-side assert on accelerators
+    (``PORTARL_DEBUG_CHECKS=1``: eagerly there too; :func:`portarl.ops._checks.eager_checks`)."""
     if given is None:
         return local.clamp(min=1).to(torch.float32)
     if isinstance(given, torch.Tensor):
         given = given.item()
     if isinstance(given, bool) or not isinstance(given, (int, float)) or given < 0:
         raise ValueError(f"{name} must be a count >= 0 over the whole batch, got {given!r}")
-    if given < float(local):
+    if not op_checks.eager_checks(local.device):
+        torch._assert_async(local <= given, f"{name}={given} is smaller than this shard's own count: pass the count "
+                            f"over the whole optimizer batch (all micro-batches and ranks)")
+    elif given < float(local):
         raise ValueError(
             f"{name}={given} is smaller than this shard's own count {int(local)}: pass the count over "
             "the whole optimizer batch (all micro-batches and ranks)"
         )
-    return torch.tensor(max(float(given), 1.0), device=local.device)
+    return max(float(given), 1.0)
 
 
 def aggregate_loss(

@@ -103,6 +103,6 @@ def correct_mismatch(
             "mismatch/masked_frac": masked_mean((valid & ~keep).float(), mask),
             "mismatch/nonfinite_frac": masked_mean((~finite).float(), mask),
             "mismatch/weight_mean": masked_mean(weights, keep),
-            "mismatch/ess": ess if bool(keep.any()) else weights.new_zeros(()),
+            "mismatch/ess": torch.where(keep.any(), ess, weights.new_zeros(())),  # no host sync
         }
     return MismatchCorrection(weights, keep, metrics)

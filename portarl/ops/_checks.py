@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -69,14 +70,36 @@ def check_temperature(value) -> float:
     return value
 
 
+#: Set to 1 for eager value checks on accelerators too (labels in range, loss normalisers
+#: not below the local counts): a blocking host sync per call, but the exact error (how
+#: many values are bad, the first one) at the call that got them.
+DEBUG_CHECKS_ENV = "PORTARL_DEBUG_CHECKS"
+
+
+def eager_checks(device: torch.device) -> bool:
+    """Whether checks of tensor *values* read them on the host now. CPU: always (there is no
+    device queue to wait for). Accelerators: only with ``PORTARL_DEBUG_CHECKS=1``; otherwise
+    they are device-side asserts (``torch._assert_async``) that fail at the next sync."""
+    return device.type == "cpu" or os.environ.get(DEBUG_CHECKS_ENV, "0") == "1"
+
+
 def check_labels(labels: torch.Tensor, n_cols: int, ignore_index) -> torch.Tensor:
-    """Flat int64 labels, each in ``[0, n_cols)`` or equal to ``ignore_index``; the error
-    counts the bad ones and names the first. (One blocking check: a label out of range
-    would otherwise read outside a row.)"""
+    """Flat int64 labels, each in ``[0, n_cols)`` or equal to ``ignore_index`` (a label out
+    of range would otherwise read outside a row).
+
+    On CPU, and with ``PORTARL_DEBUG_CHECKS=1``, the check is eager and the error counts
+    the bad labels and names the first. On an accelerator it is a device-side assert
+    (``torch._assert_async``): no blocking host sync per call; a bad label fails the next
+    synchronising call with a device assert naming this check, and
+    ``PORTARL_DEBUG_CHECKS=1`` gives the eager error at the call itself."""
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     flat = labels.reshape(-1).to(torch.int64)
     bad = ((flat < 0) | (flat >= n_cols)) & (flat != ignore_index)
+    if not eager_checks(flat.device):
+        torch._assert_async(~bad.any(), f"labels: value(s) outside [0, {n_cols}) that are not ignore_index="
+                            f"{ignore_index}; set {DEBUG_CHECKS_ENV}=1 for the count and the first bad label")
+        return flat
     if bool(bad.any()):
         first = int(flat[bad][0])
         raise ValueError(

@@ -73,6 +73,14 @@ class RolloutEngine(abc.ABC):
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Make the engine sample from ``model``'s current weights (a no-op when it shares them)."""
 
+    def samples_policy_of(self, model: torch.nn.Module) -> bool:
+        """Whether the completions of the last :meth:`generate` came from ``model``'s current
+        weights (no optimizer step since). The trainer then takes its old log-probs from
+        the training forward instead of a separate no-grad forward
+        (:func:`portarl.trainer.scoring.old_logprobs_recompute_reason`). Default False: an
+        engine that cannot vouch for it (a replayed file, a remote server) keeps the forward."""
+        return False
+
     # Lifecycle hooks the trainer calls; no-ops for engines that share the trainer's model.
     def mark_trainer_updated(self) -> None:
         """The trainer took an optimizer step: the engine's weights are stale until the next

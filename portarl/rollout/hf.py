@@ -75,6 +75,10 @@ class HFRollout(RolloutEngine):
             raise ValueError("stop_token_ids is empty: generation would only stop at max_new_tokens")
         self.stop_token_ids = tuple(dict.fromkeys(stops))
 
+    def samples_policy_of(self, model: torch.nn.Module) -> bool:
+        """It samples from the module it was given: the trainer's own model, always current."""
+        return self.model is model
+
     @torch.no_grad()
     def generate(self, prompts, seeds, params: SamplingParams) -> RolloutBatch:
         if len(prompts) != len(seeds):

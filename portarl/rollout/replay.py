@@ -121,6 +121,9 @@ class RecordingRollout(RolloutEngine):
     def mark_trainer_updated(self) -> None:
         self.inner.mark_trainer_updated()
 
+    def samples_policy_of(self, model) -> bool:
+        return self.inner.samples_policy_of(model)
+
     def sleep(self) -> None:
         self.inner.sleep()
 

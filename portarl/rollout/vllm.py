@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -165,6 +166,14 @@ class VLLMRollout(RolloutEngine):
         self.llm.reset_prefix_cache()
         self.weights_version += 1
         self.trainer_version = self.weights_version
+        self._synced_from = weakref.ref(model)
+
+    def samples_policy_of(self, model: torch.nn.Module) -> bool:
+        """Synced from ``model`` with no optimizer step since (the trainer syncs before
+        every rollout); vLLM's numbers still differ from the trainer's, which the
+        mismatch metrics compare."""
+        synced = getattr(self, "_synced_from", None)
+        return synced is not None and synced() is model and self.weights_version == self.trainer_version
 
     def mark_trainer_updated(self) -> None:
         """The trainer took an optimizer step: vLLM's weights are stale until the next sync."""

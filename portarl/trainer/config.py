@@ -148,8 +148,15 @@ class TrainSection:
     sft_warmup_steps: int = 40
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
+    #: Old (behaviour-policy) log-probs: "auto" takes them from the training forward
+    #: (detached) when the rollout sampled the trainer's current weights and the batch gets
+    #: one optimizer step (ppo_epochs x mini_batches = 1), saving a no-grad forward per
+    #: step; "recompute" always runs that forward. See portarl.trainer.scoring.
+    old_logprobs: str = "auto"
 
     def validate(self):
+        _check(self.old_logprobs in ("auto", "recompute"), "train.old_logprobs", "must be 'auto' or 'recompute'",
+               self.old_logprobs)
         _positive_int(self, "train", "steps", "prompts_per_step", "ppo_epochs", "mini_batches", "micro_batch_size",
                       "sft_batch_size")
         _positive_int(self, "train", "sft_warmup_steps", "seed", allow_zero=True)
@@ -172,6 +179,10 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     #: Gradient-norm clipping (None: off).
     grad_clip: float | None = 1.0
+    #: AdamW implementation: "auto" (fused on CUDA, foreach elsewhere: one kernel, or one
+    #: op per tensor list, instead of a loop over parameters; same results within fp32
+    #: rounding), or "fused", "foreach", "single" (torch's per-parameter loop) to force one.
+    implementation: str = "auto"
 
     def validate(self):
         _number(self, "optim", "lr", low=0.0)
@@ -186,6 +197,8 @@ class OptimConfig:
         _check(self.schedule in ("constant", "cosine"), "optim.schedule", "must be 'constant' or 'cosine'", self.schedule)
         _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
         _number(self, "optim", "grad_clip", low=0.0, allow_none=True)
+        _check(self.implementation in ("auto", "fused", "foreach", "single"), "optim.implementation",
+               "must be auto, fused, foreach or single", self.implementation)
 
 
 @dataclasses.dataclass

@@ -11,7 +11,8 @@ directory with other files in it by mistake must not delete those.
 
 On ``--resume`` the saved ``config.yaml`` is compared with the new config. The settings
 that can change mid-run without making the checkpoint mean something else
-(:data:`MID_RUN_FIELDS`: steps, learning rate, logging, checkpoint cadence, device) are
+(:data:`MID_RUN_FIELDS`: steps, learning rate, logging, checkpoint cadence, device, and
+how old log-probs and the AdamW update are computed, which change no result) are
 applied and reported; any other difference is refused with the field names, because the
 checkpoint's weights and optimizer state were made under the old values (a changed
 ``model.hidden_size`` would otherwise end in a raw ``load_state_dict`` traceback, and a
@@ -32,7 +33,8 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "events.jsonl", "samples.jsonl", "t
              "curves.png")
 
 #: Fields (``section.field``; a trailing dot: the whole section) that ``--resume`` applies.
-MID_RUN_FIELDS = ("train.steps", "optim.lr", "logging.", "checkpoint.every", "checkpoint.keep_last", "device")
+MID_RUN_FIELDS = ("train.steps", "train.old_logprobs", "optim.lr", "optim.implementation", "logging.",
+                  "checkpoint.every", "checkpoint.keep_last", "device")
 
 #: Never compared: the directory is where the saved config was found.
 _IGNORED = ("output_dir",)

@@ -5,6 +5,21 @@ Every tensor is named and guarded (:class:`portarl.trainer.step_guard.StepGuard`
 as it exists; a non-finite one raises :class:`~portarl.trainer.guards.NonFiniteError` and
 the iteration is skipped before any optimizer step.
 
+Old log-probs (``train.old_logprobs``): with ``auto`` (default) the no-grad forward that
+scores the batch under the trainer is skipped when its numbers would equal the training
+forward's, and the update takes ``old_logp = logp.detach()`` from that forward instead
+(:func:`portarl.trainer.update.optimizer_step`; same hook, guard and logit blame, per
+micro-batch, judged with the step's one host transfer before anything is applied: a
+non-finite value refuses the step and its gradients are dropped; every mismatch metric
+then compares the rollout's log-probs with the training forward). :func:`old_logprobs_recompute_reason` says when the
+extra forward still runs: ``recompute``; several optimizer steps per rollout
+(``ppo_epochs x mini_batches > 1``: later steps need the pre-update policy); a KL penalty in
+the reward (``loss.kl_in_reward``: old log-probs are needed before the update); the NPU
+numerics emulation (it reproduces a stack that scores old log-probs in their own pass);
+an engine that did not sample the trainer's current weights (a replayed file, a vLLM
+engine not synced since the last optimizer step, any engine that does not say so through
+:meth:`~portarl.rollout.RolloutEngine.samples_policy_of`).
+
 The reward call is ``GRPOTrainer._rewards`` (:mod:`portarl.reward_runner`: per-sample and
 TRL-style batched rewards with dataset columns, errors naming the reward and the sample).
 """
@@ -25,7 +40,8 @@ from portarl.trainer.sequences import build_batch, completion_logprobs, padded
 @dataclasses.dataclass
 class Scored:
     batch: object                      # SequenceBatch; mask already excludes dropped groups
-    old_logp: torch.Tensor             # [B, T] fp32, no grad: the rollout policy under the trainer
+    old_logp: torch.Tensor | None      # [B, T] fp32, no grad: the rollout policy under the trainer;
+                                       # None: the update takes it from the training forward
     ref_logp: torch.Tensor | None      # [B, T] fp32 or None when no KL to a reference
     rollout_logp: torch.Tensor         # [B, T] fp32: the engine's own log-probs
     advantages: torch.Tensor           # [B]
@@ -42,6 +58,32 @@ def no_grad_logprobs(trainer, model, batch) -> torch.Tensor:
     with torch.no_grad():
         parts = [logprobs(trainer, model, batch.rows(slice(i, i + mb))) for i in range(0, batch.labels.shape[0], mb)]
     return torch.cat(parts)
+
+
+def old_logprobs_recompute_reason(trainer) -> str | None:
+    """Why the old log-probs need their own no-grad forward this iteration, or None when
+    the training forward gives the same numbers (see the module docstring)."""
+    cfg = trainer.config
+    if cfg.train.old_logprobs == "recompute":
+        return "train.old_logprobs=recompute"
+    if cfg.train.ppo_epochs * cfg.train.mini_batches > 1:
+        return "several optimizer steps per rollout (train.ppo_epochs x train.mini_batches > 1)"
+    if trainer._uses_reference() and cfg.loss.kl_in_reward:
+        return "loss.kl_in_reward needs old log-probs before the update"
+    if trainer.emulate:
+        return "precision.numerics emulation"
+    if not trainer.rollout.samples_policy_of(trainer.model):
+        return f"the {getattr(trainer.rollout, 'name', 'rollout')} engine did not sample the trainer's current weights"
+    return None
+
+
+def check_old_logp(trainer, batch, old_logp: torch.Tensor) -> None:
+    """The ``old_logp`` guard; when it trips, blame the logits if the model produced NaN/inf."""
+    try:
+        trainer.guard.check("old_logp", old_logp, batch.mask)
+    except NonFiniteError:
+        trainer.guard.blame_logits(trainer, batch, old_logp)
+        raise
 
 
 def score(trainer, phase, metrics: dict) -> Scored:
@@ -62,17 +104,20 @@ def score(trainer, phase, metrics: dict) -> Scored:
     guard.check("reward", rewards)
     batch = build_batch(rollout.prompt_ids, rollout.completion_ids, trainer.codec.pad_token_id, trainer.device)
     rollout_logp = padded(rollout.logprobs, batch.labels.shape[1], 0.0, torch.float32).to(trainer.device)
-    old_logp = trainer._apply_hooks("old_logp", no_grad_logprobs(trainer, trainer.model, batch))
-    try:
-        guard.check("old_logp", old_logp, batch.mask)
-    except NonFiniteError:
-        guard.blame_logits(trainer, batch, old_logp)
-        raise
+    old_logp = None
+    if old_logprobs_recompute_reason(trainer) is not None:
+        old_logp = trainer._apply_hooks("old_logp", no_grad_logprobs(trainer, trainer.model, batch))
+        check_old_logp(trainer, batch, old_logp)
     ref_logp = None
     if trainer._uses_reference():
         with reference_model(trainer) as ref:  # a frozen copy, or (LoRA) the model with its adapter disabled
             ref_logp = trainer._apply_hooks("ref_logp", no_grad_logprobs(trainer, ref, batch))
-        guard.check("ref_logp", ref_logp, batch.mask)
+        try:
+            guard.check("ref_logp", ref_logp, batch.mask)
+        except NonFiniteError:
+            if old_logp is None:  # the trainer's forward comes later: name its logits if they are the cause
+                guard.blame_logits(trainer, batch, ref_logp)
+            raise
         if cfg.loss.kl_in_reward:
             rewards, kl_metrics = kl_penalized_rewards(rewards.to(trainer.device), old_logp, ref_logp, batch.mask,
                                                        trainer.loss_config().kl_coef)

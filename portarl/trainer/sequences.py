@@ -44,6 +44,8 @@ def padded(rows: list[list], width: int, fill, dtype: torch.dtype, *, left: bool
 
 
 def build_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device) -> TokenBatch:
+    """The batch tensors, each built from padded lists in one call (:func:`padded`), not
+    one small tensor per row: this runs every step on the host."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     width_p = max(len(p) for p in prompts)

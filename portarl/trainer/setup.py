@@ -15,6 +15,7 @@ from portarl import distributed as pdist
 from portarl.lora import apply_lora, is_lora
 from portarl.rollout import ENGINES
 from portarl.trainer.config import ConfigError, TrainConfig
+from portarl.trainer.optimizer import make_adamw
 from portarl.trainer.precision import DTYPES, PrecisionPlan
 from portarl.trainer.update import lr_lambda, optimizer_steps_total
 
@@ -76,9 +77,11 @@ def make_precision(model, cfg: TrainConfig, dist) -> PrecisionPlan:
 
 
 def make_optimizer(params, cfg: TrainConfig):
-    """AdamW over ``params`` and its LR schedule; the schedule counts optimizer steps."""
+    """AdamW over ``params`` (fused / foreach by device: :mod:`portarl.trainer.optimizer`)
+    and its LR schedule; the schedule counts optimizer steps."""
     o = cfg.optim
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    optimizer = make_adamw(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                           implementation=o.implementation)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, optimizer_steps_total(cfg)))
 
 

@@ -8,7 +8,11 @@ NaN/inf), ``reward``, ``old_logp``, ``ref_logp``, ``advantage``; then per optimi
 detectors (``grad_norm_spike``, ``kl_spike``; act only with ``guards.spike_action``
 skip / stop), ``optimizer_update`` (parameters and optimizer state after the step, and
 with fp32 masters the cast back into the model's dtype, before it is written). Last,
-checkpoints: one whose weights are not finite is never written.
+checkpoints: one whose weights are not finite is never written. With
+``train.old_logprobs=auto`` on-policy there is no scoring forward: ``old_logp`` is checked
+in the update, on each micro-batch's training forward, and judged before ``loss`` and
+``gradient`` with the step's one host transfer, before anything is applied (a non-finite
+``ref_logp`` found first still blames the trainer's logits when they are the cause).
 
 Primitives (``check_finite``, the detectors) live in :mod:`portarl.trainer.guards`.
 """
@@ -152,11 +156,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _all_finite(tensors) -> list[bool]:
-    """Per tensor: all values finite. One host sync for the whole list."""
-    tensors = list(tensors)
-    if not tensors:
-        return []
-    return torch.stack([torch.isfinite(_local(t)).all() for t in tensors]).cpu().tolist()
+    """Per tensor: all values finite. One host sync for the whole list, and one foreach
+    max-abs norm over it (NaN and inf propagate into it) instead of two ops per tensor:
+    the check runs on every parameter and optimizer state tensor after each step."""
+    tensors = [_local(t) for t in tensors]
+    flags = [True] * len(tensors)
+    index = [i for i, t in enumerate(tensors) if t.numel()]  # an empty tensor has no max and nothing to check
+    if index:
+        norms = torch._foreach_norm([tensors[i] for i in index], float("inf"))
+        for i, ok in zip(index, torch.isfinite(torch.stack([n.float() for n in norms])).cpu().tolist()):
+            flags[i] = ok
+    return flags
 
 
 class UpdateSnapshot:
@@ -214,8 +224,8 @@ def guarded_optimizer_step(trainer) -> dict:
     watched = list(targets)
     for t in targets:
         watched.extend(v for v in optimizer.state.get(t, {}).values() if torch.is_tensor(v) and v.is_floating_point())
-    flags = _all_finite(targets)
-    state_ok = all(_all_finite(watched[len(targets):]))
+    everything = _all_finite(watched)  # parameters and state in one host transfer
+    flags, state_ok = everything[: len(targets)], all(everything[len(targets):])
     bad_index = next((i for i, ok in enumerate(flags) if not ok), None)
     if bad_index is None and not state_ok:
         bad_index = next(i for i, t in enumerate(targets)

@@ -20,7 +20,7 @@ import random
 import torch
 
 from portarl import distributed as pdist
-from portarl.core import compute_loss, sequence_count, token_count
+from portarl.core import compute_loss
 from portarl.trainer.guards import GuardTripped, NonFiniteError, first_nonfinite_gradient
 from portarl.trainer.scoring import logprobs
 from portarl.trainer.step_guard import guarded_optimizer_step, judge_spikes
@@ -78,7 +78,7 @@ def run_update(trainer, scored, metrics: dict, events: list) -> bool:
             index += 1
             try:
                 step_metrics, overflow = optimizer_step(
-                    trainer, scored.batch.rows(rows), scored.old_logp[rows],
+                    trainer, scored.batch.rows(rows), None if scored.old_logp is None else scored.old_logp[rows],
                     None if scored.ref_logp is None else scored.ref_logp[rows], scored.rollout_logp[rows],
                     scored.advantages[rows],
                 )
@@ -129,71 +129,128 @@ def _combine(done: list[dict], total: int) -> dict:
     return out
 
 
+def _to_host(values: list[torch.Tensor]) -> list[float]:
+    """The device-to-host transfer of an optimizer step's results: its metrics, guard
+    counters and grad norm, stacked (tests count the calls). The only other one is the
+    step's token / sequence counts, read before the forward passes (the loss normalisers)."""
+    return torch.stack([v.detach().float().reshape(()) for v in values]).tolist()
+
+
+def grad_norm_of(targets: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm, global_norm)``: the L2 norm of the gradients of ``targets`` as
+    ``clip_grad_norm_`` computes it (``norm``, a DTensor under FSDP2, what clipping takes)
+    and as a plain 0-d tensor over every rank (``global_norm``). No host sync: a
+    non-finite gradient anywhere makes it non-finite, which is how the gradient guard
+    sees it (the parameter is searched for only then)."""
+    grads = [t.grad for t in targets if t.grad is not None]
+    if not grads:
+        zero = torch.zeros((), device=targets[0].device if targets else None)
+        return zero, zero
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)  # as clip_grad_norm_ does
+    return norm, (norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def _refuse_old_logp(trainer, on_policy: list, bad: int) -> None:
+    """Non-finite old log-probs taken from the training forward: name the logits when the
+    model itself produced NaN/inf (as scoring does), else ``old_logp``. Runs only on failure."""
+    for part, old in on_policy:
+        if bool((~torch.isfinite(old) & part.mask).any()):
+            trainer.guard.blame_logits(trainer, part, old)
+    total = sum(int(part.mask.sum()) for part, _ in on_policy)
+    raise NonFiniteError("old_logp", f"{bad} of {total} values")
+
+
 def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages) -> tuple[dict, bool]:
-    """One optimizer step over ``batch`` (micro-batched). Returns (metrics, overflow)."""
+    """One optimizer step over ``batch`` (micro-batched). Returns (metrics, overflow).
+    ``old_logp`` None: each micro-batch's training forward, detached, is its old log-probs
+    (hooked and guarded as in scoring).
+
+    Host syncs: the micro-batches' metrics stay 0-d device tensors, and the ``old_logp``
+    (on-policy) and ``loss`` guards are device counters; all travel to the host with the
+    grad norm in one transfer (:func:`_to_host`) after the backward passes (the token and
+    sequence counts, needed first as loss normalisers, are the step's other). The guards are
+    then judged in their order, ``old_logp``, ``loss``, ``gradient`` (from the grad norm:
+    the fp16 overflow; the parameter is named only when the norm is not finite); a refused
+    step's gradients are dropped, never applied."""
     cfg = trainer.config
     dist, precision = trainer.dist, trainer.precision
     mb = cfg.train.micro_batch_size
     n = batch.labels.shape[0]
-    counts = pdist.all_reduce(dist, torch.tensor([float(token_count(batch.mask)), float(sequence_count(batch.mask))]))
+    mask = batch.mask.bool()  # token_count / sequence_count, in one transfer
+    counts = pdist.all_reduce(dist, torch.stack([mask.sum(), mask.any(dim=-1).sum()]).to(torch.float32)).tolist()
     norms = dict(num_global_tokens=int(counts[0]), num_global_seqs=int(counts[1]))
     loss_cfg = trainer.loss_config()
     want_entropy = True  # cheap with the fused op; logged, and in the loss when entropy_coef > 0
     precision.zero_grad()
-    sums: dict[str, float] = {}
+    sums: dict[str, torch.Tensor] = {}
+    loss_ok = torch.ones((), dtype=torch.bool, device=batch.labels.device)
+    old_bad = torch.zeros((), dtype=torch.int64, device=batch.labels.device)
+    on_policy: list = []  # (micro-batch, old log-probs from its training forward)
     for start in range(0, n, mb):
         rows = slice(start, start + mb)
         part = batch.rows(rows)
         out = logprobs(trainer, trainer.model, part, with_entropy=want_entropy)
         logp, entropy = out if want_entropy else (out, None)
+        if old_logp is None:  # on-policy: the rollout sampled these weights (scoring.old_logprobs_recompute_reason)
+            old = trainer._apply_hooks("old_logp", logp.detach())
+            old_bad = old_bad + (~torch.isfinite(old) & part.mask).sum()
+            on_policy.append((part, old))
+        else:
+            old = old_logp[rows]
         loss, metrics = compute_loss(
-            logp, old_logp[rows], advantages[rows], part.mask, config=loss_cfg,
+            logp, old, advantages[rows], part.mask, config=loss_cfg,
             ref_logp=None if ref_logp is None else ref_logp[rows],
             rollout_logp=None if rollout_logp is None else rollout_logp[rows],
             entropy=entropy, **norms,
         )
         loss = trainer._apply_hooks("loss", loss)
-        trainer.guard.check("loss", loss)
+        loss_ok = loss_ok & torch.isfinite(loss.detach())
         # FSDP2 averages gradients over ranks; each rank's loss is its share of the global
         # loss, so scale by the world size to reduce to the global batch's gradient.
         precision.scale_loss(loss * dist.world_size if dist.enabled else loss).backward()
         share = part.labels.shape[0] / n
         for k, v in metrics.items():
-            if k == "loss" or k.endswith("/loss"):
-                sums[k] = sums.get(k, 0.0) + float(v)  # already a share of the batch loss
-            else:
-                sums[k] = sums.get(k, 0.0) + share * float(v)
+            v = torch.as_tensor(v, dtype=torch.float32).detach()
+            v = v if k == "loss" or k.endswith("/loss") else v * share  # a loss is already a share of the batch's
+            sums[k] = sums[k] + v if k in sums else v
     params = precision.params
     if trainer.hooks["grad"] and params[0].grad is not None:
         params[0].grad = trainer._apply_hooks("grad", params[0].grad)
-    bad = first_nonfinite_gradient(trainer.model)
+    precision.unscale_grads()  # fp16: inf / NaN survive the unscale, so the norm below sees an overflow
+    targets = precision.optimizer_params()
+    norm, global_norm = grad_norm_of(targets)
+    keys = list(sums)
+    host = _to_host([old_bad, loss_ok, global_norm, *(sums[k] for k in keys)])
+    bad_old, finite_loss, finite = int(host[0]), bool(host[1]), math.isfinite(host[2])
+    metrics_out = dict(zip(keys, host[3:]))
     if dist.enabled:
-        if bad is not None:
-            trainer.guard.record("gradient")
+        for name, failed in (("old_logp", bad_old), ("loss", not finite_loss), ("gradient", not finite)):
+            if failed:
+                trainer.guard.record(name)
         trainer.guard.sync()
-    if bad is not None:
+    elif bad_old:
+        _refuse_old_logp(trainer, on_policy, bad_old)
+    elif not finite_loss:
+        raise NonFiniteError("loss", "in at least one micro-batch")
+    if not finite:
         if precision.dynamic:
             precision.update_scale(overflow=True)
             precision.zero_grad()
-            return {**sums, "precision/overflow": 1.0, "precision/loss_scale": precision.scale}, True
-        raise NonFiniteError("gradient", f"parameter {bad}")
-    precision.unscale_grads()
-    targets = precision.optimizer_params()
+            return {**metrics_out, "precision/overflow": 1.0, "precision/loss_scale": precision.scale}, True
+        bad = first_nonfinite_gradient(trainer.model)
+        raise NonFiniteError("gradient", f"parameter {bad}" if bad is not None else "norm")
     clip = cfg.optim.grad_clip
-    grad_norm = torch.nn.utils.clip_grad_norm_(targets, clip if clip is not None else float("inf"))
-    if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2: the global norm
-        grad_norm = grad_norm.full_tensor()
-    if not torch.isfinite(grad_norm):
-        raise NonFiniteError("gradient", "norm")
-    sums["grad_norm"] = float(grad_norm)
-    judge_spikes(trainer, sums)  # before the update: "skip" / "stop" must leave the weights as they are
-    sums.update(guarded_optimizer_step(trainer))
+    if clip is not None:
+        torch.nn.utils.clip_grads_with_norm_(targets, clip, norm)
+    metrics_out["grad_norm"] = host[2]
+    judge_spikes(trainer, metrics_out)  # before the update: "skip" / "stop" must leave the weights as they are
+    metrics_out.update(guarded_optimizer_step(trainer))
     trainer.rollout.mark_trainer_updated()
     trainer.scheduler.step()
     precision.update_scale(overflow=False)
     precision.zero_grad()
-    sums["precision/loss_scale"] = precision.scale
-    return sums, False
+    metrics_out["precision/loss_scale"] = precision.scale
+    return metrics_out, False
 
 
 __all__ = ["TRACKED", "lr_lambda", "mini_batch_rows", "optimizer_step", "optimizer_steps_total", "run_update"]

@@ -30,8 +30,10 @@ ROLLOUTS = "rollouts.safetensors"
 CONFIG = "config.yaml"
 START_MODEL = "start-model"
 
-# Fields a replaying run may set differently from the recording: the setting under test.
-PER_RUN = ("device", "output_dir", "precision.", "logging.", "checkpoint.", "guards.", "model.path", "train.steps")
+# Fields a replaying run may set differently from the recording: the setting under test,
+# and train.old_logprobs, which every harness run sets to recompute itself (worker.run_job).
+PER_RUN = ("device", "output_dir", "precision.", "logging.", "checkpoint.", "guards.", "model.path", "train.steps",
+           "train.old_logprobs")
 # What a mismatch means, for the refusal message (first matching prefix wins).
 CATEGORIES = (
     ("seeds", ("train.seed", "model.init_seed", "rollout.seed_mode")),

@@ -67,7 +67,10 @@ def run_job(job: dict) -> int:
     spec = RunSpec.from_label(job["label"])
     run_dir = Path(job["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
-    overrides = [*job["overrides"], *spec.overrides(), f"output_dir={run_dir}",
+    # train.old_logprobs=recompute: the token tap is an old_logp hook that reads the whole
+    # batch's old log-probs at once, which only the scoring forward provides (auto takes
+    # them per micro-batch from the training forward).
+    overrides = [*job["overrides"], *spec.overrides(), f"output_dir={run_dir}", "train.old_logprobs=recompute",
                  "logging.progress=false", "logging.tensorboard=false", "logging.plot=false"]
     config = TrainConfig.load(job["config"], overrides)
     model, tokenizer, examples = build_from_config(config)

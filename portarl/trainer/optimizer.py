@@ -1,0 +1,79 @@
+"""AdamW as one kernel (fused) or one op per tensor list (foreach) instead of a Python loop
+over the parameters (``optim.implementation``).
+
+torch's default AdamW loops over the parameters in Python (``single``), a handful of small
+kernels each; ``foreach`` runs each arithmetic op once over the whole tensor list, and
+``fused`` runs the whole update as one kernel per dtype and device. They compute the same
+update (equal within fp32 rounding; ``tests/trainer/test_optimizer_impl.py``).
+
+``auto`` picks ``fused`` on CUDA and ``foreach`` elsewhere. On Ascend NPUs the fused path
+is torch_npu's own optimizer class (``torch_npu.optim.NpuFusedAdamW``), not
+``torch.optim.AdamW(fused=True)``, so ``fused`` is refused there; foreach is supported.
+(torch itself defaults to foreach on CUDA and to the per-parameter loop on CPU.) fp32
+master weights are ordinary fp32 tensors, and FSDP2's DTensor parameters take foreach.
+
+Checkpoints: the optimizer state is the same in every implementation except where
+``state["step"]`` lives (the device for ``fused``, the host otherwise), and
+``load_state_dict`` would also bring back the *saved* run's ``foreach`` / ``fused``
+flags. A post-load hook puts back the configured implementation and moves ``step`` where
+it needs to be, so a checkpoint written with one implementation resumes in any other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "single")
+
+
+def resolve_implementation(name: str, device: torch.device) -> str:
+    """``fused`` / ``foreach`` / ``single`` for ``optim.implementation=name`` on ``device``."""
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"optim.implementation={name!r} must be one of {', '.join(IMPLEMENTATIONS)}")
+    if name == "auto":
+        return "fused" if device.type == "cuda" else "foreach"
+    if name == "fused":
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        if device.type not in _get_fused_kernels_supported_devices() or device.type == "npu":
+            raise ValueError(f"optim.implementation=fused: torch has no fused AdamW for device {device.type!r}; "
+                             "use optim.implementation=auto or foreach")
+    return name
+
+
+def _flags(impl: str) -> dict:
+    return {"fused": impl == "fused", "foreach": impl == "foreach"}
+
+
+def make_adamw(params, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+               implementation: str = "auto") -> torch.optim.AdamW:
+    """AdamW over ``params`` in the resolved implementation (``optimizer.portarl_impl``);
+    its ``load_state_dict`` accepts a state saved by any implementation."""
+    params = list(params)
+    device = params[0].device if params else torch.device("cpu")
+    impl = resolve_implementation(implementation, device)
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_flags(impl))
+    optimizer.portarl_impl = impl
+    optimizer.register_load_state_dict_post_hook(_keep_implementation)
+    return optimizer
+
+
+def _keep_implementation(optimizer: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict``: this run's implementation flags (not the saved run's), and
+    ``step`` where that implementation reads it (fp32 on the parameter's device for fused,
+    on the host otherwise: the single and foreach paths read it there without a sync)."""
+    impl = getattr(optimizer, "portarl_impl", None)
+    if impl is None:
+        return
+    for group in optimizer.param_groups:
+        group.update(_flags(impl))
+        capturable = group.get("capturable", False)
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            step = None if not state else state.get("step")
+            if not torch.is_tensor(step):
+                continue
+            if impl == "fused" or capturable:
+                state["step"] = step.to(dtype=torch.float32, device=p.device)
+            elif step.device.type != "cpu":
+                state["step"] = step.detach().to("cpu", torch.float32)
