@@ -338,29 +338,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _sigterm_at_startup(signum, frame):
-    err = KeyboardInterrupt("SIGTERM")
-    err.signum = signum
-    raise err
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if (getattr(args, "repeats", None) or 0) < 0:
         build_parser().error("--repeats must be >= 0")
-    previous = None
+    previous = {}
     if args.func is cli_train.cmd_train and threading.current_thread() is threading.main_thread():
-        # SIGTERM before training starts: a clean exit, like SIGINT. Restored on return, so
-        # a caller that runs main() in-process (tests, notebooks) keeps its own handler.
-        previous = signal.signal(signal.SIGTERM, _sigterm_at_startup)
+        # SIGINT / SIGTERM before training starts: a clean exit, recorded so that training
+        # cannot start after one (trainer/signals.py). Restored on return, so a caller that
+        # runs main() in-process (tests, notebooks) keeps its own handlers.
+        from portarl.startup_signals import clear_startup_signals, startup_handler
+
+        clear_startup_signals()
+        previous = {s: signal.signal(s, startup_handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return args.func(args)
     except KeyboardInterrupt as err:  # Ctrl-C / SIGTERM during imports or set-up: no traceback
         _log(f"portarl {args.command}: interrupted during start-up ({err or 'SIGINT'}); nothing was saved")
         return 128 + int(getattr(err, "signum", 2))
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,7 +8,12 @@ send before killing a job) stop a run the same careful way.
 - Second signal: abort at once, raising :class:`AbortNow`; the message says truthfully
   whether the last finished step has a checkpoint (:func:`abort_message`).
 - A signal during start-up (imports, model build, resume) ends the command without a
-  traceback: the CLI turns SIGTERM into an interrupt and catches it; nothing is saved.
+  traceback: the CLI turns SIGINT and SIGTERM into an interrupt (:func:`startup_handler`)
+  and catches it; nothing is saved. The signal is also recorded, and
+  :func:`graceful_stop` refuses to start training while one is pending: Python raises a
+  handler's exception at whatever bytecode runs next, and when that is a finaliser
+  (``__del__``, a weakref callback) the interrupt is printed and dropped, so start-up used
+  to carry on into training as if no signal had come.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import contextlib
 import logging
 import signal
 import threading
+
+from portarl.startup_signals import interrupted_during_startup
 
 log = logging.getLogger("portarl.train")
 
@@ -69,6 +76,9 @@ def graceful_stop(trainer):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    missed = interrupted_during_startup()
+    if missed is not None:  # a start-up signal whose interrupt was swallowed: do not start training
+        raise missed
 
     def handler(signum, frame):
         if trainer._stop_requested:

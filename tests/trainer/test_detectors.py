@@ -107,8 +107,17 @@ def test_nonfinite_current_policy_logp_is_an_event(make_trainer, monkeypatch):
         logp[row, col] = float("nan")
         return logp, entropy
 
-    trainer = make_trainer()
+    # Old log-probs from their own forward: only the current policy's token is NaN, it is
+    # left out of the loss and reported.
+    trainer = make_trainer("train.old_logprobs=recompute")
     monkeypatch.setattr(update, "logprobs", poisoned)
     metrics = trainer.train_step()
     assert metrics["guard/nonfinite_token_frac"] > 0
     assert any(kind == "nonfinite_logp" for kind, _, _ in metrics["_events"])
+    # On-policy with train.old_logprobs=auto the old log-probs are that same forward's, so
+    # they are NaN too: the old_logp guard skips the step, nothing applied.
+    trainer = make_trainer()
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    metrics = trainer.train_step()
+    assert metrics["skipped"] == 1 and metrics["guard/nonfinite_tensor"] == "old_logp"
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())

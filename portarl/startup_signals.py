@@ -1,0 +1,38 @@
+"""Stop signals that arrive while a command starts (imports, model build, resume).
+
+The CLI installs :func:`startup_handler` for SIGINT and SIGTERM before anything heavy is
+imported (this module imports nothing of portarl's, so it is light). The handler records
+the signal and raises ``KeyboardInterrupt``, which the CLI turns into a clean exit
+(130 / 143, no traceback). The record matters because Python raises a handler's exception
+at whatever bytecode runs next: when that is a finaliser (``__del__``, a weakref callback)
+the interrupt is printed and dropped, and start-up would carry on into training as if no
+signal had come. :func:`portarl.trainer.signals.graceful_stop` asks
+:func:`interrupted_during_startup` before the first step and refuses to start.
+"""
+
+from __future__ import annotations
+
+import signal
+
+_received: list[int] = []  # start-up signals, in order
+
+
+def startup_handler(signum, frame):
+    """SIGINT / SIGTERM before training starts: record it, then interrupt."""
+    _received.append(signum)
+    raise _interrupt(signum)
+
+
+def clear_startup_signals() -> None:
+    _received.clear()
+
+
+def interrupted_during_startup() -> KeyboardInterrupt | None:
+    """The interrupt the first start-up signal raised (or should have), or None."""
+    return _interrupt(_received[0]) if _received else None
+
+
+def _interrupt(signum: int) -> KeyboardInterrupt:
+    err = KeyboardInterrupt(signal.Signals(signum).name)
+    err.signum = signum
+    return err
