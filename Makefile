@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 # Main job: GRPO on the built-in default (tiny Qwen2, character tokenizer, arithmetic),
 # a short supervised warm-up first. Metrics, TensorBoard logs, curves.png, checkpoints: runs/demo.
-# DEMO_SETS sizes it to about one minute on 2 CPU cores (the default config runs 300 steps
+# DEMO_SETS sizes it to about half a minute on 2 idle CPU cores (the default config runs 300 steps
 # at lr 5e-4); --overwrite replaces the previous demo run.
 DEMO_SETS ?= --set train.steps=60 --set optim.lr=1e-3
 demo: $(VENV)/.installed
