@@ -184,13 +184,21 @@ def _cmd_bench_kernels(args) -> int:
     return 0
 
 
-def _cmd_bench_stability(args) -> int:
+def _missing_train_extra(command: str) -> bool:
+    """True (after logging the one-line install hint) when ``command`` needs the ``train``
+    extra and it is not installed."""
     from portarl.cli_train import UsageError, require_train_extra
 
     try:
-        require_train_extra("bench stability")
+        require_train_extra(command)
     except UsageError as err:
-        _log(f"portarl bench stability: {err}")
+        _log(f"portarl {command}: {err}")
+        return True
+    return False
+
+
+def _cmd_bench_stability(args) -> int:
+    if _missing_train_extra("bench stability"):
         return 2
     from portarl.bench.stability.cli import cmd_stability
 
@@ -220,12 +228,7 @@ def _cmd_bench_step(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from portarl.cli_train import UsageError, require_train_extra
-
-    try:
-        require_train_extra("export")
-    except UsageError as err:
-        _log(f"portarl export: {err}")
+    if _missing_train_extra("export"):
         return 2
     from portarl.trainer.progress import quiet_third_party
 

@@ -87,13 +87,15 @@ def portarl_kl(backend):
     return lambda logp, ref: ops.kl(logp, ref, estimator="k3", backend=backend)
 
 
+def benchmarked_backends(device: torch.device) -> list[str]:
+    """The portarl backends timed on ``device``: those available there, without ``cuda``
+    on a CPU (its Triton kernels would only run interpreted, which times nothing real)."""
+    return [name for name in BACKEND_NAMES if not (name == "cuda" and device.type == "cpu")
+            and get_backend_by_name(name).unavailable_reason(device) is None]
+
+
 def logprob_methods(device: torch.device) -> dict[str, Callable]:
-    methods = {}
-    for name in BACKEND_NAMES:
-        if name == "cuda" and device.type == "cpu":
-            continue
-        if get_backend_by_name(name).unavailable_reason(device) is None:
-            methods[f"portarl:{name}"] = portarl_logprobs(name)
+    methods = {f"portarl:{name}": portarl_logprobs(name) for name in benchmarked_backends(device)}
     methods["eager"] = eager_logprobs
     methods["rowloop"] = rowloop_logprobs
     if device.type == "cuda":
@@ -107,8 +109,7 @@ def logprob_methods(device: torch.device) -> dict[str, Callable]:
 
 
 def kl_methods(device: torch.device) -> dict[str, Callable]:
-    methods = {f"portarl:{n}": portarl_kl(n) for n in BACKEND_NAMES
-               if not (n == "cuda" and device.type == "cpu") and get_backend_by_name(n).unavailable_reason(device) is None}
+    methods = {f"portarl:{n}": portarl_kl(n) for n in benchmarked_backends(device)}
     methods["eager"] = eager_kl
     return methods
 

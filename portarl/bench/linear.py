@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from portarl import ops
-from portarl.backends import BACKEND_NAMES, get_backend_by_name
-from portarl.bench.kernels import KernelResult, peak_extra_bytes, synchronize
+from portarl.bench.kernels import KernelResult, benchmarked_backends, peak_extra_bytes, synchronize
 
 CHUNK_ROWS = 1024
 #: (N, H, V): the committed CPU table; CUDA adds larger N.
@@ -76,12 +75,7 @@ def fused(backend):
 
 
 def linear_methods(device: torch.device) -> dict[str, Callable]:
-    methods = {}
-    for name in BACKEND_NAMES:
-        if name == "cuda" and device.type == "cpu":
-            continue
-        if get_backend_by_name(name).unavailable_reason(device) is None:
-            methods[f"portarl:{name}"] = fused(name)
+    methods = {f"portarl:{name}": fused(name) for name in benchmarked_backends(device)}
     methods["eager"] = eager
     methods["chunked"] = chunked
     if liger_status(device) is None:
