@@ -45,10 +45,12 @@ STREAM_TOKEN = 0
 
 
 def _mulhilo(m: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) 32-bit words of the 64-bit product m * x, x holding uint32 values in int64."""
-    p_lo = (x & _MASK16) * m  # < 2**48
-    s = (x >> 16) * m + (p_lo >> 16)  # < 2**49
-    return s >> 16, ((s & _MASK16) << 16) | (p_lo & _MASK16)
+    """(hi, lo) 32-bit words of the 64-bit product m * x, x holding uint32 values in int64.
+    The constant m is split into 16-bit halves (host integers), not x: 9 tensor ops."""
+    low = x * (m & _MASK16)  # < 2**48
+    s = x * (m >> 16)
+    s += low >> 16  # < 2**49
+    return s >> 16, ((s & _MASK16) << 16) | (low & _MASK16)
 
 
 def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor], rounds: int = ROUNDS):

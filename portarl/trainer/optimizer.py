@@ -6,11 +6,14 @@ kernels each; ``foreach`` runs each arithmetic op once over the whole tensor lis
 ``fused`` runs the whole update as one kernel per dtype and device. They compute the same
 update (equal within fp32 rounding; ``tests/trainer/test_optimizer_impl.py``).
 
-``auto`` picks ``fused`` on CUDA and ``foreach`` elsewhere. On Ascend NPUs the fused path
-is torch_npu's own optimizer class (``torch_npu.optim.NpuFusedAdamW``), not
+``auto`` picks ``fused`` on CUDA and on the CPU (torch's CPU kernel: 0.25 ms against
+foreach's 0.8 ms per step for the 26 tensors of ``portarl bench step``'s model, where
+foreach is still a loop over tensors) and ``foreach`` elsewhere. On Ascend NPUs the fused
+path is torch_npu's own optimizer class (``torch_npu.optim.NpuFusedAdamW``), not
 ``torch.optim.AdamW(fused=True)``, so ``fused`` is refused there; foreach is supported.
 (torch itself defaults to foreach on CUDA and to the per-parameter loop on CPU.) fp32
-master weights are ordinary fp32 tensors, and FSDP2's DTensor parameters take foreach.
+master weights are ordinary fp32 tensors; FSDP2's DTensor parameters take foreach under
+``auto``.
 
 Checkpoints: the optimizer state is the same in every implementation except where
 ``state["step"]`` lives (the device for ``fused``, the host otherwise), and
@@ -26,12 +29,13 @@ import torch
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "single")
 
 
-def resolve_implementation(name: str, device: torch.device) -> str:
-    """``fused`` / ``foreach`` / ``single`` for ``optim.implementation=name`` on ``device``."""
+def resolve_implementation(name: str, device: torch.device, sharded: bool = False) -> str:
+    """``fused`` / ``foreach`` / ``single`` for ``optim.implementation=name`` on ``device``
+    (``sharded``: FSDP2 DTensor parameters)."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"optim.implementation={name!r} must be one of {', '.join(IMPLEMENTATIONS)}")
     if name == "auto":
-        return "fused" if device.type == "cuda" else "foreach"
+        return "fused" if device.type in ("cuda", "cpu") and not sharded else "foreach"
     if name == "fused":
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
@@ -51,7 +55,7 @@ def make_adamw(params, *, lr: float, betas: tuple[float, float], eps: float, wei
     its ``load_state_dict`` accepts a state saved by any implementation."""
     params = list(params)
     device = params[0].device if params else torch.device("cpu")
-    impl = resolve_implementation(implementation, device)
+    impl = resolve_implementation(implementation, device, sharded=any(hasattr(p, "device_mesh") for p in params))
     optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_flags(impl))
     optimizer.portarl_impl = impl
     optimizer.register_load_state_dict_post_hook(_keep_implementation)

@@ -131,3 +131,20 @@ def test_degenerate_detector():
         assert frac == 0.0 and event is None
     frac, event = det.update([[bang] * 8] * 4 + normal[:4])
     assert frac == 0.5 and event["kind"] == "degenerate_rise"
+
+
+def test_all_finite_flags_exactly_what_is_not_finite():
+    """The post-step check (a foreach 2-norm, rechecked exactly where the norm overflows):
+    NaN / +inf / -inf are caught in any dtype; finite tensors whose 2-norm overflows (fp32
+    values ~1e30, fp16 values whose norm passes 65504) are not flagged."""
+    from portarl.trainer.step_guard import _all_finite
+
+    def poisoned(value, dtype=torch.float32):
+        t = torch.ones(1000, dtype=dtype)
+        t[517] = value
+        return t
+
+    tensors = [torch.full((64,), 1e30), torch.full((1000,), 300.0, dtype=torch.float16), torch.empty(0),
+               poisoned(float("nan")), poisoned(float("inf")), poisoned(float("-inf"), torch.bfloat16),
+               poisoned(float("nan"), torch.float16), torch.randn(33, 7)]
+    assert _all_finite(tensors) == [True, True, True, False, False, False, False, True]

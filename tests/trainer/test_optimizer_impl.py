@@ -40,8 +40,10 @@ def test_implementations_match_the_per_parameter_loop(impl):
 
 
 def test_auto_resolves_by_device_and_fused_is_refused_where_torch_has_none(tmp_path):
-    assert resolve_implementation("auto", torch.device("cpu")) == "foreach"
+    assert resolve_implementation("auto", torch.device("cpu")) == "fused"
     assert resolve_implementation("auto", torch.device("cuda")) == "fused"
+    assert resolve_implementation("auto", torch.device("cpu"), sharded=True) == "foreach"  # FSDP2 DTensors
+    assert resolve_implementation("auto", types.SimpleNamespace(type="npu")) == "foreach"
     with pytest.raises(ValueError, match="optim.implementation=fused.*'npu'.*auto or foreach"):
         resolve_implementation("fused", types.SimpleNamespace(type="npu"))  # no torch_npu here
     with pytest.raises(ValueError, match="optim.implementation=fused.*'meta'"):

@@ -177,3 +177,45 @@ def test_drawing_several_positions_per_call_changes_no_sample(monkeypatch):
     assert single.completion_ids == grouped.completion_ids
     for a, b in zip(single.logprobs, grouped.logprobs):
         assert a == pytest.approx(b, abs=1e-6)
+
+
+def _prefill_rows(engine, prompts, seeds, params):
+    """(the batch, the row counts of the forwards that saw more than one position)."""
+    rows = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda m, args, kw: rows.append(kw["input_ids"].shape[0]) if kw["input_ids"].shape[1] > 1 else None,
+        with_kwargs=True)
+    try:
+        return engine.generate(prompts, seeds, params), rows
+    finally:
+        hook.remove()
+
+
+def test_a_repeated_prompt_is_prefilled_once_and_samples_are_unchanged(monkeypatch):
+    import transformers
+
+    import portarl.rollout.hf as hf
+
+    engine, tok = _engine()
+    a, b = tok.encode("3+4="), tok.encode("12+7=")
+    prompts, seeds = [a, a, a, b, b, b, a], request_seeds(4, 1, 7, 1)
+    params = SamplingParams(max_new_tokens=6, top_k=30)
+    shared, rows = _prefill_rows(engine, prompts, seeds, params)
+    assert rows == [2]  # the two distinct prompts, once each
+    assert len({tuple(c) for c in shared.completion_ids[:3]}) > 1  # per-sample seeds still differ
+
+    def every_row(ps):
+        return [list(p) for p in ps], list(range(len(ps)))
+
+    with monkeypatch.context() as m:
+        m.setattr(hf, "_distinct_rows", every_row)
+        plain, rows = _prefill_rows(engine, prompts, seeds, params)
+    assert rows == [7]
+    # a cache that cannot copy rows: the distinct forward is dropped, every row is prefilled
+    monkeypatch.setattr(transformers.cache_utils.Cache, "reorder_cache", None)
+    fallback, rows = _prefill_rows(engine, prompts, seeds, params)
+    assert rows == [2, 7]
+    for other in (plain, fallback):
+        assert other.completion_ids == shared.completion_ids
+        for x, y in zip(other.logprobs, shared.logprobs):
+            assert x == pytest.approx(y, abs=1e-5)
