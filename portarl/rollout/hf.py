@@ -132,7 +132,9 @@ class HFRollout(RolloutEngine):
                     self._score(pending, tokens, logps, t + 1, params.temperature)
                 length += (~done).long()
                 done |= (tok[:, None] == stops).any(-1)
-                if self.finished_everywhere(bool(done.all())):
+                # The last position's token needs no forward after it (nothing samples from
+                # its logits); every rank skips it alike, so lock-step ranks stay matched.
+                if t + 1 == params.max_new_tokens or self.finished_everywhere(bool(done.all())):
                     break
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
                 out = model(

@@ -219,3 +219,17 @@ def test_a_repeated_prompt_is_prefilled_once_and_samples_are_unchanged(monkeypat
         assert other.completion_ids == shared.completion_ids
         for x, y in zip(other.logprobs, shared.logprobs):
             assert x == pytest.approx(y, abs=1e-5)
+
+
+def test_decoding_n_tokens_takes_one_prefill_and_n_minus_1_forwards():
+    """Nothing samples from the logits after the last token: no forward is spent on them."""
+    engine, tok = _engine()
+    calls = []
+    hook = engine.model.register_forward_pre_hook(lambda m, args, kw: calls.append(kw["input_ids"].shape[1]),
+                                                  with_kwargs=True)
+    try:
+        out = engine.generate([tok.encode("3+4="), tok.encode("12+7=")], [1, 2], SamplingParams(max_new_tokens=5))
+    finally:
+        hook.remove()
+    assert max(len(c) for c in out.completion_ids) == 5  # a row ran to the limit: no early stop
+    assert calls[0] > 1 and calls[1:] == [1] * 4
