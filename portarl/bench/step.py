@@ -9,8 +9,12 @@ loss (TRL: ``dapo``), one policy update per rollout, KL weight ``beta`` (default
 reference model on either side), gradient checkpointing off.
 
 Each run is a fresh process with the same thread count (``torch.set_num_threads`` and the
-OMP / MKL variables); runs alternate portarl / TRL and swap order each round, so drifting
-machine load hits both alike. Per step: wall time and process CPU time
+OMP / MKL variables). With ``--vs trl`` both sides of a round are started together and take
+their steps in turn, one step at a time (the driver lets one process step while the other
+waits on a pipe, using no CPU), and which side goes first swaps every step. Why: on a
+shared virtual machine the speed of the same process drifts by +-30% over seconds
+(measured: 48-83 ms per step for identical runs); whole runs in turn caught different
+phases of that drift, steps in turn share it. Per step: wall time and process CPU time
 (``time.process_time``: every thread of the process, unaffected by other processes waiting
 for the cores, hence the meaningful number on a shared, loaded machine); the first
 ``warmup`` steps are dropped. Phases, timed by wrapping methods from outside (no trainer
@@ -102,9 +106,10 @@ def timed(acc: dict, key: str, fn):
     return wrapper
 
 
-def step_record(wall: float, cpu: float, phases: dict) -> dict:
-    """One step; phases ``{name: [wall, cpu]}`` (rollout, scoring); update = the rest."""
-    out = {"wall_s": wall, "cpu_s": cpu}
+def step_record(wall: float, cpu: float, phases: dict, started: float | None = None) -> dict:
+    """One step; phases ``{name: [wall, cpu]}`` (rollout, scoring); update = the rest;
+    ``started``: its start (``time.time()``), to show that sides stepping in turn did not overlap."""
+    out = {"wall_s": wall, "cpu_s": cpu, "started_unix": started}
     for i, kind in enumerate(("wall", "cpu")):
         rollout, scoring = (phases[k][i] if k in phases else None for k in ("rollout", "scoring"))
         out[f"rollout_{kind}_s"], out[f"scoring_{kind}_s"] = rollout, scoring
@@ -118,6 +123,21 @@ def finish(steps: list[dict], threads: int, started: float) -> dict:
 
     return {"steps": steps, "torch_threads": torch.get_num_threads(), "process_s": time.perf_counter() - started,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "threads": threads}
+
+
+# ---------------------------------------------------------------- taking steps in turn
+READY, RESULT = "PORTARL_BENCH_READY", "PORTARL_BENCH_STEP"
+GATED = "PORTARL_BENCH_GATED"  # environment: set by the driver when the sides step in turn
+
+
+def gate() -> None:
+    """Before each step of a worker that steps in turn: say so and wait for the driver's go.
+    A no-op in a worker run on its own."""
+    if not os.environ.get(GATED):
+        return
+    print(READY, flush=True)
+    if sys.stdin.readline().strip() != "go":
+        raise SystemExit("portarl bench step: the driver went away")
 
 
 # ---------------------------------------------------------------- the portarl worker
@@ -152,10 +172,11 @@ def run_portarl(steps: int, threads: int, beta: float) -> dict:
                 setattr(trainer, name, timed(phases, "scoring", getattr(trainer, name)))
         records = []
         for _ in range(steps):
+            gate()
             phases.clear()
-            w0, c0 = time.perf_counter(), time.process_time()
+            t0, w0, c0 = time.time(), time.perf_counter(), time.process_time()
             trainer.train_step()
-            records.append(step_record(time.perf_counter() - w0, time.process_time() - c0, dict(phases)))
+            records.append(step_record(time.perf_counter() - w0, time.process_time() - c0, dict(phases), t0))
     return finish(records, threads, started)
 
 
@@ -172,7 +193,7 @@ def _worker_main(argv: list[str]) -> None:
     else:
         run = run_portarl
     result = run(args.steps, args.threads, args.beta)
-    print("PORTARL_BENCH_STEP " + json.dumps(result), flush=True)
+    print(f"{RESULT} " + json.dumps(result), flush=True)
 
 
 def trl_unavailable_reason() -> str | None:
@@ -183,17 +204,77 @@ def trl_unavailable_reason() -> str | None:
     return None
 
 
+def worker_command(impl: str, steps: int, threads: int, beta: float) -> list[str]:
+    return [sys.executable, "-m", "portarl.bench.step", impl, "--steps", str(steps), "--threads", str(threads),
+            "--beta", str(beta)]
+
+
+class Worker:
+    """One fresh worker process for ``impl`` (stderr to a temporary file, so a chatty side
+    cannot fill a pipe and stall)."""
+
+    def __init__(self, impl: str, steps: int, threads: int, beta: float, gated: bool):
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                   TOKENIZERS_PARALLELISM="false")
+        env.pop("TRITON_INTERPRET", None)
+        env.pop(GATED, None)
+        if gated:
+            env[GATED] = "1"
+        self.impl, self.result = impl, None
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(worker_command(impl, steps, threads, beta), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True)
+
+    def wait_turn(self) -> bool:
+        """Read until the worker waits for its next go (True) or has printed its result
+        (False)."""
+        for line in self.proc.stdout:
+            if line.strip() == READY:
+                return True
+            if line.startswith(RESULT + " "):
+                self.result = json.loads(line.split(" ", 1)[1])
+                return False
+        self.proc.wait()
+        self.stderr.seek(0)
+        raise RuntimeError(f"bench step worker {self.impl} failed (exit {self.proc.returncode}):\n"
+                           f"{self.stderr.read()[-4000:]}")
+
+    def go(self) -> bool:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return self.wait_turn()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.stderr.close()
+
+
 def run_one(impl: str, steps: int, threads: int, beta: float) -> dict:
-    """One fresh process for ``impl``; its result dict."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "portarl.bench.step", impl, "--steps", str(steps), "--threads", str(threads),
-           "--beta", str(beta)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("PORTARL_BENCH_STEP "):
-            return json.loads(line.split(" ", 1)[1])
-    raise RuntimeError(f"bench step worker {impl} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    """One fresh process for ``impl``, run through; its result dict."""
+    return run_in_turn([impl], steps, threads, beta)[impl]
+
+
+def run_in_turn(order: list[str], steps: int, threads: int, beta: float) -> dict:
+    """Fresh processes for ``order``, started together; with two, they take their steps in
+    turn (the first in ``order`` first, then swapping every step). Their result dicts."""
+    workers = [Worker(impl, steps, threads, beta, gated=len(order) > 1) for impl in order]
+    try:
+        if len(workers) == 1:
+            workers[0].wait_turn()
+        else:
+            waiting = [w.wait_turn() for w in workers]  # set-up done, each waits for its first step
+            step = 0
+            while any(waiting):
+                for i in (range(len(workers)) if step % 2 == 0 else reversed(range(len(workers)))):
+                    if waiting[i]:
+                        waiting[i] = workers[i].go()
+                step += 1
+        return {w.impl: w.result for w in workers}
+    finally:
+        for w in workers:
+            w.close()
 
 
 def _median(values):
@@ -214,8 +295,9 @@ def run_bench(*, vs_trl: bool, steps: int, rounds: int, warmup: int, threads: in
     for r in range(rounds):
         order = impls if r % 2 == 0 else impls[::-1]
         row: dict = {"order": order}
+        runs = run_in_turn(order, steps, threads, beta)
         for impl in order:
-            row[impl] = run = run_one(impl, steps, threads, beta)
+            row[impl] = run = runs[impl]
             row[impl + "_median"] = s = summarize_run(run, warmup)
             progress(f"round {r + 1}/{rounds} {impl}: cpu {s['cpu_s'] * 1e3:.1f} ms/step, "
                      f"wall {s['wall_s'] * 1e3:.1f} ms/step, peak RSS {s['peak_rss_mib']:.0f} MiB")
@@ -232,7 +314,8 @@ def run_bench(*, vs_trl: bool, steps: int, rounds: int, warmup: int, threads: in
     return {"rounds": out_rounds, "summary": summary, "work": {
         "model": "Qwen2ForCausalLM from a config: vocab 64, hidden 64, 2 layers, 4 heads / 2 kv, mlp 192, fp32",
         "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP, "max_new_tokens": NEW_TOKENS, "beta": beta,
-        "steps_per_run": steps, "warmup_steps_dropped": warmup, "threads": threads, "rounds": rounds}}
+        "steps_per_run": steps, "warmup_steps_dropped": warmup, "threads": threads, "rounds": rounds,
+        "in_turn": "steps" if vs_trl else None}}
 
 
 def machine() -> dict:
@@ -269,7 +352,9 @@ def markdown(result: dict) -> str:
              f"{result['machine']['load_average'][0]:.2f}.  ",
              f"Work per step: {w['prompts_per_step']} prompts x {w['group_size']} samples, {w['max_new_tokens']} new "
              f"tokens, beta {w['beta']}; {w['model']}. {w['steps_per_run']} steps per run, first "
-             f"{w['warmup_steps_dropped']} dropped; {w['rounds']} rounds, fresh processes, order alternated.", "",
+             f"{w['warmup_steps_dropped']} dropped; {w['rounds']} rounds, fresh processes"
+             f"{', the two sides taking their steps in turn (first side swapped every step)' if w.get('in_turn') else ''}.",
+             "",
              result["conditions"], "", "Per step, median over rounds (ms; phases in process CPU time, wall in brackets):",
              "", "| impl | process CPU | wall | rollout | scoring | update | peak RSS (MiB) |", "|---|---|---|---|---|---|---|"]
     for impl in IMPLS:

@@ -3,7 +3,7 @@
 The only module of portarl that imports ``trl`` (``pip install 'portarl[bench]'``). The
 settings mirror :func:`portarl.bench.step.run_portarl` (see that module's docstring);
 ``gradient_checkpointing=False`` because portarl does not checkpoint either. Steps are timed
-from ``on_step_begin`` to ``on_step_end`` (generation, scoring, loss, backward, optimizer;
+from ``on_step_begin`` (after the driver's go when the sides step in turn) to ``on_step_end`` (generation, scoring, loss, backward, optimizer;
 not TRL's logging); phases by wrapping ``_generate`` and ``_generate_and_score_completions``.
 """
 
@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from portarl.bench.step import (
-    GROUP, LR, NEW_TOKENS, PROMPTS_PER_STEP, finish, model, prompts, score, set_threads, step_record, timed,
+    GROUP, LR, NEW_TOKENS, PROMPTS_PER_STEP, finish, gate, model, prompts, score, set_threads, step_record, timed,
 )
 
 
@@ -32,8 +32,9 @@ def run_trl(steps: int, threads: int, beta: float) -> dict:
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
+            gate()  # stepping in turn with the portarl worker: wait for this step's go
             phases.clear()
-            self.w0, self.c0 = time.perf_counter(), time.process_time()
+            self.t0, self.w0, self.c0 = time.time(), time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             wall, cpu = time.perf_counter() - self.w0, time.process_time() - self.c0
@@ -41,7 +42,7 @@ def run_trl(steps: int, threads: int, beta: float) -> dict:
             split = {"rollout": rollout} if rollout else {}
             if both and rollout:
                 split["scoring"] = [both[0] - rollout[0], both[1] - rollout[1]]
-            records.append(step_record(wall, cpu, split))
+            records.append(step_record(wall, cpu, split, self.t0))
 
     from portarl.bench.step import tokenizer
 

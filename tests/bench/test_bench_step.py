@@ -55,5 +55,51 @@ def test_bench_step_vs_trl(tmp_path):
         _check_side(data["summary"][side])
         assert data["rounds"][0][side]["torch_threads"] == 1
     row = data["rounds"][0]
+    steps = sorted((s for side in ("portarl", "trl") for s in row[side]["steps"]), key=lambda s: s["started_unix"])
+    for before, after in zip(steps, steps[1:]):  # the sides stepped in turn, never at once
+        assert before["started_unix"] + before["wall_s"] <= after["started_unix"]
     assert row["ratio_cpu"] == pytest.approx(row["portarl_median"]["cpu_s"] / row["trl_median"]["cpu_s"])
     assert "Median ratio" in out.with_suffix(".md").read_text()
+
+
+FAKE_WORKER = """
+import json, sys, time
+from portarl.bench.step import RESULT, gate
+impl, steps = sys.argv[1], int(sys.argv[2])
+if impl == "broken":
+    sys.exit("broken worker: no model for you")
+records = []
+for _ in range(steps):
+    gate()
+    t0, w0 = time.time(), time.perf_counter()
+    while time.perf_counter() - w0 < 0.02:
+        pass
+    records.append({"impl": impl, "started_unix": t0, "wall_s": time.perf_counter() - w0})
+print(RESULT + " " + json.dumps({"steps": records}), flush=True)
+"""
+
+
+def _fake_workers(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(bench_step, "worker_command",
+                        lambda impl, steps, threads, beta: [sys.executable, "-c", FAKE_WORKER, impl, str(steps)])
+
+
+def test_two_sides_take_their_steps_in_turn_swapping_who_goes_first(monkeypatch):
+    """The driver's protocol (stand-in workers, no TRL needed): one process steps while the
+    other waits, never both at once, and the first side swaps every step."""
+    _fake_workers(monkeypatch)
+    results = bench_step.run_in_turn(["a", "b"], 4, 1, 0.0)
+    steps = sorted((s for r in results.values() for s in r["steps"]), key=lambda s: s["started_unix"])
+    assert [s["impl"] for s in steps] == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    for before, after in zip(steps, steps[1:]):
+        assert before["started_unix"] + before["wall_s"] <= after["started_unix"]
+    alone = bench_step.run_in_turn(["a"], 2, 1, 0.0)["a"]  # a side run on its own is not gated
+    assert len(alone["steps"]) == 2
+
+
+def test_a_worker_that_dies_is_reported_with_its_error(monkeypatch):
+    _fake_workers(monkeypatch)
+    with pytest.raises(RuntimeError, match="(?s)worker broken failed.*no model for you"):
+        bench_step.run_in_turn(["a", "broken"], 2, 1, 0.0)
