@@ -15,6 +15,7 @@ from portarl.core.advantages import ADVANTAGE_ESTIMATORS
 from portarl.core.aggregation import AGG_MODES
 from portarl.core.mismatch import MISMATCH_MODES
 from portarl.core.policy_losses import POLICY_LOSSES
+from portarl.core.yaml_numbers import number_from_yaml_string
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -92,16 +93,10 @@ class GRPOConfig:
             value = getattr(self, field)
             if value is None and allow_none:
                 return
-            if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
-                try:
-                    parsed = float(value)
-                except ValueError:
-                    parsed = None
-                if parsed is not None and integer and parsed.is_integer():
-                    parsed = int(parsed)
-                if parsed is not None:
-                    object.__setattr__(self, field, parsed)  # frozen dataclass
-                    value = parsed
+            parsed = number_from_yaml_string(value, integer)  # YAML 1.1 reads 1e-3 (no dot) as a string
+            if parsed is not value:
+                object.__setattr__(self, field, parsed)  # frozen dataclass
+                value = parsed
             kind = int if integer else (int, float)
             if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
                 what = "an integer" if integer else "a number"
@@ -111,6 +106,9 @@ class GRPOConfig:
             if high is not None and value >= high:
                 raise ValueError(f"GRPOConfig.{field} must be < {high}, got {value}")
 
+        for f in dataclasses.fields(self):
+            if str(f.type).replace(" ", "") == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"GRPOConfig.{f.name} must be true or false, got {getattr(self, f.name)!r}")
         choice("advantage_estimator", ADVANTAGE_ESTIMATORS.names())
         choice("advantage_scale", ("group", "batch", "none"))
         choice("policy_loss", POLICY_LOSSES.names())

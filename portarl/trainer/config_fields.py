@@ -11,6 +11,8 @@ import math
 
 import yaml
 
+from portarl.core.yaml_numbers import number_from_yaml_string
+
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field (``section.field``)."""
@@ -25,24 +27,24 @@ def _coerce_numbers(obj, section: str) -> None:
     """Every field annotated ``int`` / ``float`` (optionally ``| None``): a string such as
     ``1e-3`` (YAML 1.1 reads exponent notation without a dot as a string) becomes the
     number; anything else that is not a finite number is an error naming the field. Range
-    checks follow in each section's ``validate``."""
+    checks follow in each section's ``validate``. A field annotated ``bool`` must be true or
+    false (YAML's yes / no / on / off included; not a string such as ``"maybe"``)."""
     for f in dataclasses.fields(obj):
         kind = str(f.type).replace(" ", "")
         base, _, rest = kind.partition("|")
-        if base not in ("int", "float") or rest not in ("", "None"):
-            continue
         v = getattr(obj, f.name)
         field = f"{section}.{f.name}"
+        if kind == "bool":
+            _check(isinstance(v, bool), field, "must be true or false", v)
+            continue
+        if base not in ("int", "float") or rest not in ("", "None"):
+            continue
         if v is None and rest == "None":
             continue
         if isinstance(v, str):
-            try:
-                v = float(v)
-            except ValueError:
-                raise ConfigError(f"{field} must be {'an integer' if base == 'int' else 'a finite number'}, "
-                                  f"got {getattr(obj, f.name)!r}") from None
-            if base == "int" and v.is_integer():
-                v = int(v)
+            v = number_from_yaml_string(v, integer=base == "int")
+            if isinstance(v, str):
+                raise ConfigError(f"{field} must be {'an integer' if base == 'int' else 'a finite number'}, got {v!r}")
             setattr(obj, f.name, v)
         if base == "float" and isinstance(v, int) and not isinstance(v, bool):
             continue

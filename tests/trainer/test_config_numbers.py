@@ -112,3 +112,20 @@ def test_trainer_adapts_the_kl_coefficient(make_trainer):
         coef *= 1 + error * n / 100
         assert metrics["kl/coef"] == pytest.approx(coef, rel=1e-12)
     assert trainer._state()["kl_ctl"] == {"value": trainer.kl_ctl.value}
+
+
+def _bool_fields():
+    cfg = TrainConfig()
+    for section in (*_SECTIONS, "logging", "loss"):
+        for f in dataclasses.fields(getattr(cfg, section)):
+            if str(f.type).replace(" ", "") == "bool":
+                yield section, f.name
+
+
+@pytest.mark.parametrize("section, name", list(_bool_fields()))
+def test_every_bool_field_refuses_a_non_bool_naming_the_field(section, name, tmp_path):
+    with pytest.raises(ConfigError, match=rf"(GRPOConfig|{section})\.{name} must be true or false, got 'maybe'"):
+        TrainConfig.load(None, [f"output_dir={tmp_path}", f"{section}.{name}=maybe"])
+    flipped = not getattr(getattr(TrainConfig(), section), name)
+    loaded = TrainConfig.load(None, [f"output_dir={tmp_path}", f"{section}.{name}={str(flipped).lower()}"])
+    assert getattr(getattr(loaded, section), name) is flipped

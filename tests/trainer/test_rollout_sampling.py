@@ -221,15 +221,25 @@ def test_a_repeated_prompt_is_prefilled_once_and_samples_are_unchanged(monkeypat
             assert x == pytest.approx(y, abs=1e-5)
 
 
-def test_decoding_n_tokens_takes_one_prefill_and_n_minus_1_forwards():
-    """Nothing samples from the logits after the last token: no forward is spent on them."""
-    engine, tok = _engine()
-    calls = []
-    hook = engine.model.register_forward_pre_hook(lambda m, args, kw: calls.append(kw["input_ids"].shape[1]),
-                                                  with_kwargs=True)
+@pytest.mark.parametrize("lean", [True, False])
+def test_decoding_n_tokens_takes_one_prefill_and_n_minus_1_forwards(lean):
+    """Nothing samples from the logits after the last token: no forward is spent on them
+    (lean decode steps and Hugging Face forwards alike)."""
+    engine, tok = _engine(lean_decode=lean)
+    prefills, steps = [], []
+    make = engine._decoder
+
+    def counting_decoder(*args):
+        step = make(*args)
+        return lambda tokens, positions: steps.append(1) or step(tokens, positions)
+
+    engine._decoder = counting_decoder
+    hook = engine.model.register_forward_pre_hook(
+        lambda m, args, kw: prefills.append(1) if kw["input_ids"].shape[1] > 1 else None, with_kwargs=True)
     try:
         out = engine.generate([tok.encode("3+4="), tok.encode("12+7=")], [1, 2], SamplingParams(max_new_tokens=5))
     finally:
         hook.remove()
+    assert engine.decode_path == "lean" if lean else engine.decode_path.startswith("hf (rollout.lean_decode is off")
     assert max(len(c) for c in out.completion_ids) == 5  # a row ran to the limit: no early stop
-    assert calls[0] > 1 and calls[1:] == [1] * 4
+    assert len(prefills) == 1 and len(steps) == 4
