@@ -1,6 +1,6 @@
 """Row arithmetic shared by the log-prob kernels of ``logprobs`` and ``linear_logprobs``.
 
-One place for the three pieces both ops need, inlined by Triton into each kernel that calls
+One place for the pieces both ops need, inlined by Triton into each kernel that calls
 them (no launchable kernel here, so :data:`AOT_VARIANTS` is empty; the callers' variants
 compile them):
 
@@ -9,7 +9,8 @@ compile them):
       s = sum exp(z - m),  t = sum exp(z - m) * (z - m),  H = log(s) - t / s
   (m the running maximum; both terms stay O(log V) even for |z| ~ 1e4);
 - :func:`softmax_grad`: d(g_logp * logp + g_H * H) / d logits for one tile of a row,
-  grad = (g_logp * (onehot - p) - g_H * p * (log p + H)) / T.
+  grad = (g_logp * (onehot - p) - g_H * p * (log p + H)) / T, with
+  :func:`row_grad_inputs` loading its per-row inputs.
 
 Every floating-point operation, and its order, is the one the kernels performed before they
 shared this code: results are bitwise unchanged, and a row's result depends on V alone (the
@@ -57,6 +58,21 @@ def row_lse_entropy(row_ptr, col_stride, n_cols, inv_temperature, BLOCK_V: tl.co
     if WITH_ENTROPY:
         entropy = log_s - t / s
     return lse, entropy
+
+
+@triton.jit
+def row_grad_inputs(row, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, WITH_ENTROPY: tl.constexpr):
+    """``(lse, g_logp, g_h, h)`` of ``row`` for :func:`softmax_grad`: the forward's row
+    results and the incoming row gradients (fp32; ``g_h``, ``h`` are 0.0 without
+    ``WITH_ENTROPY``, their pointers then unread)."""
+    lse = tl.load(lse_ptr + row)
+    g_logp = tl.load(grad_logp_ptr + row)
+    g_h = 0.0
+    h = 0.0
+    if WITH_ENTROPY:
+        g_h = tl.load(grad_entropy_ptr + row)
+        h = tl.load(entropy_ptr + row)
+    return lse, g_logp, g_h, h
 
 
 @triton.jit

@@ -27,7 +27,7 @@ for ahead-of-time compilation checks (sm_80 / sm_90, no spills).
 import triton
 import triton.language as tl
 
-from portarl.kernels._rowmath import row_lse_entropy, softmax_grad
+from portarl.kernels._rowmath import row_grad_inputs, row_lse_entropy, softmax_grad
 
 #: Tiles of linear_tile_kernel: constants (batch invariance), small enough not to spill.
 BLOCK_M = 32
@@ -122,13 +122,8 @@ def tile_logprobs_backward_kernel(
             idx = start + cols
             tl.store(row_ptr + idx, tl.zeros([BLOCK_V], dtype=tl.float32), mask=idx < n_cols)
     else:
-        lse = tl.load(lse_ptr + row)
-        g_logp = tl.load(grad_logp_ptr + row)
-        g_h = 0.0
-        h = 0.0
-        if WITH_ENTROPY:
-            g_h = tl.load(grad_entropy_ptr + row)
-            h = tl.load(entropy_ptr + row)
+        lse, g_logp, g_h, h = row_grad_inputs(row, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+                                              WITH_ENTROPY)
         for start in range(0, n_cols, BLOCK_V):
             idx = start + cols
             in_row = idx < n_cols

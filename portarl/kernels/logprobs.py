@@ -34,7 +34,7 @@ sum p * z directly would cancel two numbers of size |z|).
 import triton
 import triton.language as tl
 
-from portarl.kernels._rowmath import row_lse_entropy, softmax_grad
+from portarl.kernels._rowmath import row_grad_inputs, row_lse_entropy, softmax_grad
 from portarl.kernels.rounding import cast_for_store
 
 #: Largest forward tile of a row held at once (columns).
@@ -136,13 +136,8 @@ def logprobs_grad_kernel(
     if label == ignore_index:
         grad = tl.zeros([BLOCK_V], dtype=tl.float32)
     else:
-        lse = tl.load(lse_ptr + row)
-        g_logp = tl.load(grad_logp_ptr + row)
-        g_h = 0.0
-        h = 0.0
-        if WITH_ENTROPY:
-            g_h = tl.load(grad_entropy_ptr + row)
-            h = tl.load(entropy_ptr + row)
+        lse, g_logp, g_h, h = row_grad_inputs(row, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+                                              WITH_ENTROPY)
         x = tl.load(row_ptr + idx * col_stride, mask=in_row, other=-float("inf"))
         grad = softmax_grad(x.to(tl.float32) * inv_temperature, idx == label, lse, g_logp, g_h, h,
                             inv_temperature, WITH_ENTROPY)
