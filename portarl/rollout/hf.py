@@ -9,8 +9,9 @@ group identical. The stream is counter-based (Philox keyed by the sample seed, c
 completion position and vocabulary index; :mod:`portarl.rollout.sampling`), so it is drawn
 on the device for the whole batch at once.
 
-Compute: a prompt repeated in the batch (the G samples of a group) is prefilled once and
-its KV-cache rows copied (:meth:`HFRollout._prefill`); Llama-family models decode through
+Compute: with ``share_prefill`` (``rollout.share_prefill``), a prompt repeated in the batch
+(the G samples of a group) is prefilled once and its KV-cache rows copied
+(:meth:`HFRollout._prefill`); Llama-family models decode through
 :mod:`portarl.rollout.lean_decode` (no per-token mask building or cache re-copying), others
 through the model's forward. Host traffic: the prefill computes
 the head on the last position only (``logits_to_keep=1``
@@ -82,10 +83,12 @@ class HFRollout(RolloutEngine):
     name = "hf"
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
-                 stop_token_ids: tuple[int, ...] | list[int] | None = None, lean_decode: bool = True):
+                 stop_token_ids: tuple[int, ...] | list[int] | None = None, lean_decode: bool = True,
+                 share_prefill: bool = False):
         """``stop_token_ids``: tokens that end a completion (kept in it, ``finished``);
         default ``(eos_token_id,)``. Pass e.g. eos plus a chat end-of-turn (``<|im_end|>``).
-        ``lean_decode``: decode with :mod:`portarl.rollout.lean_decode` where it applies."""
+        ``lean_decode``: decode with :mod:`portarl.rollout.lean_decode` where it applies.
+        ``share_prefill``: prefill a repeated prompt once (:meth:`_prefill`)."""
         if isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int):
             raise TypeError(f"eos_token_id must be one token id (int), got {eos_token_id!r}; pass further stop tokens "
                             "(a chat end-of-turn such as <|im_end|>) as stop_token_ids=[...]")
@@ -100,6 +103,7 @@ class HFRollout(RolloutEngine):
             raise ValueError("stop_token_ids is empty: generation would only stop at max_new_tokens")
         self.stop_token_ids = tuple(dict.fromkeys(stops))
         self.lean_decode = lean_decode
+        self.share_prefill = share_prefill
         self.decode_path: str | None = None  # "lean" or "hf (why not lean)", from the last generate
 
     def samples_policy_of(self, model: torch.nn.Module) -> bool:
@@ -183,12 +187,18 @@ class HFRollout(RolloutEngine):
 
     def _prefill(self, prompts, device):
         """The prompts' forward: (KV cache, last-position logits, attention mask, next
-        position ids), one row per prompt. A prompt that repeats (the G samples of a GRPO
-        group) is computed once and its cache rows copied (``Cache.reorder_cache``, the
-        beam-search reindexing), which divides prefill compute by the group size; a cache
-        without ``reorder_cache`` gets the plain forward over every row."""
+        position ids), one row per prompt. With ``share_prefill``, a prompt that repeats (the
+        G samples of a GRPO group) is computed once and its cache rows copied
+        (``Cache.reorder_cache``, the beam-search reindexing), which divides prefill compute
+        by the group size; a cache without ``reorder_cache`` gets the plain forward over
+        every row. Off by default: the prefill's batch then depends on how many distinct
+        prompts a process holds, and a matrix product over fewer rows may sum in another
+        order (CPU GEMMs pick their kernel by size), so the rollout log-probs can move in the
+        last bits between, say, one process and two ranks of the same run; AdamW's first
+        step amplifies that for near-zero gradients beyond what
+        ``tests/distributed/test_fsdp_gloo.py`` allows."""
         distinct, row_of = _distinct_rows(prompts)
-        if len(distinct) < len(prompts):
+        if self.share_prefill and len(distinct) < len(prompts):
             past, logits, mask, positions = self._forward_prompts(distinct, device)
             if callable(getattr(past, "reorder_cache", None)):
                 index = torch.tensor(row_of, dtype=torch.long, device=device)

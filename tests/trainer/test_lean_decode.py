@@ -53,7 +53,7 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 @torch.inference_mode()
 def test_each_step_equals_a_plain_forward_over_the_whole_sequence(arch, kv_heads):
     model = _model(arch, kv_heads)
-    engine = HFRollout(model, TOK.eos_token_id, TOK.pad_token_id)
+    engine = HFRollout(model, TOK.eos_token_id, TOK.pad_token_id, share_prefill=True)  # its cache rows too
     steps = 6
     past, logits, mask, positions = engine._prefill(PROMPTS, "cpu")
     assert unsupported_reason(model, mask.shape[1] + steps) is None

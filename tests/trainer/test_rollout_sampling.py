@@ -191,7 +191,7 @@ def _prefill_rows(engine, prompts, seeds, params):
         hook.remove()
 
 
-def test_a_repeated_prompt_is_prefilled_once_and_samples_are_unchanged(monkeypatch):
+def test_share_prefill_prefills_a_repeated_prompt_once_and_samples_are_unchanged(monkeypatch):
     import transformers
 
     import portarl.rollout.hf as hf
@@ -200,6 +200,8 @@ def test_a_repeated_prompt_is_prefilled_once_and_samples_are_unchanged(monkeypat
     a, b = tok.encode("3+4="), tok.encode("12+7=")
     prompts, seeds = [a, a, a, b, b, b, a], request_seeds(4, 1, 7, 1)
     params = SamplingParams(max_new_tokens=6, top_k=30)
+    assert _prefill_rows(engine, prompts, seeds, params)[1] == [7]  # off by default: every row
+    engine.share_prefill = True
     shared, rows = _prefill_rows(engine, prompts, seeds, params)
     assert rows == [2]  # the two distinct prompts, once each
     assert len({tuple(c) for c in shared.completion_ids[:3]}) > 1  # per-sample seeds still differ
