@@ -98,14 +98,18 @@ def main(out_dir: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:
         dist.init_process_group("gloo")
+    ok = False
     try:
         for tied in (True, False):
             result = run(tied, rank, world)
             if result is not None:
                 save_file({k: v.contiguous() for k, v in result.items()},
                           os.path.join(out_dir, f"{'tied' if tied else 'untied'}.safetensors"))
+        ok = True
     finally:
         if world > 1:
+            if ok:  # tear down together: a rank that destroys its Gloo group while the other is
+                dist.barrier()  # still writing once aborted ("terminate called") on a loaded CI machine
             dist.destroy_process_group()
 
 
