@@ -93,6 +93,11 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def has_sharded_params(params) -> bool:
+    """Whether any of ``params`` is an FSDP2 shard (a DTensor, which carries its mesh)."""
+    return any(hasattr(p, "device_mesh") for p in params)
+
+
 def shard(model: torch.nn.Module, *, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """FSDP2: ``fully_shard`` every decoder layer, then the root. ``param_dtype`` (mixed
     precision) computes in that dtype over fp32 parameters, gradients reduced in fp32."""

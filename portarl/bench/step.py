@@ -222,8 +222,8 @@ class Worker:
             env[GATED] = "1"
         self.impl, self.result = impl, None
         self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(worker_command(impl, steps, threads, beta), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, text=True)
+        self.proc = subprocess.Popen(worker_command(impl, steps, threads, beta), env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True)
 
     def wait_turn(self) -> bool:
         """Read until the worker waits for its next go (True) or has printed its result

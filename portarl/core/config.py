@@ -15,7 +15,7 @@ from portarl.core.advantages import ADVANTAGE_ESTIMATORS
 from portarl.core.aggregation import AGG_MODES
 from portarl.core.mismatch import MISMATCH_MODES
 from portarl.core.policy_losses import POLICY_LOSSES
-from portarl.core.yaml_numbers import number_from_yaml_string
+from portarl.core.yaml_numbers import non_bool_field, number_from_yaml_string
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -106,9 +106,8 @@ class GRPOConfig:
             if high is not None and value >= high:
                 raise ValueError(f"GRPOConfig.{field} must be < {high}, got {value}")
 
-        for f in dataclasses.fields(self):
-            if str(f.type).replace(" ", "") == "bool" and not isinstance(getattr(self, f.name), bool):
-                raise ValueError(f"GRPOConfig.{f.name} must be true or false, got {getattr(self, f.name)!r}")
+        if (bad := non_bool_field(self)) is not None:
+            raise ValueError(f"GRPOConfig.{bad[0]} must be true or false, got {bad[1]!r}")
         choice("advantage_estimator", ADVANTAGE_ESTIMATORS.names())
         choice("advantage_scale", ("group", "batch", "none"))
         choice("policy_loss", POLICY_LOSSES.names())

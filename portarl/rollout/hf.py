@@ -27,6 +27,7 @@ import logging
 import torch
 
 from portarl import ops
+from portarl.distributed import has_sharded_params
 from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 from portarl.rollout.lean_decode import LeanDecoder, unsupported_reason
 from portarl.rollout.sampling import filter_logits, sample_tokens, seed_keys, uniform_span
@@ -62,8 +63,7 @@ def _without_autograd(model):
     ``portarl bench step``'s model on CPU), or ``torch.no_grad()`` for FSDP2-sharded
     parameters, whose unsharded buffers are made by the first all-gather, maybe this one,
     and must stay usable by the training forward (an inference tensor is not)."""
-    sharded = any(hasattr(p, "device_mesh") for p in model.parameters())
-    return torch.no_grad() if sharded else torch.inference_mode()
+    return torch.no_grad() if has_sharded_params(model.parameters()) else torch.inference_mode()
 
 
 def _last_logits_kwargs(model) -> dict:
@@ -197,8 +197,8 @@ class HFRollout(RolloutEngine):
         last bits between, say, one process and two ranks of the same run; AdamW's first
         step amplifies that for near-zero gradients beyond what
         ``tests/distributed/test_fsdp_gloo.py`` allows."""
-        distinct, row_of = _distinct_rows(prompts)
-        if self.share_prefill and len(distinct) < len(prompts):
+        distinct, row_of = _distinct_rows(prompts) if self.share_prefill else (prompts, None)
+        if len(distinct) < len(prompts):
             past, logits, mask, positions = self._forward_prompts(distinct, device)
             if callable(getattr(past, "reorder_cache", None)):
                 index = torch.tensor(row_of, dtype=torch.long, device=device)

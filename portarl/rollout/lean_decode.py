@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from portarl.distributed import has_sharded_params
+
 #: Architectures whose decoder layer is: RMSNorm, q/k/v projections (Qwen3: per-head q/k
 #: RMSNorm), RoPE, attention, o projection, residual, RMSNorm, MLP, residual.
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -50,7 +52,7 @@ def unsupported_reason(model: torch.nn.Module, total_length: int) -> str | None:
     window = getattr(hf.config, "sliding_window", None)
     if window is not None and total_length > window:
         return f"a sliding window of {window} positions, shorter than the {total_length} decoded"
-    if any(hasattr(p, "device_mesh") for p in hf.parameters()):
+    if has_sharded_params(hf.parameters()):
         return "FSDP2-sharded parameters (all-gathered only when a whole layer is called)"
     return None
 

@@ -11,7 +11,7 @@ import math
 
 import yaml
 
-from portarl.core.yaml_numbers import number_from_yaml_string
+from portarl.core.yaml_numbers import non_bool_field, number_from_yaml_string
 
 
 class ConfigError(ValueError):
@@ -29,16 +29,15 @@ def _coerce_numbers(obj, section: str) -> None:
     number; anything else that is not a finite number is an error naming the field. Range
     checks follow in each section's ``validate``. A field annotated ``bool`` must be true or
     false (YAML's yes / no / on / off included; not a string such as ``"maybe"``)."""
+    if (bad := non_bool_field(obj)) is not None:
+        raise ConfigError(f"{section}.{bad[0]} must be true or false, got {bad[1]!r}")
     for f in dataclasses.fields(obj):
         kind = str(f.type).replace(" ", "")
         base, _, rest = kind.partition("|")
-        v = getattr(obj, f.name)
-        field = f"{section}.{f.name}"
-        if kind == "bool":
-            _check(isinstance(v, bool), field, "must be true or false", v)
-            continue
         if base not in ("int", "float") or rest not in ("", "None"):
             continue
+        v = getattr(obj, f.name)
+        field = f"{section}.{f.name}"
         if v is None and rest == "None":
             continue
         if isinstance(v, str):

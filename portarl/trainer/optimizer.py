@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from portarl.distributed import has_sharded_params
+
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "single")
 
 
@@ -55,7 +57,7 @@ def make_adamw(params, *, lr: float, betas: tuple[float, float], eps: float, wei
     its ``load_state_dict`` accepts a state saved by any implementation."""
     params = list(params)
     device = params[0].device if params else torch.device("cpu")
-    impl = resolve_implementation(implementation, device, sharded=any(hasattr(p, "device_mesh") for p in params))
+    impl = resolve_implementation(implementation, device, sharded=has_sharded_params(params))
     optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_flags(impl))
     optimizer.portarl_impl = impl
     optimizer.register_load_state_dict_post_hook(_keep_implementation)
