@@ -144,6 +144,40 @@ def test_parting_is_judged_against_the_measured_noise_floor():
     assert analyse([base, far, noise], 0.05)["parted"] == ["cpu:bf16"]
 
 
+def _pg_run(label, pg, adv_abs_max=1.5):
+    rows = [{"step": i, "pg/loss": v, "adv/adv_abs_max": adv_abs_max, "kl": 0.1, "reward/mean": 0.5,
+             "grad_norm": 1.0, "entropy": 2.0, "skipped": 0} for i, v in enumerate(pg, start=1)]
+    return RunResult(RunSpec.from_label(label), rows, [], None, "CPU", steps=len(pg))
+
+
+@pytest.mark.parametrize("baseline", [0.0, 1e-9], ids=["identically-0", "1e-9"])
+def test_a_zero_typical_size_cannot_beat_the_threshold(baseline):
+    """A baseline metric at (or near) 0 has no usable scale: the threshold applies to the
+    rounding floor, so a huge threshold never parts, and last-bit noise never parts."""
+    base = _pg_run("cpu:fp32", [baseline] * 3)
+    fp32_noise = _pg_run("cpu:fp32", [baseline, baseline + 3e-8, baseline - 2e-8])  # last-bit gaps
+    bf16 = _pg_run("cpu:bf16", [baseline, 4e-3, -3e-3])  # bf16 ratios: ~u_bf16 x |A|
+    for run in (fp32_noise, bf16):
+        assert first_divergence(base, run, "pg/loss", 1e9) is None
+        assert analyse([base, run], 1e9)["parted"] == []
+    assert first_divergence(base, fp32_noise, "pg/loss", 0.1) is None  # below 2 u_fp32 x 1.5
+    assert first_divergence(base, bf16, "pg/loss", 0.1) is None  # below 2 u_bf16 x 1.5 = 1.2e-2
+    entry = analyse([base, bf16], 0.1)["runs"][1]
+    assert entry["limits"]["pg/loss"]["usable_scale"] is False
+    assert entry["limits"]["pg/loss"]["rounding_floor"] == pytest.approx(2 * 2.0 ** -8 * 1.5)
+    assert "no usable scale in the baseline for pg/loss" in entry["verdict"]
+    real = _pg_run("cpu:bf16", [baseline, 0.5, 0.4])  # a real parting, far beyond rounding
+    assert first_divergence(base, real, "pg/loss", 0.1) == (2, "pg/loss")
+    assert first_divergence(base, real, "pg/loss", 1e9) is None  # ... unless the user asked for 1e9x
+
+
+def test_huge_threshold_never_parts_on_finite_runs():
+    base = _run("cpu:fp32", [0.10, 0.11, 0.0, 0.0])
+    wild = _run("cpu:bf16", [5.0, -3.0, 1e3, 2.0], grad={1: 40.0, 2: 1e-9})
+    result = analyse([base, wild], 1e9)
+    assert result["parted"] == [] and "1e+09x" in result["runs"][1]["verdict"]
+
+
 # ---- token level ----
 def _tokens(logp, rollout=None):
     t = torch.tensor(logp, dtype=torch.float32)

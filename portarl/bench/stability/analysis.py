@@ -1,7 +1,15 @@
 """What the runs say: where each parts from the baseline, and why that is believable.
 
 Curves: a run *parts* at the first step where a metric leaves the band
-``max(threshold x typical size, noise floor)``. The noise floor is measured, not assumed:
+``max(threshold x max(typical size, rounding floor), noise floor, rounding floor)``.
+The rounding floor is the absolute difference one rounding in the coarser of the two runs'
+compute dtypes can make to the metric: ``2 x unit roundoff x term scale``, where the term
+scale is the size of the per-token terms the metric averages (the largest |advantage| for the
+policy loss, whose terms cancel to ~0 by group normalisation; the metric's own largest
+magnitude for the others, which average terms of one sign). Without it a metric whose
+baseline is 0 (the step-1 policy loss) has a typical size of 0, ``threshold x 0`` is 0, and
+the verdict turns on last-bit noise whatever ``--threshold`` says; with it a huge threshold
+can never be beaten by a zero typical size. The noise floor is measured, not assumed:
 with ``--noise-floor`` the baseline setting is trained again with another seed, and the
 largest gap between the two is the run-to-run noise of that metric (a 6% KL gap inside it
 is not a parting). Skipped (non-finite) steps, non-finite metrics, and steps a run never
@@ -29,6 +37,10 @@ from portarl.bench.stability.record import RunResult
 from portarl.bench.stability.runs import METRICS
 
 BF16_ULP = 2.0 ** -8
+UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}  # half an ulp at 1
+# Metrics whose per-token terms cancel (group-normalised advantages sum to 0 in every group),
+# so their own size says nothing of the size of the terms: the term scale comes from this row key.
+TERM_SCALE_KEYS = {"pg/loss": "adv/adv_abs_max"}
 ROUNDING_MARGIN = 2.0  # "above the bf16 rounding level": more than twice what one rounding causes
 OFF_POLICY_FACTOR = 4.0  # x the step-1 rollout-vs-trainer |d logp|
 OFF_POLICY_FLOOR = BF16_ULP / 8  # below this the rollouts are on-policy whatever step 1 was
@@ -37,11 +49,37 @@ CURVE_METRICS = [key for key, _ in METRICS if not key.startswith("mismatch/")]
 
 def typical_scale(values: list[float]) -> float:
     """Median magnitude, or the spread for metrics that hover around 0 (the policy loss of
-    group-normalised advantages)."""
+    group-normalised advantages); 0.0 when the baseline has no usable scale (all 0)."""
     if not values:
-        return 1e-12
+        return 0.0
     spread = statistics.pstdev(values) if len(values) > 1 else 0.0
-    return max(statistics.median(abs(v) for v in values), spread) or 1e-12
+    return max(statistics.median(abs(v) for v in values), spread)
+
+
+def _max_abs(rows: list[dict], key: str) -> float:
+    vals = [abs(float(r[key])) for r in rows if _finite(r.get(key))]
+    return max(vals, default=0.0)
+
+
+def rounding_floor(base: RunResult, other: RunResult, key: str) -> float:
+    """``2 x u x term scale``: the largest gap one rounding in the coarser compute dtype of the
+    two runs explains (u from :data:`UNIT_ROUNDOFF`; term scale from the data of both runs)."""
+    u = max(UNIT_ROUNDOFF.get(base.spec.dtype, UNIT_ROUNDOFF["fp32"]),
+            UNIT_ROUNDOFF.get(other.spec.dtype, UNIT_ROUNDOFF["fp32"]))
+    scale_key = TERM_SCALE_KEYS.get(key, key)
+    scale = max(_max_abs(base.rows, scale_key), _max_abs(other.rows, scale_key))
+    if scale == 0.0 and scale_key != key:  # the term-scale key was not logged: the metric's own size
+        scale = max(_max_abs(base.rows, key), _max_abs(other.rows, key))
+    return ROUNDING_MARGIN * u * scale
+
+
+def parting_limit(base: RunResult, other: RunResult, key: str, threshold: float, band: float = 0.0) -> dict:
+    """The band a metric must leave to part, with its parts (reported per metric)."""
+    typical = typical_scale([v for _, v in base.series(key)])
+    floor = rounding_floor(base, other, key)
+    usable = typical > floor
+    limit = max(threshold * max(typical, floor), band, floor)
+    return {"limit": limit, "typical": typical, "rounding_floor": floor, "noise_floor": band, "usable_scale": usable}
 
 
 def noise_band(base: RunResult, noise: RunResult, key: str) -> float:
@@ -61,7 +99,7 @@ def first_divergence(base: RunResult, other: RunResult, key: str, threshold: flo
     why: ``key`` (left the band), ``skipped``, ``non-finite`` or ``missing`` (never reached)."""
     a = {r["step"]: r for r in base.rows}
     b = {r["step"]: r for r in other.rows}
-    limit = max(threshold * typical_scale([v for _, v in base.series(key)]), band)
+    limit = parting_limit(base, other, key, threshold, band)["limit"]
     for step in sorted(set(a) | set(range(1, (base.steps or max(a, default=0)) + 1))):
         ra, rb = a.get(step), b.get(step)
         if ra is not None and ra.get("skipped"):
@@ -78,6 +116,11 @@ def first_divergence(base: RunResult, other: RunResult, key: str, threshold: flo
         if abs(float(va) - float(vb)) > limit:
             return step, key
     return None
+
+
+def threshold_text(threshold: float) -> str:
+    """``10%`` for a fraction, ``1e+09x its typical size`` for a factor (no 100000000000%)."""
+    return f"{threshold:.0%}" if threshold < 10 else f"{threshold:g}x"
 
 
 def _ranges(steps: list[int]) -> str:
@@ -133,10 +176,13 @@ def off_policy(run: RunResult) -> tuple[list[tuple[int, float]], int | None]:
 
 def _run_entry(r: RunResult, base: RunResult, threshold: float, bands: dict | None) -> dict:
     is_base = r is base
-    parts = {}
+    parts, limits = {}, {}
     for key in CURVE_METRICS:
-        hit = None if is_base else first_divergence(base, r, key, threshold, (bands or {}).get(key, 0.0))
+        band = (bands or {}).get(key, 0.0)
+        hit = None if is_base else first_divergence(base, r, key, threshold, band)
         parts[key] = hit
+        if not is_base:
+            limits[key] = parting_limit(base, r, key, threshold, band)
     hits = [(v[0], k, v[1]) for k, v in parts.items() if v is not None]
     first = min(hits) if hits else None
     if r.crashed and not is_base:
@@ -146,7 +192,7 @@ def _run_entry(r: RunResult, base: RunResult, threshold: float, bands: dict | No
     final = statistics.mean(reward[-10:]) if reward else float("nan")
     tag = " [EMULATION]" if r.spec.emulated else ""
     name = f"{r.label}{tag}"
-    band_text = "its measured noise floor" if bands else f"{threshold:.0%} (no noise floor measured)"
+    band_text = "its measured noise floor" if bands else f"{threshold_text(threshold)} (no noise floor measured)"
     if is_base:
         verdict = f"{name}: baseline"
     elif r.spec.role == "noise":
@@ -162,6 +208,10 @@ def _run_entry(r: RunResult, base: RunResult, threshold: float, bands: dict | No
         verdict += (f"; skipped (non-finite) steps {_ranges(skipped)} ({len(skipped)} of {r.steps or len(r.rows)}, "
                     f"counted as diverged; first bad tensor: {', '.join(bad) or '?'})")
     verdict += (f"; {len(kl_spikes)} KL spike(s), {len(grad_spikes)} grad-norm spike(s); final reward {final:.3f}")
+    unscaled = [k for k, v in limits.items() if not v["usable_scale"] and base.series(k)]
+    if unscaled and r.spec.role != "noise":
+        verdict += (f"; no usable scale in the baseline for {', '.join(unscaled)} (typical size at or below the "
+                    "rounding floor): judged against the rounding floor")
     if r.crashed:
         verdict += f"; CRASHED: {r.crashed}"
     if r.stopped:
@@ -173,7 +223,7 @@ def _run_entry(r: RunResult, base: RunResult, threshold: float, bands: dict | No
         "first_divergence": {k: (v[0] if v else None) for k, v in parts.items()},
         "parted": None if first is None or is_base or r.spec.role == "noise" else {"step": first[0], "metric": first[1], "why": first[2]},
         "kl_spikes": kl_spikes, "grad_norm_spikes": grad_spikes, "nan_steps": skipped, "stopped": r.stopped,
-        "crashed": r.crashed, "final_reward": final, "verdict": verdict,
+        "crashed": r.crashed, "final_reward": final, "verdict": verdict, "limits": limits,
         "mean_abs_dlogp": statistics.mean(mismatch) if mismatch else float("nan"),
     }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from portarl.bench.stability.analysis import threshold_text
 from portarl.bench.stability.record import RunResult
 from portarl.bench.stability.runs import METRICS
 
@@ -99,8 +100,10 @@ def write_report(analysis: dict, out_dir: Path, figure: Path | None, token_figur
     lines.append(f"{len(runs)} runs x {steps} steps from the same start weights; baseline {analysis['baseline']}; rollouts "
                  + ("replayed from one recording, so only trainer numerics differ (and rewards are the recording's)"
                     if analysis["replay_rollouts"] else "sampled by each run")
-                 + f"; a run parts from the baseline where a metric differs by more than {analysis['threshold']:.0%} "
-                 "of its typical size (median magnitude, or spread for metrics near 0)"
+                 + f"; a run parts from the baseline where a metric differs by more than "
+                 f"{threshold_text(analysis['threshold'])} of its typical size (median magnitude, or spread for "
+                 "metrics near 0; never less than the rounding floor: 2 x the coarser dtype's unit roundoff x the "
+                 "size of the terms the metric averages)"
                  + (" or its measured noise floor, whichever is larger" if analysis["noise_floor"] else
                     "; no noise floor measured (--noise-floor)")
                  + ". Skipped (non-finite) steps and steps a run never reached count as diverged.")
@@ -120,6 +123,18 @@ def write_report(analysis: dict, out_dir: Path, figure: Path | None, token_figur
     if analysis["noise_floor"]:
         lines += ["", "Noise floor (largest gap between the baseline and its repeat with another seed): "
                   + ", ".join(f"{k} {v:.3g}" for k, v in analysis["noise_floor"].items())]
+    limited = [r for r in runs if r.get("limits")]
+    if limited:
+        lines += ["", "## Parting limit per metric", "",
+                  "limit = max(threshold x max(typical, rounding floor), noise floor, rounding floor); "
+                  "'no usable scale': the baseline's typical size is at or below the rounding floor.", "",
+                  "| run | metric | typical size | rounding floor | noise floor | limit | scale |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in limited:
+            for key, v in r["limits"].items():
+                lines.append(f"| {r['label']} | {key} | {v['typical']:.3g} | {v['rounding_floor']:.3g} | "
+                             f"{v['noise_floor']:.3g} | {v['limit']:.3g} | "
+                             f"{'usable' if v['usable_scale'] else 'no usable scale'} |")
     if figure is not None:
         lines += ["", f"![stability]({figure.name})"]
     if analysis["tokens"]:
