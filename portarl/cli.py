@@ -355,13 +355,32 @@ def main(argv: list[str] | None = None) -> int:
         clear_startup_signals()
         previous = {s: signal.signal(s, startup_handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return args.func(args)
+        code = args.func(args)
     except KeyboardInterrupt as err:  # Ctrl-C / SIGTERM during imports or set-up: no traceback
         _log(f"portarl {args.command}: interrupted during start-up ({err or 'SIGINT'}); nothing was saved")
-        return 128 + int(getattr(err, "signum", 2))
+        code = 128 + int(getattr(err, "signum", 2))
+    except Exception:
+        if not _joined_a_job():
+            raise
+        import traceback
+
+        traceback.print_exc()
+        code = 1
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if _joined_a_job():  # a torchrun rank: leave without interpreter finalisation (exit_path.py)
+        from portarl.exit_path import leave_process
+
+        leave_process(code)
+    return code
+
+
+def _joined_a_job() -> bool:
+    """Without importing torch (``portarl --help`` stays fast): only a process that imported
+    portarl.distributed can have joined a torchrun job."""
+    pdist = sys.modules.get("portarl.distributed")
+    return pdist is not None and pdist.joined_a_job()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -194,6 +194,19 @@ def cmd_train(args) -> int:
         return 2
     _setup_logging()
     from portarl import distributed as pdist
+
+    agreed = False  # an exception on this rank: leave alone, never wait for the others
+    try:
+        code, agreed = _train(args, ready)
+    finally:
+        ready = None  # the model (FSDP2-sharded: it holds the process group) goes with the trainer
+        pdist.shutdown(agreed=agreed)
+    return code
+
+
+def _train(args, ready: Prepared) -> tuple[int, bool]:
+    """Train and report; ``(exit code, whether every rank leaves together)``. Every reference
+    to the trainer dies with this frame, so the caller can release the process group."""
     from portarl.device import DeviceUnavailableError
     from portarl.trainer import GRPOTrainer, TrainingStopped
     from portarl.trainer.checkpoint import CheckpointError
@@ -205,36 +218,35 @@ def cmd_train(args) -> int:
         trainer = GRPOTrainer(ready.model, ready.tokenizer, None, ready.examples, config, device=config.device)
     except (DeviceUnavailableError, ValueError, FileNotFoundError) as err:
         log(f"portarl train: {err}")
-        return 2
+        return 2, False
+    ready.model = None
     log(f"portarl train: {config.model.path} model on {trainer.device}, output in {config.output_dir}")
     try:
         result = trainer.train(resume=args.resume, overwrite=args.overwrite)
     except RunDirError as err:
         log(f"portarl train: {err}")
-        return 2
-    except TrainingStopped as err:
+        return 2, False
+    except TrainingStopped as err:  # stops are agreed by every rank
         log(f"portarl train: {err}")
-        return 3
+        return 3, True
     except CheckpointError as err:
         log(f"portarl train: {err}")
-        return 2
-    except StopRequested as err:
+        return 2, False
+    except StopRequested as err:  # agreed by every rank at the end of a step
         log(f"portarl train: {err}; continue with --resume")
-        return exit_code(err.signum)
-    except AbortNow as err:
+        return exit_code(err.signum), True
+    except AbortNow as err:  # a second signal: this rank leaves at once
         log(f"portarl train: {abort_message(err, trainer)}")
-        return exit_code(err.signum)
+        return exit_code(err.signum), False
     except KeyboardInterrupt as err:  # during resume, before the loop: nothing new to save
         log(f"portarl train: interrupted ({err or 'SIGINT'}) before training began; no checkpoint saved")
-        return exit_code(getattr(err, "signum", None))
+        return exit_code(getattr(err, "signum", None)), False
     finally:
         trainer.close()
-        pdist.shutdown()
-    if not trainer.dist.is_main:
-        return 0
-    print(result.summary)
-    print(f"metrics: {config.output_dir}/metrics.jsonl   checkpoint: {result.checkpoint}")
-    return 0
+    if trainer.dist.is_main:
+        print(result.summary)
+        print(f"metrics: {config.output_dir}/metrics.jsonl   checkpoint: {result.checkpoint}", flush=True)
+    return 0, True
 
 
 def cmd_sft(args) -> int:

@@ -53,6 +53,7 @@ def launched_by_torchrun() -> bool:
 #: Default collective timeout and heartbeat limit (``distributed.timeout_s``), seconds.
 DEFAULT_TIMEOUT_S = 600.0
 _heartbeat = None
+_joined = False  # this process joined a torchrun job (it must leave through leave_process)
 
 
 def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[DistContext, torch.device]:
@@ -60,9 +61,10 @@ def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S)
 
     ``timeout_s`` bounds every collective, and a heartbeat thread (:mod:`portarl.heartbeat`)
     stops the job, naming the rank, when one rank's process stops running for half of it."""
-    global _heartbeat
+    global _heartbeat, _joined
     if not launched_by_torchrun():
         return SINGLE, device
+    _joined = True
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     backend = BACKEND_FOR_DEVICE.get(device.type)
     if backend is None:
@@ -84,13 +86,23 @@ def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S)
     return DistContext(rank, world, local, backend), device
 
 
-def shutdown() -> None:
+def shutdown(agreed: bool = True) -> None:
+    """Leave the job (steps 1-3 of :mod:`portarl.exit_path`); idempotent.
+
+    ``agreed``: every rank is on its way out together (a finished run, an agreed stop), so
+    they meet at an exit barrier first; ``False`` for a rank leaving alone (an error on this
+    rank, a second signal), which must not wait for peers that are not coming."""
     global _heartbeat
-    if _heartbeat is not None:
-        _heartbeat.stop()
-        _heartbeat = None
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    from portarl.exit_path import leave_job
+
+    beat, _heartbeat = _heartbeat, None
+    leave_job(beat, agreed)
+
+
+def joined_a_job() -> bool:
+    """Whether this process joined a torchrun job (and so must end through
+    :func:`portarl.exit_path.leave_process`)."""
+    return _joined
 
 
 def has_sharded_params(params) -> bool:

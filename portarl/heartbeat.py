@@ -62,6 +62,20 @@ class Heartbeat:
         except Exception:  # the store may already be gone at exit
             pass
 
+    def exit_barrier(self, timeout_s: float | None = None) -> bool:
+        """Wait, through the store (no collective, so no tensor-bearing work left on the
+        backend's threads), until every rank has reached its exit; ``False`` after
+        ``timeout_s`` (default ``distributed.timeout_s``) if one never does."""
+        key = f"{self.prefix}/exit"
+        try:
+            if int(self.store.add(key, 1)) >= self.world_size:
+                self.store.set(f"{key}/all", "1")
+                return True
+            self.store.wait([f"{key}/all"], timedelta(seconds=timeout_s or self.timeout_s))
+            return True
+        except Exception:  # a peer died on its way out, or the launcher's store is gone
+            return False
+
     def _run(self) -> None:
         beat = 0
         now = time.monotonic()

@@ -1,4 +1,8 @@
-"""The heartbeat's logic in one process (the 2-process SIGSTOP test is in tests/distributed)."""
+"""The heartbeat's logic in one process (the 2-process SIGSTOP test is in tests/distributed).
+
+Load-proof: "within the limit" is counted in the watcher's own beats (each waits at least one
+interval), not in wall-clock seconds, which a busy machine stretches; the waits for an event
+are long (slow is fine) and end as soon as it happens."""
 
 from __future__ import annotations
 
@@ -15,31 +19,62 @@ class _Recorder(Heartbeat):
         self._stop.set()
 
 
+class _CountingStore:
+    """The store the heartbeats share, counting each key's writes (a rank's beats)."""
+
+    def __init__(self):
+        self.inner, self.writes = dist.HashStore(), {}
+
+    def set(self, key, value):
+        self.writes[key] = self.writes.get(key, 0) + 1
+        self.inner.set(key, value)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+
 def _pair(timeout_s=2.0):
-    store = dist.HashStore()
+    store = _CountingStore()
     return [_Recorder(store, r, 2, timeout_s) for r in (0, 1)]
+
+
+def _wait_for(condition, what: str, limit_s: float = 120.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
 
 
 def test_a_silent_rank_is_named_within_the_limit():
     watcher, frozen = _pair()
+    store = watcher.store
     watcher.start(), frozen.start()
-    time.sleep(0.5)
+    _wait_for(lambda: store.writes.get(frozen._key(1), 0) >= 3, "the second rank never beat")
     frozen._stop.set()  # its thread stops beating, as a SIGSTOPped process would
-    frozen_at = time.monotonic()
-    deadline = frozen_at + watcher.timeout_s + 2
-    while not hasattr(watcher, "lost") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert hasattr(watcher, "lost"), "the silent rank was never reported"
-    what, rank, at = watcher.lost
+    frozen._thread.join()
+    beats_at_freeze = store.writes[watcher._key(0)]
+    _wait_for(lambda: hasattr(watcher, "lost"), "the silent rank was never reported")
+    what, rank, _ = watcher.lost
     assert rank == 1 and what.startswith("rank 1 has sent no heartbeat")
-    assert at - frozen_at <= watcher.stale_after + 2 * watcher.interval + 0.5
+    # Named within the limit: at most stale_after / interval beats of the watcher after the
+    # last beat it saw, plus the beat that saw it and the one that judged it.
+    beats_after = store.writes[watcher._key(0)] - beats_at_freeze
+    assert beats_after <= watcher.stale_after / watcher.interval + 2, beats_after
+    assert not watcher.lost[0].startswith("rank 1 has sent no heartbeat for 0 s")
 
 
 def test_a_rank_that_finished_is_not_reported():
     watcher, done = _pair()
+    store = watcher.store
     watcher.start(), done.start()
-    time.sleep(0.3)
+    _wait_for(lambda: store.writes.get(done._key(1), 0) >= 2, "the second rank never beat")
     done.stop()  # normal exit: marks itself done
-    time.sleep(watcher.stale_after + 3 * watcher.interval)
+    # Long enough for the watcher to have judged it silent: its own beats, not wall time.
+    beats = store.writes[watcher._key(0)]
+    _wait_for(lambda: store.writes[watcher._key(0)] - beats > watcher.stale_after / watcher.interval + 3,
+              "the watcher stopped beating")
     assert not hasattr(watcher, "lost")
     watcher.stop()

@@ -6,6 +6,9 @@
 #
 #   tools/stress_distributed_exit.sh [RUNS] [OUT_DIR]     (defaults: 100, runs/stress-exit)
 #   BURNERS=0 tools/stress_distributed_exit.sh 20          (no burner: the idle figure)
+#   BURNERS=8 NICE=19 tools/stress_distributed_exit.sh     (harsher: 4 burners a core, ranks at
+#                                                           the lowest priority, so a rank's
+#                                                           threads lag its main thread at exit)
 #
 # Every rank runs with PYTHONFAULTHANDLER=1, so an abort prints each Python thread's stack.
 # The burner processes are killed on every exit path (normal end, error, Ctrl-C).
@@ -14,6 +17,7 @@ cd "$(dirname "$0")/.."
 RUNS=${1:-100}
 OUT=${2:-runs/stress-exit}
 BURNERS=${BURNERS:-$(nproc)}
+NICE=${NICE:-0}
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 if ! [[ "$RUNS" =~ ^[1-9][0-9]*$ ]]; then
@@ -33,7 +37,7 @@ for _ in $(seq 1 "$BURNERS"); do
   "$PY" -c 'while True: pass' &
   burner_pids+=($!)
 done
-echo "stress: $RUNS runs of 2-rank portarl train under $BURNERS CPU burner(s); logs of failures in $OUT"
+echo "stress: $RUNS runs of 2-rank portarl train under $BURNERS CPU burner(s), ranks at nice $NICE; logs of failures in $OUT"
 
 SETS=(train.steps=2 checkpoint.every=1 train.prompts_per_step=4 train.sft_warmup_steps=0 train.micro_batch_size=4
       rollout.group_size=4 rollout.max_new_tokens=3 data.synthetic_size=64 model.hidden_size=32
@@ -46,7 +50,7 @@ for i in $(seq 1 "$RUNS"); do
   run_dir="$OUT/run"
   log="$OUT/last.log"
   rm -rf "$run_dir"
-  PYTHONFAULTHANDLER=1 OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --nproc-per-node 2 -m portarl train \
+  PYTHONFAULTHANDLER=1 OMP_NUM_THREADS=1 nice -n "$NICE" "$PY" -m torch.distributed.run --nproc-per-node 2 -m portarl train \
     --device cpu --output-dir "$run_dir" "${args[@]}" >"$log" 2>&1
   rc=$?
   if [ "$rc" -ne 0 ]; then
@@ -56,5 +60,5 @@ for i in $(seq 1 "$RUNS"); do
   fi
   echo "run $i/$RUNS: exit $rc (failed so far: $failed, of them exit-time aborts: $aborts; $(( $(date +%s) - start )) s)"
 done
-echo "stress result: $RUNS runs, $failed with a non-zero torchrun exit, $aborts of them exit-time aborts ($BURNERS burner(s), $(( $(date +%s) - start )) s)"
+echo "stress result: $RUNS runs, $failed with a non-zero torchrun exit, $aborts of them exit-time aborts ($BURNERS burner(s), nice $NICE, $(( $(date +%s) - start )) s)"
 [ "$failed" -eq 0 ]

@@ -114,4 +114,16 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    # portarl's exit path for a torchrun rank (portarl/exit_path.py): no interpreter
+    # finalisation for Gloo's threads to race.
+    from portarl.exit_path import leave_process
+
+    code = 1
+    try:
+        main(sys.argv[1])
+        code = 0
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+    leave_process(code)

@@ -1,8 +1,10 @@
 """A reward that can hold a training step open: lets the signal tests send both signals while
 a step is certainly still running (imported by the trainer via PYTHONPATH).
 
-When ``$HOLD_DIR/hold`` exists, the next call creates ``$HOLD_DIR/holding`` and sleeps (up to
-60 s); otherwise it returns at once."""
+When ``$HOLD_DIR/hold`` exists, the next call creates ``$HOLD_DIR/holding`` and waits until
+``$HOLD_DIR/release`` appears (at most 600 s, longer than any test waits for the process);
+otherwise it returns at once. A held step therefore ends only by the test's word or by the
+process dying, never by a sleep that a loaded machine could outlast."""
 
 import os
 import time
@@ -13,5 +15,7 @@ def held_zero(prompt, completion, answer):
     gate = Path(os.environ["HOLD_DIR"])
     if (gate / "hold").exists():
         (gate / "holding").touch()
-        time.sleep(60)
+        end = time.monotonic() + 600
+        while not (gate / "release").exists() and time.monotonic() < end:
+            time.sleep(0.05)
     return 0.0
