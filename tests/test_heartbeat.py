@@ -35,6 +35,12 @@ class _CountingStore:
     def check(self, keys):
         return self.inner.check(keys)
 
+    def add(self, key, amount):
+        return self.inner.add(key, amount)
+
+    def wait(self, keys, timeout):
+        return self.inner.wait(keys, timeout)
+
 
 def _pair(timeout_s=2.0):
     store = _CountingStore()
@@ -78,3 +84,22 @@ def test_a_rank_that_finished_is_not_reported():
               "the watcher stopped beating")
     assert not hasattr(watcher, "lost")
     watcher.stop()
+
+
+def test_exit_barrier_releases_when_every_rank_arrived_and_not_before():
+    import threading
+
+    first, second = _pair(timeout_s=600.0)  # not started: the barrier needs only the store
+    results = {}
+    waiter = threading.Thread(target=lambda: results.setdefault("first", first.exit_barrier()))
+    waiter.start()
+    _wait_for(lambda: first.store.inner.check([f"{first.prefix}/exit"]), "the first rank never arrived")
+    assert waiter.is_alive()  # held: the second rank is not there yet
+    assert second.exit_barrier() is True
+    waiter.join()
+    assert results == {"first": True}
+
+
+def test_exit_barrier_gives_up_on_a_peer_that_never_comes():
+    alone, _ = _pair(timeout_s=600.0)
+    assert alone.exit_barrier(timeout_s=0.2) is False
