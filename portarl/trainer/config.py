@@ -3,7 +3,8 @@
 
 Sections: ``model``, ``data``, ``rollout``, ``rewards``, ``train``, ``optim``,
 ``precision``, ``guards``, ``checkpoint``, ``logging``, ``loss`` (a
-:class:`portarl.core.GRPOConfig`). The defaults are the built-in demo: the tiny Qwen2 on
+:class:`portarl.core.GRPOConfig`), ``shaping``, ``reference``, ``eval``
+(:mod:`portarl.trainer.config_algorithms`). The defaults are the built-in demo: the tiny Qwen2 on
 single-digit addition.
 """
 
@@ -27,6 +28,7 @@ from portarl.trainer.config_fields import (  # noqa: F401  (ConfigError, apply_o
     _positive_int,
     apply_override,
 )
+from portarl.trainer.config_algorithms import EvalConfig, ReferenceConfig, ShapingConfig  # noqa: F401
 from portarl.trainer.config_lora import LORA_DEFAULT_TARGETS, LoraSection, lora_section  # noqa: F401
 from portarl.trainer.config_safety import GuardsConfig, PrecisionConfig  # noqa: F401  (public here too)
 
@@ -283,6 +285,9 @@ class TrainConfig:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     loss: GRPOConfig = dataclasses.field(default_factory=_default_loss)
+    shaping: ShapingConfig = dataclasses.field(default_factory=ShapingConfig)
+    reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
     def validate(self) -> "TrainConfig":
         _check(isinstance(self.output_dir, str) and bool(self.output_dir), "output_dir", "must be a directory path", self.output_dir)
@@ -290,7 +295,8 @@ class TrainConfig:
         for name, section in (("model", self.model), ("data", self.data), ("rollout", self.rollout),
                               ("train", self.train), ("optim", self.optim), ("precision", self.precision),
                               ("guards", self.guards), ("checkpoint", self.checkpoint),
-                              ("distributed", self.distributed), ("logging", self.logging)):
+                              ("distributed", self.distributed), ("logging", self.logging),
+                              ("shaping", self.shaping), ("reference", self.reference), ("eval", self.eval)):
             _coerce_numbers(section, name)
             section.validate()
         _check(bool(self.rewards), "rewards", "must list at least one reward", self.rewards)
@@ -303,6 +309,10 @@ class TrainConfig:
         _check(self.train.mini_batches <= rows, "train.mini_batches",
                f"must be at most the {rows} sequences of an iteration (train.prompts_per_step x rollout.group_size)",
                self.train.mini_batches)
+        _check(self.shaping.overlong_buffer <= self.rollout.max_new_tokens, "shaping.overlong_buffer",
+               f"must be at most rollout.max_new_tokens ({self.rollout.max_new_tokens})", self.shaping.overlong_buffer)
+        if self.reference.sync and self.loss.kl_coef == 0:
+            raise ConfigError("reference.sync needs a KL reference: set loss.kl_coef > 0 (or reference.sync=false)")
         if self.rollout.group_size < 2 and self.loss.advantage_estimator in ("grpo", "rloo"):
             raise ConfigError(f"rollout.group_size must be >= 2 for {self.loss.advantage_estimator} advantages, got {self.rollout.group_size}")
         return self
@@ -361,4 +371,5 @@ _SECTION_CLASSES = {
     "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "train": TrainSection,
     "optim": OptimConfig, "precision": PrecisionConfig, "guards": GuardsConfig,
     "checkpoint": CheckpointConfig, "distributed": DistributedConfig, "logging": LoggingConfig,
+    "shaping": ShapingConfig, "reference": ReferenceConfig, "eval": EvalConfig,
 }

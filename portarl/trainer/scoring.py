@@ -35,6 +35,7 @@ from portarl.core import compute_advantages, kl_penalized_rewards
 from portarl.trainer.guards import NonFiniteError, check_finite
 from portarl.trainer.reference import reference_model
 from portarl.trainer.sequences import build_batch, completion_logprobs, padded
+from portarl.trainer.shaping import shape_rewards, truncated_keep
 
 
 @dataclasses.dataclass
@@ -94,6 +95,7 @@ def score(trainer, phase, metrics: dict) -> Scored:
     guard = trainer.guard
     rollout, examples = phase.rollout, phase.examples
     rewards, reward_metrics = trainer._rewards(examples, phase.texts)
+    rewards = shape_rewards(cfg, rewards, rollout.completion_ids, reward_metrics)  # DAPO overlong penalty (off: as is)
     # What the sample log shows (samples.jsonl): filled in as the phase goes.
     trainer._last_samples = {"prompts": [examples[i // g].prompt_text for i in range(len(phase.texts))],
                              "completions": phase.texts, "finished": rollout.finished,
@@ -138,5 +140,8 @@ def score(trainer, phase, metrics: dict) -> Scored:
     # Dropped groups (DAPO dynamic sampling) are masked out, not removed, so every rank
     # runs the same number of micro-batches (FSDP forwards are collective).
     keep = adv.keep[mine].to(trainer.device)
+    finished = truncated_keep(cfg, rollout.finished, trainer.device, metrics)  # TRL's mask_truncated_completions
+    if finished is not None:
+        keep = keep & finished
     batch = dataclasses.replace(batch, mask=batch.mask & keep[:, None])
     return Scored(batch, old_logp, ref_logp, rollout_logp, advantages)
