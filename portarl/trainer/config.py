@@ -114,8 +114,16 @@ class RolloutConfig:
     #: engine "vllm": platform-plugin options (vLLM's ``additional_config``), e.g. for
     #: vllm-ascend ``{rl_config: {enabled: true}}``. ``enable_reduce_sample`` is refused.
     vllm_additional_config: dict | None = None
+    #: DAPO dynamic sampling (verl's algorithm.filter_groups): generate rounds of fresh
+    #: prompts until the batch holds train.prompts_per_step groups whose rewards are not all
+    #: equal (portarl.trainer.dynamic_sampling). Single process.
+    dynamic_sampling: bool = False
+    #: Cap on generation rounds per step with dynamic_sampling (verl's max_num_gen_batches);
+    #: when hit, the step trains on the informative groups found and logs an event.
+    max_generation_rounds: int = 8
 
     def validate(self):
+        _positive_int(self, "rollout", "max_generation_rounds")
         _check(self.engine in ("hf", "vllm"), "rollout.engine", "must be 'hf' or 'vllm'", self.engine)
         _positive_int(self, "rollout", "group_size", "max_new_tokens")
         _positive_int(self, "rollout", "top_k", allow_zero=True)

@@ -42,7 +42,7 @@ from portarl.reward_runner import RewardError, RewardRunner, agree_on_failure
 from portarl.rollout import SamplingParams
 from portarl.tokenizer import as_codec, chat_template_option
 from portarl.trainer.checkpoint import CheckpointManager
-from portarl.trainer.config import TrainConfig
+from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
 from portarl.trainer.guards import DegenerateDetector, GuardTripped, SpikeDetector
 from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
@@ -88,6 +88,9 @@ class GRPOTrainer:
         self.config = (config or TrainConfig()).validate()
         # Under torchrun: process group (nccl / hccl / gloo), this rank's device, FSDP2.
         self.dist, self.device = pdist.init_distributed(resolve_device(device), self.config.distributed.timeout_s)
+        if self.config.rollout.dynamic_sampling and self.dist.enabled:
+            raise ConfigError("rollout.dynamic_sampling runs in a single process (under torchrun each rank would keep "
+                              "a different number of groups); use loss.drop_zero_std_groups there")
         self.model, self._initial_reference = place_model(model, self.config, self.dist, self.device)
         self.model.train()
         self.tokenizer = tokenizer
