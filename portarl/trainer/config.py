@@ -28,7 +28,7 @@ from portarl.trainer.config_fields import (  # noqa: F401  (ConfigError, apply_o
     _positive_int,
     apply_override,
 )
-from portarl.trainer.config_algorithms import EvalConfig, ReferenceConfig, ShapingConfig  # noqa: F401
+from portarl.trainer.config_algorithms import REFERENCE_SYNC_LORA, EvalConfig, ReferenceConfig, ShapingConfig  # noqa: F401
 from portarl.trainer.config_lora import LORA_DEFAULT_TARGETS, LoraSection, lora_section  # noqa: F401
 from portarl.trainer.config_safety import GuardsConfig, PrecisionConfig  # noqa: F401  (public here too)
 
@@ -319,6 +319,8 @@ class TrainConfig:
                self.train.mini_batches)
         _check(self.shaping.overlong_buffer <= self.rollout.max_new_tokens, "shaping.overlong_buffer",
                f"must be at most rollout.max_new_tokens ({self.rollout.max_new_tokens})", self.shaping.overlong_buffer)
+        if self.reference.sync and self.model.lora is not None:
+            raise ConfigError(REFERENCE_SYNC_LORA)
         if self.reference.sync and self.loss.kl_coef == 0:
             raise ConfigError("reference.sync needs a KL reference: set loss.kl_coef > 0 (or reference.sync=false)")
         if self.rollout.group_size < 2 and self.loss.advantage_estimator in ("grpo", "rloo"):

@@ -9,6 +9,12 @@ import dataclasses
 
 from portarl.trainer.config_fields import _check, _number, _positive_int
 
+#: Why reference.sync is refused with LoRA (the config check and the trainer's, for a model
+#: passed in with adapters).
+REFERENCE_SYNC_LORA = ("reference.sync with LoRA: the reference is the base model with the adapter switched off (no "
+                       "copy of the weights), so there is nothing to mix the policy into; train without LoRA to sync "
+                       "the reference, or set reference.sync=false")
+
 
 @dataclasses.dataclass
 class ShapingConfig:

@@ -50,6 +50,7 @@ from portarl.trainer.rollout_phase import run_rollout
 from portarl.trainer import persistence, run_dir
 from portarl.trainer.progress import progress_bar
 from portarl.trainer.runlog import RunLogger, plot_curves, read_metrics, summarize
+from portarl.trainer.reference import maybe_sync_reference, refuse_reference_sync
 from portarl.trainer.scoring import score
 from portarl.trainer.sft import run_sft
 from portarl.trainer.step_guard import (
@@ -91,6 +92,8 @@ class GRPOTrainer:
         if self.config.rollout.dynamic_sampling and self.dist.enabled:
             raise ConfigError("rollout.dynamic_sampling runs in a single process (under torchrun each rank would keep "
                               "a different number of groups); use loss.drop_zero_std_groups there")
+        if (why := refuse_reference_sync(self.config, model, self.dist.enabled)) is not None:
+            raise ConfigError(why)
         self.model, self._initial_reference = place_model(model, self.config, self.dist, self.device)
         self.model.train()
         self.tokenizer = tokenizer
@@ -264,6 +267,7 @@ class GRPOTrainer:
             metrics = pdist.mean_metrics(self.dist, metrics)
         if not skipped:  # after the rank mean: every rank moves its coefficient by the same global KL
             self.kl_ctl.update(metrics["kl"], len(phase.rollout.completion_ids) * self.dist.world_size)
+            maybe_sync_reference(self, step, metrics)
         metrics["kl/coef"] = self.kl_ctl.value
         metrics["_events"] = events
         self.step = step
