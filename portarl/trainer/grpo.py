@@ -50,6 +50,7 @@ from portarl.trainer.rollout_phase import run_rollout
 from portarl.trainer import persistence, run_dir
 from portarl.trainer.progress import progress_bar
 from portarl.trainer.runlog import RunLogger, plot_curves, read_metrics, summarize
+from portarl.trainer.evaluation import Evaluator
 from portarl.trainer.reference import maybe_sync_reference, refuse_reference_sync
 from portarl.trainer.scoring import score
 from portarl.trainer.sft import run_sft
@@ -102,6 +103,10 @@ class GRPOTrainer:
         self.rewards = self._resolve_rewards(reward_fns)
         self.examples: list[Example] = list(train_data)
         self._prompt_ids = self._check_examples()
+        if self.config.eval.data is not None and self.dist.enabled:
+            raise ConfigError("eval.data under torchrun is not supported yet: evaluate checkpoints with "
+                              "`portarl eval --checkpoint C --data F`, or train in one process")
+        self.evaluator = Evaluator(self) if self.config.eval.data is not None else None  # checks the file now
         self._last_samples = None
         self.output_dir = Path(self.config.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)

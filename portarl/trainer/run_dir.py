@@ -30,7 +30,7 @@ log = logging.getLogger("portarl.train")
 #: What a training run writes into its output directory (all of it, and only it, is
 #: removed by ``--overwrite``).
 RUN_FILES = ("checkpoints", "metrics.jsonl", "events.jsonl", "samples.jsonl", "tensorboard", "config.yaml", "summary.txt",
-             "curves.png")
+             "curves.png", "best")
 
 #: Fields (``section.field``; a trailing dot: the whole section) that ``--resume`` applies.
 MID_RUN_FIELDS = ("train.steps", "train.old_logprobs", "optim.lr", "optim.implementation", "logging.",
