@@ -64,3 +64,23 @@ def test_refusals(tmp_path):
         fast_config(tmp_path, "reference.sync=true", "loss.kl_coef=0")
     with pytest.raises(ConfigError, match="reference.mixup_alpha"):
         fast_config(tmp_path, *SYNC[:2], "reference.mixup_alpha=1.5")
+
+
+def test_resume_of_a_run_saved_before_these_sections_existed(tmp_path):
+    """A config.yaml without the shaping / reference / eval sections (an older run) resumes
+    when they hold their defaults; a non-default value is still a refused change."""
+    import yaml
+
+    from portarl.trainer.run_dir import RunDirError, check_resume_config
+
+    cfg = fast_config(tmp_path)
+    saved = cfg.to_dict()
+    for section in ("shaping", "reference", "eval"):
+        saved.pop(section)
+    saved["rollout"].pop("dynamic_sampling")
+    out = tmp_path / "old"
+    out.mkdir()
+    (out / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    assert check_resume_config(out, cfg) == []
+    with pytest.raises(RunDirError, match="shaping.overlong_buffer"):
+        check_resume_config(out, fast_config(tmp_path, "shaping.overlong_buffer=1"))
