@@ -275,6 +275,10 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+CHECKPOINT_HELP = ("a checkpoint directory (runs/x/checkpoints/step-000300, runs/x/best/checkpoints/...) or a run's "
+                   "output directory (its newest checkpoint)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="portarl", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"portarl {__version__}")
@@ -317,9 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Write a training checkpoint as a Hugging Face model directory: the model "
                              "rebuilt from the run config saved in it, its weights (a LoRA adapter merged into the "
                              "base weights), and the tokenizer. The checkpoint is verified against its manifest first.")
-    ex.add_argument("--checkpoint", required=True,
-                    help="a checkpoint directory (runs/x/checkpoints/step-000300) or a run's output directory (its "
-                         "newest checkpoint)")
+    ex.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     ex.add_argument("--out", required=True, help="output directory (must be absent or empty unless --overwrite)")
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     ex.set_defaults(func=_cmd_export)
@@ -328,9 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Generate completions for the prompts of --data with a checkpoint's model "
                              "and score them with the rewards of its run config: the eval/* metrics that eval.data "
                              "logs during training, as JSON.")
-    ev.add_argument("--checkpoint", required=True,
-                    help="a checkpoint directory (runs/x/checkpoints/step-000300, runs/x/best/checkpoints/...) or a "
-                         "run's output directory (its newest checkpoint)")
+    ev.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     ev.add_argument("--data", required=True, help="JSONL / Parquet file of prompts and answers (the run's data fields)")
     ev.add_argument("--n", type=int, default=None, help="completions per prompt (default: the run's eval.n; 1 greedy)")
     ev.add_argument("--greedy", choices=["true", "false"], default=None,

@@ -25,12 +25,12 @@ would keep a different number of groups): refused there with a message.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import random
 
 import torch
 
 from portarl.rollout import RolloutBatch, request_seeds
+from portarl.rollout.base import seed_of
 
 
 @dataclasses.dataclass
@@ -52,12 +52,8 @@ def round_seeds(run_seed: int, step: int, round_index: int, num_prompts: int, gr
     step's. ``mode="constant"`` keeps its one seed (it reproduces the identical-samples failure)."""
     if round_index == 0 or mode == "constant":
         return request_seeds(run_seed, step, num_prompts, group_size, mode)
-    out = []
-    for p in range(num_prompts):
-        for s in range(group_size):
-            digest = hashlib.blake2b(f"{run_seed}/{step}/round{round_index}/{p}/{s}".encode(), digest_size=8).digest()
-            out.append(int.from_bytes(digest, "little") & ((1 << 63) - 1))
-    return out
+    return [seed_of(f"{run_seed}/{step}/round{round_index}/{p}/{s}") for p in range(num_prompts)
+            for s in range(group_size)]
 
 
 def round_prompts(trainer, step: int, round_index: int) -> list:

@@ -18,7 +18,6 @@ value (read back on ``--resume``, so a resumed run only replaces a better best).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 
 from portarl.data import encode_examples, load_examples
 from portarl.rollout import SamplingParams
+from portarl.rollout.base import seed_of
 
 log = logging.getLogger("portarl.train")
 
@@ -36,12 +36,7 @@ EVAL_CHUNK = 256
 
 def eval_seeds(run_seed: int, num_prompts: int, n: int) -> list[int]:
     """One seed per (prompt, sample), the same at every evaluation of a run."""
-    out = []
-    for p in range(num_prompts):
-        for s in range(n):
-            digest = hashlib.blake2b(f"{run_seed}/eval/{p}/{s}".encode(), digest_size=8).digest()
-            out.append(int.from_bytes(digest, "little") & ((1 << 63) - 1))
-    return out
+    return [seed_of(f"{run_seed}/eval/{p}/{s}") for p in range(num_prompts) for s in range(n)]
 
 
 def load_eval_set(config, codec, context_length: int | None, path: str | None = None):
