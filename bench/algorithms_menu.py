@@ -29,7 +29,11 @@ VARIANTS = {
     "cispo": ["loss.policy_loss=cispo"],
     "sapo": ["loss.policy_loss=sapo"],
     "dynamic sampling": ["rollout.dynamic_sampling=true"],
+    # Tighter settings, for the off-policy check (--variants):
+    "cispo ratio_max 1.28": ["loss.policy_loss=cispo", "loss.cispo_ratio_max=1.28"],
+    "sapo tau 4/8": ["loss.policy_loss=sapo", "loss.sapo_temperature_pos=4", "loss.sapo_temperature_neg=8"],
 }
+DEFAULT_VARIANTS = ["ppo_clip (default)", "cispo", "sapo", "dynamic sampling"]
 
 
 def _mean(rows, key):
@@ -47,7 +51,7 @@ def eval_file(root: Path) -> Path:
 
 
 def run(name, extra, steps, seed, root: Path, common: list[str]) -> dict:
-    out = root / f"{name.split()[0]}-{'ds' if 'dynamic' in name else ''}seed{seed}"
+    out = root / f"{name.split()[0]}-{len(extra)}{'ds' if 'dynamic' in name else ''}seed{seed}"
     cmd = [sys.executable, "-m", "portarl", "train", "--overwrite", "--output-dir", str(out),
            "--set", f"train.steps={steps}", "--set", "optim.lr=1e-3", "--set", f"train.seed={seed}",
            "--set", "logging.progress=false", "--set", "logging.tensorboard=false", "--set", "logging.plot=false",
@@ -78,18 +82,21 @@ def main() -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--runs", default="/tmp/portarl-algorithms-menu")
     p.add_argument("--out", default="bench/results/algorithms-menu-cpu")
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     p.add_argument("--set", dest="common", action="append", default=[],
                    help="an override for every run, e.g. train.mini_batches=4 (off-policy optimizer steps)")
     args = p.parse_args()
     results = []
     for seed in args.seeds:
-        for name, extra in VARIANTS.items():
+        for name in args.variants:
+            extra = VARIANTS[name]
             results.append(run(name, extra, args.steps, seed, Path(args.runs), args.common))
             print(json.dumps(results[-1]), flush=True)
     Path(args.out + ".json").write_text(json.dumps(results, indent=1) + "\n")
     lines = [f"# Algorithm menu: learning check on the CPU demo ({args.steps} GRPO steps, lr 1e-3)", "",
              "Command: `PYTHONPATH=. OMP_NUM_THREADS=1 python bench/algorithms_menu.py "
              f"--steps {args.steps} --seeds {' '.join(map(str, args.seeds))}"
+             + ("" if args.variants == DEFAULT_VARIANTS else " --variants " + " ".join(f"'{v}'" for v in args.variants))
              + "".join(f" --set {c}" for c in args.common) + "` (tiny Qwen2, single-digit addition, "
              "40 SFT warm-up steps, then GRPO). eval: greedy accuracy on all 100 single-digit additions "
              f"(eval.data, every 10 steps; first = step 10, last = step {args.steps}). train reward / accuracy: "
@@ -104,7 +111,7 @@ def main() -> int:
     lines += ["", "Mean over seeds:", "",
               "| variant | eval acc step 10 | eval acc last | train reward first 10 | train reward last 10 | rise |",
               "|---|---|---|---|---|---|"]
-    for name in VARIANTS:
+    for name in args.variants:
         rs = [r for r in results if r["variant"] == name]
 
         def avg(key):
