@@ -4,8 +4,8 @@ bench/results/algorithms-menu-cpu.{json,md}.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python bench/algorithms_menu.py [--steps 60] [--seeds 0 1 2]
 
-Each run: ``portarl train --set train.steps=S --set optim.lr=1e-3 --set train.seed=K`` plus the
-variant's settings (the demo's 40 SFT warm-up steps first), with ``eval.data`` = all 100
+Each run: ``portarl train --set train.steps=S --set optim.lr=1e-3 --set train.seed=K
+--set loss.kl_coef=0.001`` plus the variant's settings (the demo's 40 SFT warm-up steps first), with ``eval.data`` = all 100
 single-digit additions, greedy, every 10 steps and after the last. Reported per run: the
 greedy eval accuracy (eval/reward/math_exact) at the first evaluation (step 10) and the
 last (step S), and the training reward/mean and accuracy over the first and last 10 GRPO
@@ -55,7 +55,10 @@ def run(name, extra, steps, seed, root: Path, common: list[str]) -> dict:
     cmd = [sys.executable, "-m", "portarl", "train", "--overwrite", "--output-dir", str(out),
            "--set", f"train.steps={steps}", "--set", "optim.lr=1e-3", "--set", f"train.seed={seed}",
            "--set", "logging.progress=false", "--set", "logging.tensorboard=false", "--set", "logging.plot=false",
-           "--set", f"eval.data={eval_file(root)}", "--set", "eval.every=10"]
+           "--set", f"eval.data={eval_file(root)}", "--set", "eval.every=10",
+           # The demo's KL (0.001) stated for every variant: a `--set loss.x` replaces the whole
+           # loss section, whose own kl_coef default is 0, and the runs would differ in KL too.
+           "--set", "loss.kl_coef=0.001"]
     for item in [*common, *extra]:
         cmd += ["--set", item]
     started = time.perf_counter()
@@ -98,7 +101,7 @@ def main() -> int:
              f"--steps {args.steps} --seeds {' '.join(map(str, args.seeds))}"
              + ("" if args.variants == DEFAULT_VARIANTS else " --variants " + " ".join(f"'{v}'" for v in args.variants))
              + "".join(f" --set {c}" for c in args.common) + "` (tiny Qwen2, single-digit addition, "
-             "40 SFT warm-up steps, then GRPO). eval: greedy accuracy on all 100 single-digit additions "
+             "40 SFT warm-up steps, then GRPO; loss.kl_coef=0.001 for every variant). eval: greedy accuracy on all 100 single-digit additions "
              f"(eval.data, every 10 steps; first = step 10, last = step {args.steps}). train reward / accuracy: "
              "means over the first and last 10 GRPO steps (dynamic sampling: over informative groups only).", "",
              "| variant | seed | eval acc step 10 | eval acc last | eval rise | train reward first 10 | last 10 | "

@@ -8,8 +8,9 @@ entropy is >= the (1 - q) quantile of the valid tokens' entropies, the quantile 
 interpolated as ``torch.quantile`` does (TRL's rule). Kept count k satisfies
 q n - q <= k <= q n + 1 - q for n valid tokens of distinct entropies (within one token of
 q n); ties at the threshold are all kept. No host sync (no boolean indexing): the quantile is
-a sort and a gather. An empty mask keeps nothing. Non-finite entropies: NaN is never kept
-(every comparison is false), +inf always is.
+a sort and a gather. An empty mask keeps nothing. A NaN entropy is never kept (every
+comparison with it is false); non-finite entropies come from non-finite logits, whose tokens
+the loss's guard has already left out (``drop_nonfinite_tokens``).
 """
 
 from __future__ import annotations
