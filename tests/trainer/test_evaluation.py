@@ -38,7 +38,7 @@ def test_eval_seeds_fixed_and_distinct():
 def test_eval_during_training(tmp_path):
     data = _eval_file(tmp_path)
     trainer = _trainer(tmp_path, f"eval.data={data}", "eval.every=2", "eval.greedy=false", "eval.n=3",
-                       "train.steps=3", "logging.plot=true")
+                       "train.steps=3", "logging.plot=true", "logging.tensorboard=true")
     result = trainer.train()
     out = tmp_path / "run"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -56,6 +56,12 @@ def test_eval_during_training(tmp_path):
     assert (out / "best" / "checkpoints" / f"step-{best['step']:06d}" / "COMPLETE").exists()
     assert "eval/reward/mean" in result.summary
     assert (out / "curves.png").exists()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert [e.step for e in events.Scalars("eval/reward/mean")] == [2, 3], scalars
 
 
 def test_eval_greedy_is_deterministic_and_scored_with_the_training_rewards(tmp_path):
