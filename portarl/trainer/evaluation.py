@@ -142,7 +142,8 @@ class Evaluator:
 
 def eval_checkpoint(checkpoint, data: str, *, n: int | None = None, greedy: bool | None = None,
                     max_prompts: int | None = None, device: str = "auto") -> dict[str, float]:
-    """``portarl eval``: the checkpoint's model and run config (rewards, sampling), on ``data``."""
+    """``portarl eval``: the checkpoint's model and run config (rewards, sampling), on ``data``.
+    ``n`` > 1 without ``greedy`` samples; ``greedy=True`` with ``n`` > 1 is refused."""
     import dataclasses
 
     from portarl.device import resolve_device
@@ -153,7 +154,10 @@ def eval_checkpoint(checkpoint, data: str, *, n: int | None = None, greedy: bool
 
     _, config, model, tokenizer = load_checkpoint_model(checkpoint)
     e = config.eval
-    greedy = e.greedy if greedy is None else greedy
+    if greedy and n is not None and n > 1:
+        raise ValueError(f"--n {n} needs --greedy false (greedy completions of a prompt are all the same)")
+    if greedy is None:  # --n > 1 alone means sampling
+        greedy = e.greedy if n is None else n == 1 and e.greedy
     n = (1 if greedy else e.n) if n is None else n
     config.eval = dataclasses.replace(e, data=data, n=n, greedy=greedy,
                                       max_prompts=e.max_prompts if max_prompts is None else max_prompts)

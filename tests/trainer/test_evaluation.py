@@ -109,3 +109,10 @@ def test_portarl_eval_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "portarl", "eval", "--checkpoint", str(tmp_path / "nope"), "--data",
                           str(data)], capture_output=True, text=True, env=env, timeout=600)
     assert bad.returncode == 2 and "--checkpoint" in bad.stderr
+    both = subprocess.run([sys.executable, "-m", "portarl", "eval", "--checkpoint", str(ckpt), "--data", str(data),
+                           "--n", "4", "--greedy", "true"], capture_output=True, text=True, env=env, timeout=600)
+    assert both.returncode == 2 and "--greedy false" in both.stderr
+    from portarl.trainer.evaluation import eval_checkpoint
+
+    sampled = eval_checkpoint(ckpt, str(data), n=2, device="cpu")  # --n 2 alone: sampled
+    assert sampled["eval/prompts"] == 3 and "eval/reward/best_of_n" in sampled
