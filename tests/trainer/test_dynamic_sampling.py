@@ -98,3 +98,14 @@ def test_bad_cap_is_refused(tmp_path):
 
     with pytest.raises(ConfigError, match="rollout.max_generation_rounds"):
         fast_config(tmp_path, "rollout.max_generation_rounds=0")
+
+
+def test_one_informative_round_is_the_ordinary_step(make_trainer):
+    """When round 0 is informative everywhere, dynamic sampling changes nothing: same loss."""
+    results = []
+    for on in ("false", "true"):
+        trainer = make_trainer(f"rollout.dynamic_sampling={on}", rewards=[varied_reward])
+        results.append(trainer.train_step())
+    off, on_ = results
+    assert on_["rollout/rounds"] == 1 and on_["rollout/informative_frac"] == 1
+    assert on_["loss"] == off["loss"] and on_["reward/mean"] == off["reward/mean"]

@@ -78,3 +78,13 @@ def test_truncated_completions_leave_the_loss(make_trainer, monkeypatch):
     assert not mask[~finished].any()  # truncated: out of the loss
     assert mask[finished].any(dim=-1).all()  # finished ones stay (their groups have reward spread)
     assert metrics["shaping/truncated_masked_frac"] == pytest.approx(float((~finished).float().mean()))
+
+
+def test_overlong_penalty_matches_trl_soft_overlong_punishment():
+    """TRL 1.16 has the same DAPO term as a reward function (factor 1); same lengths, same values."""
+    trl_rewards = pytest.importorskip("trl.rewards", reason="TRL is not installed")
+    fn = trl_rewards.get_soft_overlong_punishment(max_completion_len=20, soft_punish_cache=6)
+    lengths = list(range(0, 21))
+    theirs = fn([[1] * n for n in lengths])
+    ours = overlong_penalty(lengths, 20, 6, 1.0).tolist()
+    assert ours == pytest.approx(theirs, abs=1e-7)
