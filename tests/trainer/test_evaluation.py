@@ -84,7 +84,7 @@ def test_bad_eval_settings(tmp_path):
         fast_config(tmp_path, "eval.best_metric=reward/mean")
 
 
-def test_portarl_eval_cli(tmp_path):
+def test_portarl_eval_cli(tmp_path, capsys):
     data = _eval_file(tmp_path, 3)
     trainer = _trainer(tmp_path, "train.steps=1")
     trainer.train()
@@ -106,12 +106,12 @@ def test_portarl_eval_cli(tmp_path):
     with torch.no_grad():
         here = evaluate(trainer.rollout, trainer.model, trainer.codec, trainer.rewards, examples, ids, trainer.config)
     assert here == pytest.approx(metrics)
-    bad = subprocess.run([sys.executable, "-m", "portarl", "eval", "--checkpoint", str(tmp_path / "nope"), "--data",
-                          str(data)], capture_output=True, text=True, env=env, timeout=600)
-    assert bad.returncode == 2 and "--checkpoint" in bad.stderr
-    both = subprocess.run([sys.executable, "-m", "portarl", "eval", "--checkpoint", str(ckpt), "--data", str(data),
-                           "--n", "4", "--greedy", "true"], capture_output=True, text=True, env=env, timeout=600)
-    assert both.returncode == 2 and "--greedy false" in both.stderr
+    from portarl.cli import main
+
+    assert main(["eval", "--checkpoint", str(tmp_path / "nope"), "--data", str(data)]) == 2
+    assert "--checkpoint" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(ckpt), "--data", str(data), "--n", "4", "--greedy", "true"]) == 2
+    assert "--greedy false" in capsys.readouterr().err
     from portarl.trainer.evaluation import eval_checkpoint
 
     sampled = eval_checkpoint(ckpt, str(data), n=2, device="cpu")  # --n 2 alone: sampled
