@@ -246,6 +246,39 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_eval(args) -> int:
+    if _missing_train_extra("eval"):
+        return 2
+    import json
+    from pathlib import Path
+
+    from portarl.trainer.progress import quiet_third_party
+
+    quiet_third_party()
+    from portarl.export import ExportError
+    from portarl.lora import LoraUnavailable
+    from portarl.reward_runner import RewardError
+    from portarl.trainer.checkpoint import CheckpointError
+    from portarl.trainer.evaluation import eval_checkpoint
+
+    greedy = None if args.greedy is None else args.greedy == "true"
+    try:
+        metrics = eval_checkpoint(args.checkpoint, args.data, n=args.n, greedy=greedy, max_prompts=args.max_prompts,
+                                  device=args.device)
+    except (ExportError, ValueError, CheckpointError, LoraUnavailable, RewardError, OSError) as err:
+        _log(f"portarl eval: {err}")
+        return 2
+    text = json.dumps(metrics, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+CHECKPOINT_HELP = ("a checkpoint directory (runs/x/checkpoints/step-000300, runs/x/best/checkpoints/...) or a run's "
+                   "output directory (its newest checkpoint)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="portarl", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"portarl {__version__}")
@@ -288,12 +321,24 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Write a training checkpoint as a Hugging Face model directory: the model "
                              "rebuilt from the run config saved in it, its weights (a LoRA adapter merged into the "
                              "base weights), and the tokenizer. The checkpoint is verified against its manifest first.")
-    ex.add_argument("--checkpoint", required=True,
-                    help="a checkpoint directory (runs/x/checkpoints/step-000300) or a run's output directory (its "
-                         "newest checkpoint)")
+    ex.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     ex.add_argument("--out", required=True, help="output directory (must be absent or empty unless --overwrite)")
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     ex.set_defaults(func=_cmd_export)
+
+    ev = commands.add_parser("eval", help="score a checkpoint on held-out prompts with its run's rewards (eval/* metrics)",
+                             description="Generate completions for the prompts of --data with a checkpoint's model "
+                             "and score them with the rewards of its run config: the eval/* metrics that eval.data "
+                             "logs during training, as JSON.")
+    ev.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
+    ev.add_argument("--data", required=True, help="JSONL / Parquet file of prompts and answers (the run's data fields)")
+    ev.add_argument("--n", type=int, default=None, help="completions per prompt (default: the run's eval.n; 1 greedy)")
+    ev.add_argument("--greedy", choices=["true", "false"], default=None,
+                    help="greedy decoding (true) or sampling at the run's temperature (false); default: eval.greedy")
+    ev.add_argument("--max-prompts", type=int, default=None, help="evaluate at most this many prompts (0: all)")
+    ev.add_argument("--device", default="auto", help="auto (default), cuda, npu or cpu")
+    ev.add_argument("--out", help="also write the metrics (JSON) here")
+    ev.set_defaults(func=_cmd_eval)
 
     bench = commands.add_parser("bench", help="kernel speed / memory, and training stability across settings")
     bench_cmds = bench.add_subparsers(dest="bench_command", required=True)

@@ -59,11 +59,12 @@ def prepare_out(out: str | Path, overwrite: bool, checkpoint: Path) -> Path:
     return out
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
-    """Write the model of ``checkpoint`` (LoRA merged in) to ``out`` as a Hugging Face
-    directory; returns ``out``. Raises :class:`ExportError` (usage) or
-    :class:`~portarl.trainer.checkpoint.CheckpointError` (a damaged checkpoint)."""
-    from portarl.lora import apply_lora, load_adapter, require_peft, save_merged
+def load_checkpoint_model(checkpoint: str | Path):
+    """``(directory, config, model, tokenizer)`` of a checkpoint (or a run directory's newest):
+    the model rebuilt from the run config saved in it, its weights loaded (a LoRA adapter
+    applied, not merged), in the run's dtype, on the CPU. Verifies the manifest first.
+    Raises :class:`ExportError` naming ``--checkpoint`` when it cannot be used."""
+    from portarl.lora import apply_lora, load_adapter, require_peft
     from portarl.models import build_model
     from portarl.trainer.checkpoint import CheckpointManager
     from portarl.trainer.checkpoint.safe_state import UnsafeStateError
@@ -71,7 +72,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: boo
     from portarl.trainer.precision import DTYPES
 
     directory = resolve_checkpoint(checkpoint)
-    out = prepare_out(out, overwrite, directory)
     try:
         state = CheckpointManager.load_state(directory)  # verifies the manifest first
     except UnsafeStateError as err:
@@ -81,8 +81,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: boo
     except (ConfigError, KeyError, TypeError) as err:
         raise ExportError(f"--checkpoint {directory}: its saved run config is not usable ({err})") from None
     if CheckpointManager.is_sharded(directory):
-        raise ExportError(f"--checkpoint {directory} is a sharded (FSDP2 / DCP) checkpoint, which export does not "
-                          "read yet; export one written by a single-process run")
+        raise ExportError(f"--checkpoint {directory} is a sharded (FSDP2 / DCP) checkpoint, which this command does "
+                          "not read yet; use one written by a single-process run")
     dtype = DTYPES[config.precision.dtype]
     model, tokenizer = build_model(config.model, dtype)
     if config.model.lora is not None:
@@ -93,6 +93,18 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: boo
     else:
         model.to(dtype=dtype)
         CheckpointManager.load_weights(model, directory, verify=False)  # verified just above
+    return directory, config, model, tokenizer
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Write the model of ``checkpoint`` (LoRA merged in) to ``out`` as a Hugging Face
+    directory; returns ``out``. Raises :class:`ExportError` (usage) or
+    :class:`~portarl.trainer.checkpoint.CheckpointError` (a damaged checkpoint)."""
+    from portarl.lora import save_merged
+
+    directory = resolve_checkpoint(checkpoint)
+    out = prepare_out(out, overwrite, directory)
+    _, _, model, tokenizer = load_checkpoint_model(directory)
     tmp = out.parent / f".{out.name}.tmp-export"
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -7,6 +7,7 @@ Imports and runs without triton or torch_npu. Pieces:
 - :func:`kl_per_token`, :func:`kl_penalized_rewards`;
 - :func:`aggregate_loss`: one aggregation for every term;
 - :func:`correct_mismatch`: rollout-vs-trainer importance weights;
+- :func:`portarl.core.entropy_mask.high_entropy_mask`: entropy masking (top-q tokens);
 - :class:`GRPOConfig` and :func:`compute_loss`: the entry point.
 """
 

@@ -33,7 +33,7 @@ class GRPOConfig:
     drop_zero_std_groups: bool = False
 
     # --- policy loss (policy_loss) ---
-    #: Name in POLICY_LOSSES: "ppo_clip", "gspo", "reinforce".
+    #: Name in POLICY_LOSSES: "ppo_clip", "gspo", "reinforce", "cispo", "sapo".
     policy_loss: str = "ppo_clip"
     #: ppo_clip lower / upper clip: ratio clipped to [1 - clip_eps_low, 1 + clip_eps_high].
     clip_eps_low: float = 0.2
@@ -45,6 +45,14 @@ class GRPOConfig:
     gspo_eps_high: float = 4e-4
     #: Log-ratios are clamped to +- this before exp.
     log_ratio_clamp: float = 20.0
+    #: cispo: the IS weight is clipped to [cispo_ratio_min, cispo_ratio_max] (TRL's epsilon_high
+    #: with loss_type="cispo"; MiniMax-M1's 1 + eps_high^IS). None: no lower bound.
+    cispo_ratio_max: float = 5.0
+    cispo_ratio_min: float | None = None
+    #: sapo: gate temperatures for positive / non-positive advantages (TRL's
+    #: sapo_temperature_pos / sapo_temperature_neg).
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
 
     # --- KL to the reference policy ---
     #: Weight of the KL term (0: no reference model needed).
@@ -65,6 +73,9 @@ class GRPOConfig:
     # --- entropy bonus ---
     #: loss -= entropy_coef * aggregated entropy (needs the entropy from ops.logprobs).
     entropy_coef: float = 0.0
+    #: Entropy masking (TRL's top_entropy_quantile, "high-entropy minority tokens"): only the
+    #: top q of a micro-batch's valid tokens by entropy get policy gradient (1.0: all).
+    top_entropy_quantile: float = 1.0
 
     # --- aggregation (aggregate_loss), shared by every term ---
     loss_agg_mode: str = "token-mean"
@@ -121,6 +132,16 @@ class GRPOConfig:
         number("gspo_eps_low", low=0.0, high=1.0)
         number("gspo_eps_high", low=0.0)
         number("log_ratio_clamp", low=0.0)
+        number("cispo_ratio_max", low=0.0)
+        number("cispo_ratio_min", low=0.0, allow_none=True)
+        if self.cispo_ratio_min is not None and self.cispo_ratio_min >= self.cispo_ratio_max:
+            raise ValueError(f"GRPOConfig.cispo_ratio_min ({self.cispo_ratio_min}) must be < cispo_ratio_max "
+                             f"({self.cispo_ratio_max})")
+        number("sapo_temperature_pos", low=0.0)
+        number("sapo_temperature_neg", low=0.0)
+        number("top_entropy_quantile", low=0.0)
+        if self.top_entropy_quantile > 1:
+            raise ValueError(f"GRPOConfig.top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
         number("kl_coef", low=0.0, strict=False)
         number("kl_log_ratio_clamp", low=0.0, allow_none=True)
         number("kl_max_value", low=0.0, allow_none=True)
@@ -156,6 +177,12 @@ class GRPOConfig:
             return dict(eps_low=self.gspo_eps_low, eps_high=self.gspo_eps_high, log_ratio_clamp=self.log_ratio_clamp)
         if self.policy_loss == "reinforce":
             return dict(log_ratio_clamp=self.log_ratio_clamp)
+        if self.policy_loss == "cispo":
+            return dict(ratio_max=self.cispo_ratio_max, ratio_min=self.cispo_ratio_min,
+                        log_ratio_clamp=self.log_ratio_clamp)
+        if self.policy_loss == "sapo":
+            return dict(temperature_pos=self.sapo_temperature_pos, temperature_neg=self.sapo_temperature_neg,
+                        log_ratio_clamp=self.log_ratio_clamp)
         return {}  # a user-registered loss takes its defaults
 
     def advantage_options(self) -> dict[str, Any]:

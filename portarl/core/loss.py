@@ -8,6 +8,7 @@ import torch
 from portarl.core._checks import check_mask, check_tokens, masked_mean
 from portarl.core.aggregation import aggregate_loss
 from portarl.core.config import GRPOConfig
+from portarl.core.entropy_mask import high_entropy_mask
 from portarl.core.kl import kl_per_token
 from portarl.core.mismatch import correct_mismatch
 from portarl.core.policy_losses import policy_loss
@@ -41,7 +42,9 @@ def compute_loss(
         ref_logp: [B, T] reference log-probs; required when ``kl_coef > 0`` and the KL is a
             loss term.
         rollout_logp: [B, T] rollout-engine log-probs; enables mismatch correction.
-        entropy: [B, T] per-token entropy; required when ``entropy_coef > 0``.
+        entropy: [B, T] per-token entropy; required when ``entropy_coef > 0`` or
+            ``top_entropy_quantile < 1`` (entropy masking: only the top-q tokens of this
+            batch by entropy keep a policy gradient, :mod:`portarl.core.entropy_mask`).
         num_global_tokens, num_global_seqs: normalisers over the whole optimizer batch
             (micro-batching / data parallel); default: this batch's own counts.
     """
@@ -82,6 +85,15 @@ def compute_loss(
 
     pg, pg_metrics = policy_loss(config.policy_loss, logp, old_logp, advantages, mask, **config.policy_loss_options())
     metrics.update({f"pg/{k}": v.detach() for k, v in pg_metrics.items()})
+    if config.top_entropy_quantile < 1:
+        # Entropy masking (TRL's top_entropy_quantile): the policy gradient of the low-entropy
+        # tokens is dropped; they stay in the normaliser, the KL and the entropy terms, as in TRL.
+        if entropy is None:
+            raise ValueError("top_entropy_quantile < 1 needs entropy (ops.logprobs(..., return_entropy=True))")
+        check_tokens("entropy", entropy, logp)
+        keep = high_entropy_mask(entropy, mask, config.top_entropy_quantile)
+        pg = torch.where(keep, pg, torch.zeros_like(pg))
+        metrics["pg/entropy_kept_frac"] = masked_mean(keep.float(), mask).detach()
     if weights is not None:
         pg = pg * weights
     pg_loss = aggregate_loss(pg, mask, **agg)

@@ -1,4 +1,5 @@
-"""Policy-gradient losses per token, by name: ``ppo_clip``, ``gspo``, ``reinforce``.
+"""Policy-gradient losses per token, by name: ``ppo_clip``, ``gspo``, ``reinforce``,
+``cispo``, ``sapo``.
 
 Every loss takes ``logp`` (trainer, with grad), ``old_logp`` (behaviour policy, no grad),
 ``advantages`` ([B] per sequence or [B, T] per token) and a bool ``mask`` [B, T], and
@@ -124,6 +125,74 @@ def reinforce(logp, old_logp, adv, mask, *, log_ratio_clamp: float = LOG_RATIO_C
     return loss, _ratio_metrics(raw, torch.exp(log_ratio), mask, clamp)
 
 
+@POLICY_LOSSES.register("cispo")
+def cispo(
+    logp, old_logp, adv, mask, *, ratio_max: float = 5.0, ratio_min: float | None = None,
+    log_ratio_clamp: float = LOG_RATIO_CLAMP, **options,
+):
+    """CISPO (MiniMax-M1, Chen et al. 2025, arXiv 2506.13585): clip the importance-sampling
+    weight, not the update, and stop its gradient:
+
+        loss_t = -sg(clip(r_t, ratio_min, ratio_max)) * A_t * logp_t,   r_t = exp(logp_t - old_logp_t)
+
+    so d loss_t / d logp_t = -clip(r_t) * A_t: every token keeps a gradient (PPO's clip
+    zeroes it outside the trust region), only its weight is bounded. ``ratio_max`` is
+    MiniMax's 1 + eps_high^IS and TRL's ``epsilon_high`` with ``loss_type="cispo"``
+    (ScaleRL's eps_max; recommended 5.0); ``ratio_min`` is 1 - eps_low^IS, None for no lower
+    bound (MiniMax's setting and TRL's form). Metrics: ``clip_frac_high`` / ``clip_frac_low``
+    are the fractions of valid tokens whose weight is clipped at ``ratio_max`` /
+    ``ratio_min`` (any advantage sign; TRL's ``cispo_clip_ratio`` counts A > 0 only)."""
+    reject_unknown("cispo", options)
+    ratio_max = check_positive("ratio_max", ratio_max)
+    ratio_min = check_positive("ratio_min", ratio_min, allow_none=True)
+    if ratio_min is not None and ratio_min >= ratio_max:
+        raise ValueError(f"ratio_min ({ratio_min}) must be < ratio_max ({ratio_max})")
+    clamp = check_positive("log_ratio_clamp", log_ratio_clamp)
+    raw, log_ratio = _log_ratio(logp.detach(), old_logp, mask, clamp)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, min=ratio_min, max=ratio_max)  # no grad: logp was detached above
+    safe_logp = torch.where(mask, logp.float(), torch.zeros_like(logp, dtype=torch.float32))
+    loss = torch.where(mask, -weight * adv.float() * safe_logp, torch.zeros_like(safe_logp))
+    metrics = _ratio_metrics(raw, ratio, mask, clamp)
+    metrics["clip_frac_high"] = masked_mean((ratio > ratio_max).float(), mask)
+    low = (ratio < ratio_min) if ratio_min is not None else torch.zeros_like(mask)
+    metrics["clip_frac_low"] = masked_mean(low.float(), mask)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo(
+    logp, old_logp, adv, mask, *, temperature_pos: float = 1.0, temperature_neg: float = 1.05,
+    log_ratio_clamp: float = LOG_RATIO_CLAMP, **options,
+):
+    """SAPO, Soft Adaptive Policy Optimization (Qwen, Gao et al. 2025, arXiv 2511.20347): a
+    smooth, temperature-controlled gate in place of PPO's hard clip,
+
+        loss_t = -A_t * (4 / tau) * sigmoid(tau * (r_t - 1)),   tau = temperature_pos if A_t > 0
+                                                                     else temperature_neg
+
+    whose gradient weight on r_t is 4 p (1 - p), p = sigmoid(tau (r_t - 1)): exactly 1
+    on-policy (r = 1, the plain policy gradient) and decaying smoothly as the ratio leaves
+    1, faster for larger tau (negative advantages get the larger default, 1.05, as in the
+    paper and TRL's ``sapo_temperature_neg`` / ``sapo_temperature_pos``). Metric
+    ``sapo_gate_mean``: the mean gradient weight 4 p (1 - p) over valid tokens (1 = no
+    attenuation)."""
+    reject_unknown("sapo", options)
+    tau_pos = check_positive("temperature_pos", temperature_pos)
+    tau_neg = check_positive("temperature_neg", temperature_neg)
+    clamp = check_positive("log_ratio_clamp", log_ratio_clamp)
+    raw, log_ratio = _log_ratio(logp, old_logp, mask, clamp)
+    ratio = torch.exp(log_ratio)
+    adv = adv.float()
+    tau = torch.where(adv > 0, tau_pos, tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    loss = torch.where(mask, -adv * gate * (4.0 / tau), torch.zeros_like(ratio))
+    metrics = _ratio_metrics(raw, ratio.detach(), mask, clamp)
+    with torch.no_grad():
+        metrics["sapo_gate_mean"] = masked_mean((4.0 * gate * (1.0 - gate)).expand_as(ratio), mask)
+    return loss, metrics
+
+
 def policy_loss(name: str, logp, old_logp, advantages, mask, **options):
     """Per-token policy loss ``name`` (see :data:`POLICY_LOSSES`) and its metrics.
 
@@ -133,6 +202,7 @@ def policy_loss(name: str, logp, old_logp, advantages, mask, **options):
         advantages: [B] (per sequence) or [B, T] (per token).
         mask: [B, T] bool (or 0/1) response mask.
         options: the loss's own options (``eps_low``, ``eps_high``, ``dual_clip``,
+            ``ratio_max``, ``ratio_min``, ``temperature_pos``, ``temperature_neg``,
             ``log_ratio_clamp``).
     """
     from portarl.core._checks import check_mask, check_tokens, per_sequence

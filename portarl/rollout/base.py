@@ -49,10 +49,15 @@ class RolloutBatch:
     finished: list[bool]
 
 
+def seed_of(key: str) -> int:
+    """A 63-bit seed hashed from ``key`` (distinct keys: distinct seeds, up to a 2^-63 collision)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
 def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
     """A 63-bit seed unique to one sample of one prompt at one step of one run."""
-    digest = hashlib.blake2b(f"{run_seed}/{step}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+    return seed_of(f"{run_seed}/{step}/{prompt_index}/{sample_index}")
 
 
 def request_seeds(run_seed: int, step: int, num_prompts: int, group_size: int, mode: str = "per_sample") -> list[int]:

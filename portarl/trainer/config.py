@@ -3,7 +3,8 @@
 
 Sections: ``model``, ``data``, ``rollout``, ``rewards``, ``train``, ``optim``,
 ``precision``, ``guards``, ``checkpoint``, ``logging``, ``loss`` (a
-:class:`portarl.core.GRPOConfig`). The defaults are the built-in demo: the tiny Qwen2 on
+:class:`portarl.core.GRPOConfig`), ``shaping``, ``reference``, ``eval``
+(:mod:`portarl.trainer.config_algorithms`). The defaults are the built-in demo: the tiny Qwen2 on
 single-digit addition.
 """
 
@@ -27,6 +28,7 @@ from portarl.trainer.config_fields import (  # noqa: F401  (ConfigError, apply_o
     _positive_int,
     apply_override,
 )
+from portarl.trainer.config_algorithms import REFERENCE_SYNC_LORA, EvalConfig, ReferenceConfig, ShapingConfig  # noqa: F401
 from portarl.trainer.config_lora import LORA_DEFAULT_TARGETS, LoraSection, lora_section  # noqa: F401
 from portarl.trainer.config_safety import GuardsConfig, PrecisionConfig  # noqa: F401  (public here too)
 
@@ -112,8 +114,16 @@ class RolloutConfig:
     #: engine "vllm": platform-plugin options (vLLM's ``additional_config``), e.g. for
     #: vllm-ascend ``{rl_config: {enabled: true}}``. ``enable_reduce_sample`` is refused.
     vllm_additional_config: dict | None = None
+    #: DAPO dynamic sampling (verl's algorithm.filter_groups): generate rounds of fresh
+    #: prompts until the batch holds train.prompts_per_step groups whose rewards are not all
+    #: equal (portarl.trainer.dynamic_sampling). Single process.
+    dynamic_sampling: bool = False
+    #: Cap on generation rounds per step with dynamic_sampling (verl's max_num_gen_batches);
+    #: when hit, the step trains on the informative groups found and logs an event.
+    max_generation_rounds: int = 8
 
     def validate(self):
+        _positive_int(self, "rollout", "max_generation_rounds")
         _check(self.engine in ("hf", "vllm"), "rollout.engine", "must be 'hf' or 'vllm'", self.engine)
         _positive_int(self, "rollout", "group_size", "max_new_tokens")
         _positive_int(self, "rollout", "top_k", allow_zero=True)
@@ -283,6 +293,9 @@ class TrainConfig:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     loss: GRPOConfig = dataclasses.field(default_factory=_default_loss)
+    shaping: ShapingConfig = dataclasses.field(default_factory=ShapingConfig)
+    reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
     def validate(self) -> "TrainConfig":
         _check(isinstance(self.output_dir, str) and bool(self.output_dir), "output_dir", "must be a directory path", self.output_dir)
@@ -290,7 +303,8 @@ class TrainConfig:
         for name, section in (("model", self.model), ("data", self.data), ("rollout", self.rollout),
                               ("train", self.train), ("optim", self.optim), ("precision", self.precision),
                               ("guards", self.guards), ("checkpoint", self.checkpoint),
-                              ("distributed", self.distributed), ("logging", self.logging)):
+                              ("distributed", self.distributed), ("logging", self.logging),
+                              ("shaping", self.shaping), ("reference", self.reference), ("eval", self.eval)):
             _coerce_numbers(section, name)
             section.validate()
         _check(bool(self.rewards), "rewards", "must list at least one reward", self.rewards)
@@ -303,6 +317,12 @@ class TrainConfig:
         _check(self.train.mini_batches <= rows, "train.mini_batches",
                f"must be at most the {rows} sequences of an iteration (train.prompts_per_step x rollout.group_size)",
                self.train.mini_batches)
+        _check(self.shaping.overlong_buffer <= self.rollout.max_new_tokens, "shaping.overlong_buffer",
+               f"must be at most rollout.max_new_tokens ({self.rollout.max_new_tokens})", self.shaping.overlong_buffer)
+        if self.reference.sync and self.model.lora is not None:
+            raise ConfigError(REFERENCE_SYNC_LORA)
+        if self.reference.sync and self.loss.kl_coef == 0:
+            raise ConfigError("reference.sync needs a KL reference: set loss.kl_coef > 0 (or reference.sync=false)")
         if self.rollout.group_size < 2 and self.loss.advantage_estimator in ("grpo", "rloo"):
             raise ConfigError(f"rollout.group_size must be >= 2 for {self.loss.advantage_estimator} advantages, got {self.rollout.group_size}")
         return self
@@ -361,4 +381,5 @@ _SECTION_CLASSES = {
     "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "train": TrainSection,
     "optim": OptimConfig, "precision": PrecisionConfig, "guards": GuardsConfig,
     "checkpoint": CheckpointConfig, "distributed": DistributedConfig, "logging": LoggingConfig,
+    "shaping": ShapingConfig, "reference": ReferenceConfig, "eval": EvalConfig,
 }

@@ -42,7 +42,7 @@ from portarl.reward_runner import RewardError, RewardRunner, agree_on_failure
 from portarl.rollout import SamplingParams
 from portarl.tokenizer import as_codec, chat_template_option
 from portarl.trainer.checkpoint import CheckpointManager
-from portarl.trainer.config import TrainConfig
+from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
 from portarl.trainer.guards import DegenerateDetector, GuardTripped, SpikeDetector
 from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
@@ -50,6 +50,8 @@ from portarl.trainer.rollout_phase import run_rollout
 from portarl.trainer import persistence, run_dir
 from portarl.trainer.progress import progress_bar
 from portarl.trainer.runlog import RunLogger, plot_curves, read_metrics, summarize
+from portarl.trainer.evaluation import Evaluator
+from portarl.trainer.reference import maybe_sync_reference, refuse_reference_sync
 from portarl.trainer.scoring import score
 from portarl.trainer.sft import run_sft
 from portarl.trainer.step_guard import (
@@ -88,6 +90,11 @@ class GRPOTrainer:
         self.config = (config or TrainConfig()).validate()
         # Under torchrun: process group (nccl / hccl / gloo), this rank's device, FSDP2.
         self.dist, self.device = pdist.init_distributed(resolve_device(device), self.config.distributed.timeout_s)
+        if self.config.rollout.dynamic_sampling and self.dist.enabled:
+            raise ConfigError("rollout.dynamic_sampling runs in a single process (under torchrun each rank would keep "
+                              "a different number of groups); use loss.drop_zero_std_groups there")
+        if (why := refuse_reference_sync(self.config, model, self.dist.enabled)) is not None:
+            raise ConfigError(why)
         self.model, self._initial_reference = place_model(model, self.config, self.dist, self.device)
         self.model.train()
         self.tokenizer = tokenizer
@@ -96,6 +103,10 @@ class GRPOTrainer:
         self.rewards = self._resolve_rewards(reward_fns)
         self.examples: list[Example] = list(train_data)
         self._prompt_ids = self._check_examples()
+        if self.config.eval.data is not None and self.dist.enabled:
+            raise ConfigError("eval.data under torchrun is not supported yet: evaluate checkpoints with "
+                              "`portarl eval --checkpoint C --data F`, or train in one process")
+        self.evaluator = Evaluator(self) if self.config.eval.data is not None else None  # checks the file now
         self._last_samples = None
         self.output_dir = Path(self.config.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -261,6 +272,7 @@ class GRPOTrainer:
             metrics = pdist.mean_metrics(self.dist, metrics)
         if not skipped:  # after the rank mean: every rank moves its coefficient by the same global KL
             self.kl_ctl.update(metrics["kl"], len(phase.rollout.completion_ids) * self.dist.world_size)
+            maybe_sync_reference(self, step, metrics)
         metrics["kl/coef"] = self.kl_ctl.value
         metrics["_events"] = events
         self.step = step

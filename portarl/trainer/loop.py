@@ -50,6 +50,10 @@ def run_loop(trainer, logger, last_ckpt: Path | None) -> Path | None:
                 logger.event(trainer.step + 1, "stopped", message)
                 raise TrainingStopped(message, "reward", last_ckpt) from err
         events = metrics.pop("_events")
+        if trainer.evaluator is not None and trainer.evaluator.due(trainer.step):  # eval.data: eval/* metrics
+            metrics.update(trainer.evaluator.run(trainer))
+            if (note := trainer.evaluator.keep_best(trainer, metrics)) is not None:
+                events.append(("best_checkpoint", note, {}))
         logger.step(metrics)
         if samples is not None and samples.due(trainer.step) and trainer._last_samples is not None:
             samples.write(trainer.step, trainer._last_samples)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import torch
+
 from portarl.data import Example
 from portarl.rollout import identical_group_fraction, request_seeds
 
@@ -22,6 +24,9 @@ class RolloutPhase:
     texts: list[str]             # decoded completions
     metrics: dict
     events: list                 # (kind, message, fields)
+    #: Rewards already computed (and shaped) by the rollout (dynamic sampling), else None:
+    #: scoring computes them.
+    rewards: torch.Tensor | None = None
 
 
 def prompts_for_step(trainer, step: int) -> list[Example]:
@@ -33,6 +38,15 @@ def prompts_for_step(trainer, step: int) -> list[Example]:
 def run_rollout(trainer, step: int) -> RolloutPhase:
     cfg = trainer.config
     g = cfg.rollout.group_size
+    if cfg.rollout.dynamic_sampling:  # DAPO: rounds until prompts_per_step informative groups
+        from portarl.trainer.dynamic_sampling import collect
+
+        trainer._local_offset = 0
+        examples, seeds, rollout, texts, rewards, per_function, ds_metrics, ds_events = collect(trainer, step)
+        trainer._last_reward_values = per_function
+        metrics, events = rollout_metrics(trainer, step, rollout, seeds)
+        metrics.update(ds_metrics)
+        return RolloutPhase(examples, rollout, texts, metrics, ds_events + events, rewards=rewards)
     everyone = prompts_for_step(trainer, step)
     seeds = request_seeds(cfg.train.seed, step, len(everyone), g, cfg.rollout.seed_mode)
     per_rank = len(everyone) // trainer.dist.world_size

@@ -30,11 +30,11 @@ log = logging.getLogger("portarl.train")
 #: What a training run writes into its output directory (all of it, and only it, is
 #: removed by ``--overwrite``).
 RUN_FILES = ("checkpoints", "metrics.jsonl", "events.jsonl", "samples.jsonl", "tensorboard", "config.yaml", "summary.txt",
-             "curves.png")
+             "curves.png", "best")
 
 #: Fields (``section.field``; a trailing dot: the whole section) that ``--resume`` applies.
 MID_RUN_FIELDS = ("train.steps", "train.old_logprobs", "optim.lr", "optim.implementation", "logging.",
-                  "checkpoint.every", "checkpoint.keep_last", "device")
+                  "checkpoint.every", "checkpoint.keep_last", "device", "eval.")
 
 #: Never compared: the directory is where the saved config was found.
 _IGNORED = ("output_dir",)
@@ -110,6 +110,7 @@ def config_changes(saved: dict, new: dict) -> tuple[list[tuple[str, object, obje
     (``TrainConfig.to_dict()`` shape), each as ``(field, old, new)``, split by
     :data:`MID_RUN_FIELDS`. Lists (``rewards``) compare as a whole."""
     a, b = _flatten(saved), _flatten(new)
+    defaults = None
     applicable, refused = [], []
     for field in sorted(set(a) | set(b)):
         if field in _IGNORED:
@@ -117,6 +118,13 @@ def config_changes(saved: dict, new: dict) -> tuple[list[tuple[str, object, obje
         old, now = a.get(field, "<absent>"), b.get(field, "<absent>")
         if old == now:
             continue
+        if old == "<absent>":  # a field added after the run started: no change when it holds its default
+            if defaults is None:
+                from portarl.trainer.config import TrainConfig
+
+                defaults = _flatten(_as_saved(TrainConfig()))
+            if defaults.get(field, "<absent>") == now:
+                continue
         (applicable if _mid_run(field) else refused).append((field, old, now))
     return applicable, refused
 

@@ -114,6 +114,7 @@ EVENT_LEVELS = {
     "kl_spike": logging.INFO,
     "grad_norm_spike": logging.INFO,
     "degenerate_rise": logging.INFO,
+    "best_checkpoint": logging.INFO,
     "identical_samples": logging.WARNING,
     "skipped_step": logging.WARNING,
     "interrupted": logging.WARNING,
@@ -160,6 +161,11 @@ def summarize(rows: list[dict], window: int = 10) -> str:
     if has("reward/math_exact"):  # accuracy only means something when math_exact is a reward
         lines.append(f"accuracy      first {len(head)} steps: {mean(head, 'reward/math_exact'):.3f}   "
                      f"last {len(tail)} steps: {mean(tail, 'reward/math_exact'):.3f}")
+    evals = [(r["step"], r["eval/reward/mean"]) for r in grpo if isinstance(r.get("eval/reward/mean"), (int, float))]
+    if evals:
+        best = max(evals, key=lambda e: e[1])
+        lines.append(f"eval/reward/mean   first (step {evals[0][0]}): {evals[0][1]:.3f}   last (step {evals[-1][0]}): "
+                     f"{evals[-1][1]:.3f}   best (step {best[0]}): {best[1]:.3f}")
     last = [f"{label} (last): {mean(tail, key):{fmt}}" for key, label, fmt in (("kl", "kl", ".3e"), ("grad_norm", "grad_norm", ".3f"))
             if has(key)]
     if last:
@@ -184,7 +190,8 @@ def plot_curves(rows: list[dict], path: Path) -> Path | None:
     grpo = [r for r in rows if r.get("phase", "grpo") == "grpo"]
     if not grpo:
         return None
-    keys = [("reward/mean", "reward"), ("reward/math_exact", "accuracy"), ("kl", "kl"), ("grad_norm", "grad norm")]
+    keys = [("reward/mean", "reward"), ("reward/math_exact", "accuracy"), ("eval/reward/mean", "eval reward"),
+            ("kl", "kl"), ("grad_norm", "grad norm")]
     series = {key: [(r["step"], r[key]) for r in grpo if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
               for key, _ in keys}
     keys = [(key, title) for key, title in keys if series[key]]  # no empty panels (accuracy without math_exact)

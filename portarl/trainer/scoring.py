@@ -35,6 +35,7 @@ from portarl.core import compute_advantages, kl_penalized_rewards
 from portarl.trainer.guards import NonFiniteError, check_finite
 from portarl.trainer.reference import reference_model
 from portarl.trainer.sequences import build_batch, completion_logprobs, padded
+from portarl.trainer.shaping import shape_rewards, truncated_keep
 
 
 @dataclasses.dataclass
@@ -93,7 +94,11 @@ def score(trainer, phase, metrics: dict) -> Scored:
     g = cfg.rollout.group_size
     guard = trainer.guard
     rollout, examples = phase.rollout, phase.examples
-    rewards, reward_metrics = trainer._rewards(examples, phase.texts)
+    if phase.rewards is not None:  # dynamic sampling scored (and shaped) them while choosing groups
+        rewards, reward_metrics = phase.rewards, {}
+    else:
+        rewards, reward_metrics = trainer._rewards(examples, phase.texts)
+        rewards = shape_rewards(cfg, rewards, rollout.completion_ids, reward_metrics)  # DAPO overlong penalty
     # What the sample log shows (samples.jsonl): filled in as the phase goes.
     trainer._last_samples = {"prompts": [examples[i // g].prompt_text for i in range(len(phase.texts))],
                              "completions": phase.texts, "finished": rollout.finished,
@@ -128,7 +133,9 @@ def score(trainer, phase, metrics: dict) -> Scored:
     guard.sync()
     metrics["reward/mean"] = float(rewards.mean())
     metrics["reward/std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
-    adv = compute_advantages(rewards, g, cfg.loss.advantage_estimator, drop_zero_std=cfg.loss.drop_zero_std_groups,
+    # Dynamic sampling fills a batch short of informative groups with uniform ones: masked out.
+    drop = cfg.loss.drop_zero_std_groups or cfg.rollout.dynamic_sampling
+    adv = compute_advantages(rewards, g, cfg.loss.advantage_estimator, drop_zero_std=drop,
                              **cfg.loss.advantage_options())
     metrics.update({f"adv/{k}": float(v) for k, v in adv.metrics.items()})
     mine = slice(trainer._local_offset * g, (trainer._local_offset + len(examples)) * g)
@@ -138,5 +145,8 @@ def score(trainer, phase, metrics: dict) -> Scored:
     # Dropped groups (DAPO dynamic sampling) are masked out, not removed, so every rank
     # runs the same number of micro-batches (FSDP forwards are collective).
     keep = adv.keep[mine].to(trainer.device)
+    finished = truncated_keep(cfg, rollout.finished, trainer.device, metrics)  # TRL's mask_truncated_completions
+    if finished is not None:
+        keep = keep & finished
     batch = dataclasses.replace(batch, mask=batch.mask & keep[:, None])
     return Scored(batch, old_logp, ref_logp, rollout_logp, advantages)
