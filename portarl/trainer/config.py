@@ -277,6 +277,9 @@ def _default_loss():
     return GRPOConfig(kl_coef=0.001)
 
 
+_LOSS_DEFAULTS = {"kl_coef": _default_loss().kl_coef}
+
+
 @dataclasses.dataclass
 class TrainConfig:
     output_dir: str = "runs/demo"
@@ -341,8 +344,9 @@ class TrainConfig:
             if key not in sections:
                 raise ConfigError(f"unknown config field {key!r}; known: {', '.join(sections)}")
             if key == "loss":
-                try:
-                    kwargs[key] = GRPOConfig.from_dict(_mapping(key, value))
+                try:  # fields a loss section leaves out keep the trainer's defaults (kl_coef 0.001),
+                    # not GRPOConfig's: `--set loss.policy_loss=cispo` must not switch the KL off
+                    kwargs[key] = GRPOConfig.from_dict({**_LOSS_DEFAULTS, **_mapping(key, value)})
                 except (ValueError, TypeError) as err:
                     raise ConfigError(str(err).replace("GRPOConfig.", "loss.")) from None
             elif key == "rewards":

@@ -82,3 +82,14 @@ def test_cli_sft_saves_a_loadable_model(tmp_path, capsys):
 
     model, tok = load_local(tmp_path / "sft-model")
     assert tok.encode("1+1=")[0] == tok.bos_token_id
+
+
+def test_a_loss_override_keeps_the_trainers_other_loss_defaults():
+    """`--set loss.policy_loss=cispo` once rebuilt the section from GRPOConfig's defaults and
+    silently switched the trainer's default KL (0.001) off."""
+    from portarl.trainer.config import TrainConfig
+
+    default = TrainConfig.load(None, [])
+    changed = TrainConfig.load(None, ["loss.policy_loss=cispo"])
+    assert changed.loss.policy_loss == "cispo" and changed.loss.kl_coef == default.loss.kl_coef == 0.001
+    assert TrainConfig.load(None, ["loss.kl_coef=0"]).loss.kl_coef == 0.0
