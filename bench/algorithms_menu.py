@@ -56,8 +56,8 @@ def run(name, extra, steps, seed, root: Path, common: list[str]) -> dict:
            "--set", f"train.steps={steps}", "--set", "optim.lr=1e-3", "--set", f"train.seed={seed}",
            "--set", "logging.progress=false", "--set", "logging.tensorboard=false", "--set", "logging.plot=false",
            "--set", f"eval.data={eval_file(root)}", "--set", "eval.every=10",
-           # The demo's KL (0.001) stated for every variant: a `--set loss.x` replaces the whole
-           # loss section, whose own kl_coef default is 0, and the runs would differ in KL too.
+           # The demo's default KL (0.001), stated for every variant so the runs differ only in
+           # the variant's own settings.
            "--set", "loss.kl_coef=0.001"]
     for item in [*common, *extra]:
         cmd += ["--set", item]
