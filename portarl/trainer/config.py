@@ -269,7 +269,7 @@ def _default_loss():
 
 @dataclasses.dataclass
 class TrainConfig:
-    output_dir: str = "runs/demo"
+    output_dir: str = "runs/train"
     device: str = "auto"
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -346,11 +346,17 @@ class TrainConfig:
             if loaded is not None and not isinstance(loaded, dict):
                 raise ConfigError(f"config file {path} must hold a mapping of sections")
             values = loaded or {}
+        from_file = (values.get("data") or {}).get("path") if isinstance(values.get("data"), dict) else None
         for item in overrides or []:
             apply_override(values, item)
         config = cls.from_dict(values)
         # Not a field (never saved): where `module:function` rewards are also looked for.
         config.source_dir = str(Path(path).resolve().parent) if path is not None else None
+        # A relative data.path written in the file means the file's directory (as for rewards),
+        # so a config runs from any working directory; one given by --set means the cwd.
+        d = config.data
+        if config.source_dir and d.path is not None and d.path == from_file and not Path(d.path).is_absolute():
+            d.path = str(Path(config.source_dir) / d.path)
         return config
 
     def save(self, path: str | Path) -> None:

@@ -189,6 +189,15 @@ def prepare_run(trainer, *, resume: bool, overwrite: bool) -> list[tuple[str, ob
     return []
 
 
+def check_steps_ahead(done: int, steps: int, output_dir) -> None:
+    """``--resume`` with ``train.steps`` below the steps already done would end at once and
+    record the smaller number in config.yaml: refused, with both numbers."""
+    if steps < done:
+        raise RunDirError(f"--resume: train.steps={steps} but the run in {output_dir} has already done {done} steps; "
+                          f"pass train.steps >= {done} (e.g. --steps {done + 100}), or start a new run (another "
+                          "--output-dir, or --overwrite)")
+
+
 def apply_resumed_changes(trainer, changes: list[tuple[str, object, object]]) -> None:
     """Apply the mid-run changes after the checkpoint is loaded and say which. Only the
     learning rate lives in loaded state; the other fields are read from the config as the

@@ -117,7 +117,9 @@ EVENT_LEVELS = {
     "identical_samples": logging.WARNING,
     "skipped_step": logging.WARNING,
     "interrupted": logging.WARNING,
-    "stopped": logging.ERROR,
+    # The stop is raised (TrainingStopped carries the same message) and the caller reports
+    # it: logged at ERROR as well, the CLI printed every stop twice.
+    "stopped": logging.DEBUG,
 }
 
 
@@ -160,7 +162,7 @@ def summarize(rows: list[dict], window: int = 10) -> str:
     if has("reward/math_exact"):  # accuracy only means something when math_exact is a reward
         lines.append(f"accuracy      first {len(head)} steps: {mean(head, 'reward/math_exact'):.3f}   "
                      f"last {len(tail)} steps: {mean(tail, 'reward/math_exact'):.3f}")
-    last = [f"{label} (last): {mean(tail, key):{fmt}}" for key, label, fmt in (("kl", "kl", ".3e"), ("grad_norm", "grad_norm", ".3f"))
+    last = [f"{label} (mean of last {len(tail)} steps): {mean(tail, key):{fmt}}" for key, label, fmt in (("kl", "kl", ".3e"), ("grad_norm", "grad_norm", ".3f"))
             if has(key)]
     if last:
         lines.append("   ".join(last))
