@@ -86,12 +86,15 @@ class RolloutConfig:
     #: "per_sample" (a seed per sample); "constant" reproduces the identical-samples failure.
     seed_mode: str = "per_sample"
     #: Warn when more than this fraction of groups have all-identical completions (the
-    #: fraction is logged every step as rollout/identical_group_frac). The warning names the
-    #: likely cause: seeding (repeated seeds) or a collapsed distribution (low entropy).
+    #: fraction is logged every step as rollout/identical_group_frac) and the repetition is
+    #: not explained by a confident policy. The warning names the cause: seeding (repeated
+    #: seeds) or the sampler (distinct seeds, yet an unlikely completion repeated).
     identical_warn_frac: float = 0.2
-    #: Mean per-token entropy estimate of the sampled completions (-logp, nats) below which
-    #: identical groups are blamed on a collapsed distribution rather than on seeding.
-    collapse_entropy: float = 0.05
+    #: An identical group is explained by a confident policy when G draws with distinct
+    #: seeds repeat its completion with at least this chance (exp((G-1) * sampled log-prob));
+    #: below it, the repetition is blamed on the sampler. At most this fraction of healthy
+    #: groups can be flagged, whatever the task.
+    identical_min_chance: float = 1e-4
     #: engine "hf": decode Llama-family models (Llama, Mistral, Qwen2, Qwen3; sdpa attention)
     #: with the lean step of :mod:`portarl.rollout.lean_decode` (the model's own modules, a
     #: preallocated KV cache, equal logits); other models always decode through their forward.
@@ -126,7 +129,9 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
         _check(self.seed_mode in ("per_sample", "constant"), "rollout.seed_mode", "must be 'per_sample' or 'constant'", self.seed_mode)
         _check(0 <= self.identical_warn_frac <= 1, "rollout.identical_warn_frac", "must be in [0, 1]", self.identical_warn_frac)
-        _number(self, "rollout", "collapse_entropy", low=0.0, strict=False)
+        _number(self, "rollout", "identical_min_chance", low=0.0)
+        _check(self.identical_min_chance < 1, "rollout.identical_min_chance", "must be in (0, 1)",
+               self.identical_min_chance)
         _check(0 < self.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization", "must be in (0, 1]",
                self.vllm_gpu_memory_utilization)
         _positive_int(self, "rollout", *(["vllm_max_model_len"] if self.vllm_max_model_len is not None else []))
