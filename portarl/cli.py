@@ -170,25 +170,19 @@ def _parse_shapes(items: list[str], ops: list[str]) -> tuple[list[tuple[int, int
     return rows, linear
 
 
-def _positive_int(text: str) -> int:
-    """argparse type of ``bench kernels --repeats``: the median of zero timings is undefined."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (timed repetitions; the median of them is reported), got {value}")
-    return value
+def _int_at_least(low: int, why: str = ""):
+    """An argparse type: an integer >= ``low`` (``why`` is added to the error)."""
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}{why}, got {value}")
+        return value
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return parse
 
 
 def _cmd_bench_kernels(args) -> int:
@@ -324,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="input precisions to check (default: all three)")
     parity.add_argument("--include-large", action="store_true", help="add the hardware-sized cases (slow without an accelerator)")
     parity.add_argument(
-        "--repeats", type=_non_negative_int, default=None,
+        "--repeats", type=_int_at_least(0), default=None,
         help="timed repetitions per case after one warm-up, median reported (default 3; 0 on CPU, "
         "where interpreted timings mean little)",
     )
@@ -374,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(bench/results/ holds the committed results: write there on purpose only)")
     k.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32", "fp16"],
                    help="logits / hidden-state precisions to time (default: bf16 fp32)")
-    k.add_argument("--repeats", type=_positive_int, default=5,
+    k.add_argument("--repeats", default=5,
+                   type=_int_at_least(1, " (timed repetitions; the median of them is reported)"),
                    help="timed repetitions per case after one warm-up; the median is reported (default 5, >= 1)")
     k.add_argument("--quick", action="store_true", help="one tiny shape (smoke test)")
     k.add_argument("--shapes", nargs="+", metavar="SHAPE",
