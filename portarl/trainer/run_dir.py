@@ -34,10 +34,13 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "events.jsonl", "samples.jsonl", "t
 
 #: Fields (``section.field``; a trailing dot: the whole section) that ``--resume`` applies.
 MID_RUN_FIELDS = ("train.steps", "train.old_logprobs", "optim.lr", "optim.implementation", "logging.",
-                  "checkpoint.every", "checkpoint.keep_last", "device")
+                  "checkpoint.every", "checkpoint.keep_last", "device",
+                  # detector settings only: they never change what the run computes
+                  "rollout.identical_warn_frac", "rollout.identical_min_chance")
 
-#: Never compared: the directory is where the saved config was found.
-_IGNORED = ("output_dir",)
+#: Never compared: the directory is where the saved config was found; a retired field
+#: (config_fields.RETIRED_FIELDS) is in configs saved by earlier versions only.
+_IGNORED = ("output_dir", "rollout.collapse_entropy")
 
 
 class RunDirError(ValueError):

@@ -163,3 +163,20 @@ def test_planted_100x_gradient_is_a_grad_norm_spike(make_trainer):
     events = [json.loads(line) for line in (trainer.output_dir / "events.jsonl").read_text().splitlines()]
     spikes = {e["step"] for e in events if e["kind"] == "grad_norm_spike"}
     assert planted in spikes, events
+
+
+def test_configs_saved_with_the_retired_collapse_entropy_still_load_and_resume(tmp_path):
+    """Checkpoints and run directories written before ``rollout.identical_min_chance``
+    replaced ``rollout.collapse_entropy`` still export (the state's config loads) and
+    resume (the field is not a refused change)."""
+    import yaml
+
+    from portarl.trainer.run_dir import check_resume_config
+
+    saved = TrainConfig().to_dict()
+    del saved["rollout"]["identical_min_chance"]
+    saved["rollout"]["collapse_entropy"] = 0.05
+    assert TrainConfig.from_dict(saved).rollout.identical_min_chance == 1e-4
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    changes = check_resume_config(tmp_path, TrainConfig())
+    assert [field for field, _, _ in changes] == ["rollout.identical_min_chance"]
