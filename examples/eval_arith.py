@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,10 +22,27 @@ from portarl.rollout.hf import HFRollout
 from portarl.tokenizer import as_codec
 
 
+def model_problem(path: str) -> str | None:
+    """A LoRA checkpoint holds only its adapter (the base model is rebuilt from the run's
+    config): it must be exported first. Anything else that is not a model is named too."""
+    from portarl.models import resolve_model_path
+
+    directory = resolve_model_path(path)
+    if directory.suffix == ".gguf":
+        return None if directory.is_file() else f"--model {path}: no such file"
+    if (directory / "adapter_model.safetensors").is_file():
+        return (f"--model {path} is a LoRA checkpoint (adapter weights only): export it first, "
+                f"`portarl export --checkpoint {path} --out exported-model`, then pass --model exported-model")
+    if not (directory / "config.json").is_file():
+        return (f"--model {path} is not a model directory (no config.json): pass a checkpoint directory "
+                "(runs/x/checkpoints/step-N), an exported model or a .gguf file")
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--data", default="examples/data/arith_eval.jsonl")
+    ap.add_argument("--data", default=str(Path(__file__).parent / "data" / "arith_eval.jsonl"))
     ap.add_argument("--samples", type=int, default=8, help="completions per question")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--max-new-tokens", type=int, default=24)
@@ -32,6 +50,9 @@ def main() -> None:
     ap.add_argument("--show", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    problem = model_problem(args.model)
+    if problem:
+        raise SystemExit(f"eval_arith.py: {problem}")
     model, tok = load_local(args.model, dtype=torch.float32)
     codec = as_codec(tok)
     examples = load_examples(args.data)

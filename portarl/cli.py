@@ -31,6 +31,21 @@ import threading
 
 from portarl import __version__, cli_train
 
+#: ``portarl --help``: what the tool is, before the list of commands.
+DESCRIPTION = ("portarl: RL post-training (GRPO family) of language models with the same numbers\n"
+               "on CUDA GPUs, Ascend NPUs and CPU. `portarl train` with no arguments trains a built-in\n"
+               "tiny model on arithmetic (300 steps, a few minutes on a CPU; `make demo` runs 60).")
+EPILOG = """examples:
+  portarl train                                   GRPO on the built-in tiny model (output: runs/train)
+  portarl train --config examples/smollm2-arith.yaml
+  portarl train --output-dir runs/x --resume      continue a run from its latest checkpoint
+  portarl export --checkpoint runs/x --out model  a Hugging Face model directory
+  portarl parity --device auto                    fused ops against float64 on this device
+  portarl bench kernels --quick                   kernel speed and memory
+
+exit status: 0 ok, 1 parity disagreement, 2 bad usage / config / input (one line on stderr),
+3 training stopped itself (a checkpoint was saved), 130 / 143 on SIGINT / SIGTERM."""
+
 #: Where ``bench`` writes by default: beside the training runs, not into the committed
 #: ``bench/results/`` (a run in the repository root used to overwrite the committed table).
 BENCH_OUT = "runs/bench"
@@ -121,8 +136,13 @@ def _device_slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
 
 
-def _parse_shapes(items: list[str]) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
-    """``--shapes`` of ``bench kernels``: ``NxV`` items (logprobs, kl), ``NxHxV`` (linear_logprobs)."""
+def _parse_shapes(items: list[str], ops: list[str]) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+    """``--shapes`` of ``bench kernels``: ``NxV`` items (logprobs, kl), ``NxHxV`` (linear_logprobs).
+
+    Given shapes replace the defaults of the ops they fit, so each selected op must get at
+    least one shape of its form and each shape must fit a selected op: otherwise the
+    defaults would run silently in place of what was asked for.
+    """
     rows, linear = [], []
     for item in items:
         try:
@@ -133,7 +153,36 @@ def _parse_shapes(items: list[str]) -> tuple[list[tuple[int, int]], list[tuple[i
             raise ValueError(f"--shapes {item!r}: expected NxV (logprobs, kl) or NxHxV (linear_logprobs), "
                              "positive integers, e.g. 4096x151936 or 4096x896x151936")
         (rows if len(dims) == 2 else linear).append(dims)
+    if items:
+        row_ops = [op for op in ops if op in ("logprobs", "kl")]
+        if rows and not row_ops:
+            raise ValueError(f"--shapes {'x'.join(map(str, rows[0]))} is NxV (logprobs, kl) but --ops is "
+                             f"{' '.join(ops)}: give NxHxV for linear_logprobs, e.g. 4096x896x151936")
+        if linear and "linear_logprobs" not in ops:
+            raise ValueError(f"--shapes {'x'.join(map(str, linear[0]))} is NxHxV (linear_logprobs) but --ops is "
+                             f"{' '.join(ops)}: give NxV for logprobs and kl, e.g. 4096x151936")
+        if row_ops and not rows:
+            raise ValueError(f"--shapes has no NxV shape for --ops {' '.join(row_ops)}: add one (e.g. 4096x151936) "
+                             "or leave those ops out of --ops")
+        if "linear_logprobs" in ops and not linear:
+            raise ValueError("--shapes has no NxHxV shape for --ops linear_logprobs: add one (e.g. 4096x896x151936) "
+                             "or leave linear_logprobs out of --ops")
     return rows, linear
+
+
+def _int_at_least(low: int, why: str = ""):
+    """An argparse type: an integer >= ``low`` (``why`` is added to the error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}{why}, got {value}")
+        return value
+
+    return parse
 
 
 def _cmd_bench_kernels(args) -> int:
@@ -145,7 +194,11 @@ def _cmd_bench_kernels(args) -> int:
 
     from portarl.device import DeviceUnavailableError, resolve_device
 
-    try:
+    out = Path(args.out) if args.out else None
+    try:  # every argument checked before a minute of benchmarking, not after
+        row_shapes, linear_shapes = _parse_shapes(args.shapes or [], args.ops)
+        if out is not None and (out.is_dir() or out.with_suffix(".md").is_dir()):
+            raise ValueError(f"--out {out} is a directory: give a file name, e.g. {out / 'kernels.json'}")
         device = resolve_device(args.device)
     except (DeviceUnavailableError, ValueError) as err:
         _log(f"portarl bench kernels: {err}")
@@ -156,11 +209,6 @@ def _cmd_bench_kernels(args) -> int:
     from portarl.bench.linear import QUICK_LINEAR_SHAPES, linear_table, liger_status, run_linear
 
     env = envinfo.environment(device)
-    try:
-        row_shapes, linear_shapes = _parse_shapes(args.shapes or [])
-    except ValueError as err:
-        _log(f"portarl bench kernels: {err}")
-        return 2
     shapes = row_shapes or (QUICK_SHAPES if args.quick else None)
     results, bandwidth, table = [], 0.0, ""
     if set(args.ops) & {"logprobs", "kl"}:
@@ -175,7 +223,7 @@ def _cmd_bench_kernels(args) -> int:
         table += ("\n## linear_logprobs (hidden [N, H] x weight [V, H] -> log-probs)\n\n"
                   + linear_table(linear, conditions, liger=liger_status(device)))
     print(table)
-    out = Path(args.out) if args.out else Path(BENCH_OUT) / f"kernels-{_device_slug(env['device_name'])}.json"
+    out = out or Path(BENCH_OUT) / f"kernels-{_device_slug(env['device_name'])}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"environment": env, "copy_bandwidth_bytes_per_s": bandwidth,
                                "results": [dataclasses.asdict(r) for r in results]}, indent=1) + "\n")
@@ -237,12 +285,18 @@ def _cmd_export(args) -> int:
     from portarl.lora import LoraUnavailable
     from portarl.trainer.checkpoint import CheckpointError
 
+    from portarl.export import resolve_checkpoint
+    from portarl.lora import ADAPTER_WEIGHTS
+
     try:
-        out = export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
+        directory = resolve_checkpoint(args.checkpoint)
+        out = export_checkpoint(directory, args.out, overwrite=args.overwrite)
     except (ExportError, ValueError, CheckpointError, LoraUnavailable, OSError, RuntimeError) as err:
         _log(f"portarl export: {err}")
         return 2
-    print(f"exported {args.checkpoint} to {out} (Hugging Face format; LoRA adapters merged)")
+    what = ("its LoRA adapter merged into the base weights" if (directory / ADAPTER_WEIGHTS).is_file()
+            else "full weights")
+    print(f"exported {directory} to {out} (a Hugging Face model directory; {what})")
     return 0
 
 
@@ -280,7 +334,8 @@ CHECKPOINT_HELP = ("a checkpoint directory (runs/x/checkpoints/step-000300, runs
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="portarl", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="portarl", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"portarl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -292,10 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--device", default="auto", help="auto (default), cuda, npu, cpu or e.g. cuda:1")
     parity.add_argument("--out", help="write the JSON report here")
     parity.add_argument("--backends", nargs="+", help="backends to run (default: all usable on the device)")
-    parity.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "fp16"], choices=["fp32", "bf16", "fp16"])
+    parity.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "fp16"], choices=["fp32", "bf16", "fp16"],
+                        help="input precisions to check (default: all three)")
     parity.add_argument("--include-large", action="store_true", help="add the hardware-sized cases (slow without an accelerator)")
     parity.add_argument(
-        "--repeats", type=int, default=None,
+        "--repeats", type=_int_at_least(0), default=None,
         help="timed repetitions per case after one warm-up, median reported (default 3; 0 on CPU, "
         "where interpreted timings mean little)",
     )
@@ -313,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("train", cli_train.cmd_train, "GRPO training (no config: the built-in tiny model on arithmetic)"),
         ("sft", cli_train.cmd_sft, "supervised fine-tuning on (prompt, answer) data; saves a model directory"),
     ):
-        p = commands.add_parser(name, help=help_text, description=help_text)
+        p = commands.add_parser(name, help=help_text, description=cli_train.DESCRIPTIONS[name])
         cli_train.add_run_arguments(p, name)
         p.set_defaults(func=func)
 
@@ -340,14 +396,26 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", help="also write the metrics (JSON) here")
     ev.set_defaults(func=_cmd_eval)
 
-    bench = commands.add_parser("bench", help="kernel speed / memory, and training stability across settings")
+    bench = commands.add_parser(
+        "bench", help="kernel speed / memory, training stability across settings, per-step cost",
+        description="Benchmarks. kernels: speed and peak memory of the fused ops (logprobs, kl, linear_logprobs) "
+                    "against eager PyTorch and others; stability: one config trained under several device / dtype "
+                    "settings, the runs compared; step: per-step CPU / wall time, phases and peak RSS (optionally "
+                    "beside TRL). Results go under runs/bench unless --out says otherwise.")
     bench_cmds = bench.add_subparsers(dest="bench_command", required=True)
-    k = bench_cmds.add_parser("kernels", help="logprobs and kl: portarl backends vs eager, row loop, Liger")
-    k.add_argument("--device", default="auto")
+    k = bench_cmds.add_parser(
+        "kernels", help="logprobs, kl and linear_logprobs: portarl backends vs eager, row loop, Liger",
+        description="Time and measure peak memory of the fused ops (logprobs, kl: [N, V] logits; linear_logprobs: "
+                    "hidden [N, H] x weight [V, H]) for every backend usable on the device, against eager PyTorch, "
+                    "a row loop and Liger-Kernel where installed. Prints a markdown table and writes JSON + .md.")
+    k.add_argument("--device", default="auto", help="auto (default), cuda, npu, cpu or e.g. cuda:1")
     k.add_argument("--out", help=f"JSON output (a .md table is written beside it); default {BENCH_OUT}/kernels-<device>.json "
                    "(bench/results/ holds the committed results: write there on purpose only)")
-    k.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32", "fp16"])
-    k.add_argument("--repeats", type=int, default=5)
+    k.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32", "fp16"],
+                   help="logits / hidden-state precisions to time (default: bf16 fp32)")
+    k.add_argument("--repeats", default=5,
+                   type=_int_at_least(1, " (timed repetitions; the median of them is reported)"),
+                   help="timed repetitions per case after one warm-up; the median is reported (default 5, >= 1)")
     k.add_argument("--quick", action="store_true", help="one tiny shape (smoke test)")
     k.add_argument("--shapes", nargs="+", metavar="SHAPE",
                    help="NxV for logprobs and kl, NxHxV for linear_logprobs (e.g. 4096x896x151936); "
@@ -357,7 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"],
                    help="linear_logprobs: forward only, and/or forward + backward (default both)")
     k.set_defaults(func=_cmd_bench_kernels)
-    st = bench_cmds.add_parser("stability", help="train one config under several settings and compare the runs")
+    st = bench_cmds.add_parser(
+        "stability", help="train one config under several settings and compare the runs",
+        description="Train one config under several device / dtype / backend settings (each run in its own "
+                    "process) and report where their metrics part: report.md, stability.png, stability.json. "
+                    "`compare` builds the same report from run directories made on any machines.")
     st.add_argument("--runs", default="cpu:fp32,cpu:bf16,cpu:bf16:npu-emulated",
                     help="comma-separated device:dtype[:backend-or-profile], e.g. cuda:bf16,npu:bf16 or cpu:bf16:npu-emulated")
     st.add_argument("--steps", type=int, default=None, help="GRPO steps (default 100; with --replay-from: the recording's)")
@@ -374,7 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
     from portarl.bench.stability.cli import add_arguments as _stability_arguments
 
     _stability_arguments(st, st_compare)
-    sp = bench_cmds.add_parser("step", help="per-step CPU / wall time, phases and peak RSS; --vs trl: TRL's GRPOTrainer on the same work")
+    sp = bench_cmds.add_parser(
+        "step", help="per-step CPU / wall time, phases and peak RSS; --vs trl: TRL's GRPOTrainer on the same work",
+        description="Run short GRPO trainings in fresh processes and report the median per-step CPU and wall "
+                    "time, the time per phase (rollout, scoring, update) and peak RSS; with --vs trl, TRL's "
+                    "GRPOTrainer on the same model, data and batch, rounds alternated.")
     sp.add_argument("--vs", choices=["trl"], help="also run TRL's GRPOTrainer (pip install 'portarl[bench]')")
     sp.add_argument("--steps", type=int, default=6, help="steps per run (fresh process each)")
     sp.add_argument("--warmup", type=int, default=1, help="first steps of each run left out of the medians")
@@ -388,8 +464,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if (getattr(args, "repeats", None) or 0) < 0:
-        build_parser().error("--repeats must be >= 0")
     previous = {}
     if args.func is cli_train.cmd_train and threading.current_thread() is threading.main_thread():
         # SIGINT / SIGTERM before training starts: a clean exit, recorded so that training

@@ -27,6 +27,18 @@ _TOKENIZER_FILES = ("portarl_char_tokenizer.json", "tokenizer.json", "tokenizer.
                     "spiece.model", "sentencepiece.bpe.model")
 
 
+#: ``portarl train --help`` / ``portarl sft --help``: each command's own description.
+DESCRIPTIONS = {
+    "train": "GRPO training. With no --config: the built-in tiny Qwen2 with a character tokenizer on synthetic "
+             "arithmetic (a short supervised warm-up first). Writes metrics.jsonl, events.jsonl, TensorBoard logs, "
+             "curves.png and checkpoints under --output-dir (default runs/train); Ctrl-C saves a checkpoint and "
+             "--resume continues from it.",
+    "sft": "Supervised fine-tuning on (prompt, answer) data: cross-entropy on the answer tokens only. Saves a "
+           "Hugging Face model directory to <output-dir>/sft-model (LoRA adapters merged in), ready for "
+           "`portarl train --set model.path=<output-dir>/sft-model`.",
+}
+
+
 class UsageError(Exception):
     """A user mistake: printed as ``portarl <command>: <message>``, exit 2."""
 
@@ -40,9 +52,13 @@ def add_run_arguments(p, command: str) -> None:
     p.add_argument("--config", help="YAML config (sections: model, data, rollout, rewards, train, optim, ...)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field, e.g. train.steps=10")
     p.add_argument("--device", help="auto, cuda, npu or cpu (overrides the config)")
-    p.add_argument("--output-dir", help="where metrics, TensorBoard logs and checkpoints go")
-    p.add_argument("--overwrite", action="store_true",
-                   help="the output directory holds an earlier run: delete that run's files first")
+    if command == "train":
+        p.add_argument("--output-dir", help="where metrics, TensorBoard logs and checkpoints go (default runs/train)")
+        p.add_argument("--overwrite", action="store_true",
+                       help="the output directory holds an earlier run: delete that run's files first")
+    else:
+        p.add_argument("--output-dir", help="the model is saved to <output-dir>/sft-model (default runs/train)")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing <output-dir>/sft-model")
     if command == "train":
         p.add_argument("--steps", type=int, help="GRPO steps (overrides train.steps)")
         p.add_argument("--resume", action="store_true",
@@ -166,6 +182,12 @@ def prepare(args, command: str) -> Prepared:
     except (DeviceUnavailableError, ValueError) as err:
         raise UsageError(str(err)) from None
     check_model_dir(config.model.path)
+    if command == "train" and config.rollout.engine == "vllm":
+        from portarl.rollout.vllm import vllm_unavailable_reason
+
+        reason = vllm_unavailable_reason()
+        if reason is not None:
+            raise UsageError(f"rollout.engine=vllm: {reason}")
     from portarl.trainer.progress import quiet_third_party
 
     quiet_third_party()
@@ -208,6 +230,7 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
     """Train and report; ``(exit code, whether every rank leaves together)``. Every reference
     to the trainer dies with this frame, so the caller can release the process group."""
     from portarl.device import DeviceUnavailableError
+    from portarl.reward_runner import RewardError
     from portarl.trainer import GRPOTrainer, TrainingStopped
     from portarl.trainer.checkpoint import CheckpointError
     from portarl.trainer.run_dir import RunDirError
@@ -216,7 +239,7 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
     config = ready.config
     try:
         trainer = GRPOTrainer(ready.model, ready.tokenizer, None, ready.examples, config, device=config.device)
-    except (DeviceUnavailableError, ValueError, FileNotFoundError) as err:
+    except (DeviceUnavailableError, ValueError, FileNotFoundError, RewardError) as err:
         log(f"portarl train: {err}")
         return 2, False
     ready.model = None
@@ -226,7 +249,7 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
     except RunDirError as err:
         log(f"portarl train: {err}")
         return 2, False
-    except TrainingStopped as err:  # stops are agreed by every rank
+    except TrainingStopped as err:  # agreed by every rank; reported here only (the event is not logged too)
         log(f"portarl train: {err}")
         return 3, True
     except CheckpointError as err:

@@ -34,7 +34,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise ExportError(f"--checkpoint {path} does not exist")
     if not path.is_dir():
         raise ExportError(f"--checkpoint {path} is a file; pass a checkpoint directory (e.g. "
-                          "runs/demo/checkpoints/step-000300) or a run's output directory")
+                          "runs/train/checkpoints/step-000300) or a run's output directory")
     run_root = path.parent if path.name == "checkpoints" else path
     if not (path / mf.MANIFEST).exists() and (run_root / "checkpoints").is_dir():  # a run directory
         latest = CheckpointManager(run_root).latest()

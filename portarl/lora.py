@@ -124,6 +124,9 @@ def save_merged(model, directory: str | Path, tokenizer=None) -> Path:
         model.save_pretrained(directory, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+    from portarl.fileperms import normalize_modes
+
+    normalize_modes(directory)  # safetensors writes model.safetensors 0600
     return directory
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import torch
@@ -95,12 +96,18 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    check_gguf_complete(path)
     kwargs = {"gguf_file": path.name, "local_files_only": True}
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
     progress = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # its per-tensor bar would break portarl's progress line
     try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=dtype or torch.float32, **kwargs)
+    except (struct.error, ValueError, EOFError, IndexError, KeyError) as err:
+        # What a damaged file raises from deep inside the reader, without the file's name.
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise ValueError(f"model.path {path}: cannot read this GGUF file ({type(err).__name__}: {first}); "
+                         "is it damaged or an unsupported architecture? Download it again") from None
     finally:
         if progress:
             hf_logging.enable_progress_bar()
@@ -118,6 +125,25 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None):
         except AttributeError:  # a read-only property in some transformers versions
             pass
     return model, tokenizer
+
+
+def check_gguf_complete(path: Path) -> None:
+    """Refuse a truncated GGUF file (an interrupted download) with its name, before the
+    loader fails on it with ``struct.error`` or a reshape error that names no file: the
+    header must parse and every tensor's data must lie inside the file."""
+    import gguf
+
+    size = path.stat().st_size
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (struct.error, ValueError, EOFError, IndexError, KeyError, OSError) as err:
+        raise ValueError(f"model.path {path}: not a readable GGUF file ({size} bytes; {type(err).__name__}): "
+                         "truncated or damaged? Download it again") from None
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size:
+            raise ValueError(f"model.path {path}: truncated GGUF file: tensor {tensor.name} ends at byte {end} "
+                             f"but the file has {size} bytes; download it again")
 
 
 def save_local(model, tokenizer, directory: str | Path) -> None:

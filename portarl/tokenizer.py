@@ -55,7 +55,35 @@ class CharTokenizer:
         return "".join(out)
 
     def save_pretrained(self, directory: str | Path) -> None:
+        """portarl's own file (what :func:`load_tokenizer` reads), plus ``tokenizer.json`` and
+        ``tokenizer_config.json`` with the same ids, so ``AutoTokenizer.from_pretrained`` on a
+        saved or exported tiny model gives a working tokenizer instead of an empty one."""
         Path(directory, CHAR_TOKENIZER_FILE).write_text(json.dumps({"chars": self.chars}))
+        try:
+            hf = self.to_hf_tokenizer()
+        except ImportError:  # the tokenizers package comes with transformers (the train extra)
+            return
+        hf.save(str(Path(directory, "tokenizer.json")))
+        Path(directory, "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": self.pad_token, "bos_token": self.bos_token,
+            "eos_token": self.eos_token, "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False,
+        }, indent=1))
+
+    def to_hf_tokenizer(self):
+        """The same tokenizer as a ``tokenizers.Tokenizer``: one token per character (a
+        word-level vocabulary over single characters), ``<bos>`` prepended as
+        :meth:`encode` does, decoded by plain concatenation."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+        specials = (self.pad_token, self.bos_token, self.eos_token)
+        vocab = {tok: i for i, tok in enumerate(specials)} | {c: i for c, i in self._ids.items()}
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        tok.add_special_tokens(list(specials))
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{self.bos_token} $A", pair=f"{self.bos_token} $A $B", special_tokens=[(self.bos_token, 1)])
+        return tok
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> "CharTokenizer":

@@ -78,6 +78,8 @@ class GRPOConfig:
     top_entropy_quantile: float = 1.0
 
     # --- aggregation (aggregate_loss), shared by every term ---
+    #: "token-mean", "seq-mean-token-mean", "seq-mean-token-sum" or "seq-mean-token-sum-norm"
+    #: (portarl.core.aggregation.aggregate_loss).
     loss_agg_mode: str = "token-mean"
     #: The constant of seq-mean-token-sum-norm (Dr. GRPO); required for that mode.
     max_response_length: int | None = None

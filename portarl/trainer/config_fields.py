@@ -82,8 +82,15 @@ def _mapping(name: str, value) -> dict:
     return value
 
 
+#: Fields that no longer exist but that configs saved by earlier versions hold (a
+#: checkpoint's trainer state, a run's config.yaml): dropped on load so those checkpoints
+#: still export and resume. Each only tuned a detector, never the training itself.
+RETIRED_FIELDS = {"rollout": ("collapse_entropy",)}
+
+
 def _build(section_cls, section: str, values: dict):
     known = {f.name for f in dataclasses.fields(section_cls)}
+    values = {k: v for k, v in values.items() if k not in RETIRED_FIELDS.get(section, ())}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown config field {section}.{unknown[0]}; {section} has: {', '.join(sorted(known))}")

@@ -75,8 +75,11 @@ class GuardsConfig:
     spike_window: int = 20
     spike_min_history: int = 5
     spike_factor: float = 6.0
-    #: ... and at least this many times the rolling median.
-    spike_ratio: float = 3.0
+    #: ... and at least this many times the rolling median. Grad norms of small-group GRPO
+    #: are heavy-tailed: healthy runs of the demo task jump to 9.4x their rolling median
+    #: (docs/stability.md), so 3x flagged a dozen healthy steps per run; the failures the
+    #: detector exists for (an exploding or mis-scaled gradient) are 100x jumps.
+    spike_ratio: float = 20.0
     #: Fixed bounds, judged from the first step on (the relative test needs
     #: spike_min_history clean steps first): a pre-clip grad norm or a KL above these is a
     #: spike. None: no fixed bound.

@@ -336,6 +336,7 @@ class GRPOTrainer:
         changes = run_dir.prepare_run(self, resume=resume, overwrite=overwrite)
         if resume:
             self.resume()
+            run_dir.check_steps_ahead(self.step, cfg.train.steps, self.output_dir)
             run_dir.apply_resumed_changes(self, changes)
         else:
             self.checkpoints.clean_partial()

@@ -9,6 +9,7 @@ Each rank rolls out whole groups: its slice of the step's prompts starts at
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import torch
@@ -64,24 +65,38 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
 
 
 def identical_cause(seeds: list[int], completions: list[list[int]], logprobs: list[list[float]], g: int,
-                    collapse_entropy: float) -> tuple[str, str]:
-    """Why groups have all-identical completions: ``("seeding", why)`` when seeds repeat
-    inside a group, or completions repeat across prompts' groups under seeds that repeat
-    across groups; ``("collapse", why)`` when the sampled tokens' mean -log p (an estimate
-    of the policy's entropy) is below ``collapse_entropy``; else ``("unknown", why)``."""
+                    min_chance: float) -> tuple[str, str]:
+    """Why groups have all-identical completions.
+
+    ``("seeding", why)`` when seeds repeat inside a group, or completions repeat across
+    prompts' groups under seeds that repeat across groups. Otherwise each identical group is
+    judged by the sampled log-prob of its completion, ``lp`` (the sum over its tokens, under
+    the sampling distribution): with distinct seeds, G draws repeat it by chance
+    ``exp((G - 1) * lp)``. A task with a tiny answer space ("1+2=" -> "3") has completions
+    of probability near 1, so identical groups are expected there: ``("confident", why)``.
+    A group whose completion was unlikely (chance below ``min_chance``) but repeated
+    anyway points at a sampler that ignores its seeds: ``("sampler", why)``.
+    """
     groups = [seeds[i : i + g] for i in range(0, len(seeds), g)]
     if any(len(set(grp)) < len(grp) for grp in groups):
         return "seeding", "seeds repeat inside a group (one seed per request gives identical samples)"
     across = len({tuple(c) for c in completions}) == 1 and len(groups) > 1
     if across and len(set(seeds)) < len(seeds):
         return "seeding", "every prompt's group produced the same completion, and seeds repeat across groups"
-    tokens = [-lp for row in logprobs for lp in row]
-    entropy = sum(tokens) / len(tokens) if tokens else 0.0
-    if entropy < collapse_entropy:
-        return "collapse", (f"the sampled tokens' mean -log p is {entropy:.3g} nats (< rollout.collapse_entropy "
-                            f"{collapse_entropy:g}): the policy's distribution has collapsed, seeds are distinct")
-    return "unknown", (f"seeds are distinct and the sampled tokens' mean -log p is {entropy:.3g} nats: check the "
-                       "engine's sampling settings (temperature, top_k, top_p) and how it uses seeds")
+    identical = [i for i in range(0, len(completions), g) if len({tuple(c) for c in completions[i : i + g]}) == 1]
+    if not identical:
+        return "confident", "no group is all-identical"
+    lps = [float(sum(logprobs[i])) for i in identical]
+    chances = [math.exp((g - 1) * lp) for lp in lps]
+    unlikely = [c for c in chances if c < min_chance]
+    if unlikely:
+        worst = min(range(len(lps)), key=lambda k: lps[k])
+        return "sampler", (f"{len(unlikely)} of {len(identical)} identical groups repeat a completion too unlikely to "
+                           f"repeat by chance with distinct seeds (the least likely: sampled log-prob {lps[worst]:.3g}, "
+                           f"{g} identical draws a {chances[worst]:.1e} chance < rollout.identical_min_chance "
+                           f"{min_chance:g}): check the engine's sampling settings and how it uses seeds")
+    return "confident", (f"every identical group's completion is likely enough to repeat ({g} identical draws a chance "
+                         f">= {min(chances):.2g}): a confident policy on a small answer space, seeds distinct")
 
 
 def rollout_metrics(trainer, step: int, rollout, seeds: list[int]) -> tuple[dict, list]:
@@ -100,7 +115,10 @@ def rollout_metrics(trainer, step: int, rollout, seeds: list[int]) -> tuple[dict
     })
     events = []
     if identical > cfg.rollout.identical_warn_frac:
-        cause, why = identical_cause(seeds, rollout.completion_ids, rollout.logprobs, g, cfg.rollout.collapse_entropy)
+        cause, why = identical_cause(seeds, rollout.completion_ids, rollout.logprobs, g, cfg.rollout.identical_min_chance)
+    else:
+        cause = "confident"
+    if cause != "confident":  # a confident policy repeating likely answers is no event (the fraction is logged)
         events.append(("identical_samples", f"{identical:.0%} of groups have all-identical completions "
                        f"(> rollout.identical_warn_frac {cfg.rollout.identical_warn_frac:g}); likely cause: {cause}: "
                        f"{why}", {"cause": cause, "value": identical}))

@@ -34,10 +34,13 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "events.jsonl", "samples.jsonl", "t
 
 #: Fields (``section.field``; a trailing dot: the whole section) that ``--resume`` applies.
 MID_RUN_FIELDS = ("train.steps", "train.old_logprobs", "optim.lr", "optim.implementation", "logging.",
-                  "checkpoint.every", "checkpoint.keep_last", "device", "eval.")
+                  "checkpoint.every", "checkpoint.keep_last", "device", "eval.",
+                  # detector settings only: they never change what the run computes
+                  "rollout.identical_warn_frac", "rollout.identical_min_chance")
 
-#: Never compared: the directory is where the saved config was found.
-_IGNORED = ("output_dir",)
+#: Never compared: the directory is where the saved config was found; a retired field
+#: (config_fields.RETIRED_FIELDS) is in configs saved by earlier versions only.
+_IGNORED = ("output_dir", "rollout.collapse_entropy")
 
 
 class RunDirError(ValueError):
@@ -195,6 +198,15 @@ def prepare_run(trainer, *, resume: bool, overwrite: bool) -> list[tuple[str, ob
     if resume:
         return check_resume_config(directory, trainer.config)
     return []
+
+
+def check_steps_ahead(done: int, steps: int, output_dir) -> None:
+    """``--resume`` with ``train.steps`` below the steps already done would end at once and
+    record the smaller number in config.yaml: refused, with both numbers."""
+    if steps < done:
+        raise RunDirError(f"--resume: train.steps={steps} but the run in {output_dir} has already done {done} steps; "
+                          f"pass train.steps >= {done} (e.g. --steps {done + 100}), or start a new run (another "
+                          "--output-dir, or --overwrite)")
 
 
 def apply_resumed_changes(trainer, changes: list[tuple[str, object, object]]) -> None:

@@ -118,7 +118,9 @@ EVENT_LEVELS = {
     "identical_samples": logging.WARNING,
     "skipped_step": logging.WARNING,
     "interrupted": logging.WARNING,
-    "stopped": logging.ERROR,
+    # The stop is raised (TrainingStopped carries the same message) and the caller reports
+    # it: logged at ERROR as well, the CLI printed every stop twice.
+    "stopped": logging.DEBUG,
 }
 
 
@@ -166,7 +168,7 @@ def summarize(rows: list[dict], window: int = 10) -> str:
         best = max(evals, key=lambda e: e[1])
         lines.append(f"eval/reward/mean   first (step {evals[0][0]}): {evals[0][1]:.3f}   last (step {evals[-1][0]}): "
                      f"{evals[-1][1]:.3f}   best (step {best[0]}): {best[1]:.3f}")
-    last = [f"{label} (last): {mean(tail, key):{fmt}}" for key, label, fmt in (("kl", "kl", ".3e"), ("grad_norm", "grad_norm", ".3f"))
+    last = [f"{label} (mean of last {len(tail)} steps): {mean(tail, key):{fmt}}" for key, label, fmt in (("kl", "kl", ".3e"), ("grad_norm", "grad_norm", ".3f"))
             if has(key)]
     if last:
         lines.append("   ".join(last))

@@ -63,11 +63,18 @@ def test_table_says_why_liger_is_empty(reason):
 
 
 def test_parse_shapes():
-    assert _parse_shapes(["4096x896x151936", "64x512"]) == ([(64, 512)], [(4096, 896, 151936)])
-    assert _parse_shapes([]) == ([], [])
+    ops = ["logprobs", "kl", "linear_logprobs"]
+    assert _parse_shapes(["4096x896x151936", "64x512"], ops) == ([(64, 512)], [(4096, 896, 151936)])
+    assert _parse_shapes([], ops) == ([], [])
     for bad in ("4096", "4096x0x5", "ax5", "1x2x3x4"):
         with pytest.raises(ValueError, match="NxHxV"):
-            _parse_shapes([bad])
+            _parse_shapes([bad], ops)
+    # a shape no selected op takes, or a selected op without a shape, is refused (the
+    # defaults would otherwise run silently in place of what was asked for)
+    with pytest.raises(ValueError, match="is NxV"):
+        _parse_shapes(["64x512"], ["linear_logprobs"])
+    with pytest.raises(ValueError, match="no NxV shape"):
+        _parse_shapes(["4x8x16"], ops)
 
 
 def test_bench_kernels_rejects_a_bad_shape_before_running(capsys):

@@ -77,3 +77,20 @@ def test_cli_trains_from_a_gguf_file_and_names_a_missing_one(tmp_path):
     missing = run(tmp_path / "missing.gguf", "run2")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr[-2000:]
     assert "missing.gguf" in missing.stderr and "does not exist" in missing.stderr
+    (tmp_path / "cut.gguf").write_bytes((tmp_path / "tiny.gguf").read_bytes()[:5000])
+    cut = run(tmp_path / "cut.gguf", "run3")
+    lines = [line for line in cut.stderr.splitlines() if line.strip()]
+    assert cut.returncode == 2 and len(lines) == 1 and "cut.gguf" in lines[0], cut.stderr[-2000:]
+
+
+@pytest.mark.parametrize("keep", ["header", "half", "all-but-10-bytes"])
+def test_a_truncated_gguf_file_is_one_error_naming_it(tmp_path, keep):
+    """An interrupted download: refused with the file's name, not a ``struct.error`` or a
+    reshape error from inside the reader."""
+    write_tiny_gguf(tmp_path / "full.gguf")
+    data = (tmp_path / "full.gguf").read_bytes()
+    size = {"header": 1000, "half": len(data) // 2, "all-but-10-bytes": len(data) - 10}[keep]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:size])
+    with pytest.raises(ValueError, match=r"cut\.gguf.*(truncated|damaged)"):
+        load_local(cut)

@@ -60,7 +60,7 @@ def test_each_event_once_at_its_level(tmp_path, caplog, capsys):
                        (logging.WARNING, "step 1: grad_norm spike"),
                        (logging.WARNING, "step 1: skipped the optimizer step")]
     assert capsys.readouterr().err.count("kl spike") <= 1  # never also written through the bar
-    assert event_level("stopped") == logging.ERROR
+    assert event_level("stopped") == logging.DEBUG  # raised as TrainingStopped, reported once by the caller
 
 
 def test_transformers_progress_bars_are_turned_off():

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 
+from portarl.fileperms import normalize_modes
 from portarl.trainer.checkpoint import manifest as mf
 from portarl.trainer.checkpoint import safe_state
 from portarl.trainer.checkpoint.manifest import CheckpointError
@@ -94,6 +95,7 @@ class CheckpointManager:
         return tmp, self.root / f"step-{step:06d}"
 
     def _finish(self, step: int, tmp: Path, final: Path) -> Path:
+        normalize_modes(tmp)  # safetensors writes 0600; every file gets the umask's mode
         mf.fsync_tree(tmp)
         digest = mf.write_manifest(tmp, step)
         mf.write_complete(tmp, step, digest)

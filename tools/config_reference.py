@@ -1,0 +1,141 @@
+"""The configuration reference (docs/configuration.md), generated from the config
+dataclasses so it cannot drift from the code: every field of every section, its type,
+its default (as the defaults are built: the ``loss`` section's are the trainer's, not
+GRPOConfig's bare ones) and its ``#:`` comment, or the attribute docstring when there is
+one.
+
+    python tools/config_reference.py          # print the markdown
+The mkdocs hook (tools/mkdocs_hooks.py) puts it where docs/configuration.md says
+``<!-- CONFIG_FIELDS -->``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import typing
+
+
+def _field_comments(cls) -> dict[str, str]:
+    """``#:`` comment lines right above each field (Sphinx's attribute-comment style), and a
+    string literal right below it (an attribute docstring)."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    out: dict[str, str] = {}
+    pending: list[str] = []
+    group = None
+    field_re = re.compile(r"^\s{4}([A-Za-z_][A-Za-z0-9_]*)\s*:\s*[^=]+(=.*)?$")
+    last = None
+    for line in lines[1:]:
+        stripped = line.strip()
+        if stripped.startswith("#:"):
+            pending.append(stripped[2:].strip())
+            continue
+        m = field_re.match(line)
+        if m and not stripped.startswith(("def ", "@", "return")) and line.startswith("    ") and not line.startswith("     "):
+            if pending:
+                out[m.group(1)], group = " ".join(pending), m.group(1)
+            elif last is not None and group is not None:  # one comment above a run of fields
+                out[m.group(1)] = f"See `{group}`."
+            else:
+                out[m.group(1)] = ""
+            pending, last = [], m.group(1)
+            continue
+        if not stripped:
+            group = None
+        if last and stripped.startswith(('"""', "'''")) and not out.get(last):
+            out[last] = stripped.strip("\"' ")
+        pending = [] if not stripped.startswith("#") else pending
+        last = None if stripped and not stripped.startswith(('"""', "'''")) else last
+    return out
+
+
+def _type_name(tp) -> str:
+    if isinstance(tp, str):
+        return tp
+    text = getattr(tp, "__name__", None) if not typing.get_args(tp) else None
+    return text or str(tp).replace("typing.", "")
+
+
+def _default(obj, name):
+    value = getattr(obj, name)
+    if dataclasses.is_dataclass(value):
+        return None
+    return value
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "`null`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, str):
+        return f'`"{value}"`' if value else '`""`'
+    return f"`{value!r}`".replace("|", "\\|")
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def section_table(prefix: str, instance) -> tuple[list[str], list]:
+    """One markdown table of the plain fields of ``instance``; its dataclass fields come back
+    as ``(prefix, instance)`` to be tabled as sections of their own."""
+    comments = {}
+    for klass in reversed(type(instance).__mro__):
+        if dataclasses.is_dataclass(klass):
+            comments.update(_field_comments(klass))
+    hints = typing.get_type_hints(type(instance))
+    rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
+    nested = []
+    for f in dataclasses.fields(instance):
+        value = getattr(instance, f.name)
+        if dataclasses.is_dataclass(value):
+            nested.append((f"{prefix}{f.name}.", value))
+            continue
+        tp = _type_name(hints.get(f.name, f.type))
+        meaning = re.sub(r"^See `([^`]+)`\.$", lambda m: f"See `{prefix}{m.group(1)}`.", comments.get(f.name, ""))
+        rows.append(f"| `{prefix}{f.name}` | `{_escape(tp)}` | {_fmt(value) if not isinstance(value, list) else _list(value)} "
+                    f"| {_escape(meaning)} |")
+    return rows, nested
+
+
+def _list(value) -> str:
+    if value and dataclasses.is_dataclass(value[0]):
+        return "<br>".join(_fmt(dataclasses.asdict(v)) for v in value)
+    return _fmt(value)
+
+
+def reference() -> str:
+    from portarl.trainer.config import TrainConfig
+    from portarl.trainer.config_lora import LoraSection
+
+    config = TrainConfig()
+    out = ["Every field of a `portarl train` / `portarl sft` config, by section (YAML: `section: {field: value}`; "
+           "command line: `--set section.field=value`). Generated from the config dataclasses "
+           "(`portarl/trainer/config*.py`, `portarl/core/config.py`) when the docs are built.", ""]
+    top, sections = section_table("", config)
+    out += ["## Top level", "", *top, ""]
+    sections = list(sections)
+    lora = ("model.lora.", LoraSection())  # optional (null by default): its fields when set
+    for prefix, instance in sections + [lora]:
+        rows, nested = section_table(prefix, instance)
+        title = prefix.rstrip(".")
+        note = " (null by default: LoRA off; set any field, e.g. `model.lora.r=8`, to turn it on)" if title == "model.lora" else ""
+        out += [f"## `{title}`{note}", "", *rows, ""]
+        sections += nested
+    out += ["## `rewards`", "", "A list of `{name, weight}`: `name` is a built-in reward (`math_exact`, `format`) "
+            "or `module:function` (looked up in the config file's directory, then the working directory).", ""]
+    return "\n".join(out)
+
+
+def field_names() -> set[str]:
+    """Every dotted field name the reference lists (the test checks it against the dataclasses)."""
+    return set(re.findall(r"^\| `([^`]+)` \|", reference(), flags=re.M))
+
+
+if __name__ == "__main__":
+    print(reference())
