@@ -22,6 +22,7 @@ class RolloutPhase:
     texts: list[str]             # decoded completions
     metrics: dict
     events: list                 # (kind, message, fields)
+    scores: object = None        # RewardScores when the rollout side scored the batch (async mode)
 
 
 def prompts_for_step(trainer, step: int) -> list[Example]:
@@ -31,6 +32,8 @@ def prompts_for_step(trainer, step: int) -> list[Example]:
 
 
 def run_rollout(trainer, step: int) -> RolloutPhase:
+    if trainer.async_rollout is not None:  # rollout.mode=async: a scored batch from the worker process
+        return async_phase(trainer, step)
     cfg = trainer.config
     g = cfg.rollout.group_size
     everyone = prompts_for_step(trainer, step)
@@ -47,6 +50,14 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
     texts = [trainer.codec.decode(c) for c in rollout.completion_ids]
     metrics, events = rollout_metrics(trainer, step, rollout, seeds)
     return RolloutPhase(examples, rollout, texts, metrics, events)
+
+
+def async_phase(trainer, step: int) -> RolloutPhase:
+    examples, rollout, texts, seeds, scores, extra, async_events = trainer.async_rollout.batch(step)
+    trainer._local_offset = 0
+    metrics, events = rollout_metrics(trainer, step, rollout, seeds)
+    metrics.update(extra)
+    return RolloutPhase(examples, rollout, texts, metrics, async_events + events, scores)
 
 
 def identical_cause(seeds: list[int], completions: list[list[int]], logprobs: list[list[float]], g: int,

@@ -72,6 +72,8 @@ def old_logprobs_recompute_reason(trainer) -> str | None:
         return "loss.kl_in_reward needs old log-probs before the update"
     if trainer.emulate:
         return "precision.numerics emulation"
+    if cfg.rollout.mode == "async":
+        return "rollout.mode=async (the worker sampled a copy of the weights, possibly older ones)"
     if not trainer.rollout.samples_policy_of(trainer.model):
         return f"the {getattr(trainer.rollout, 'name', 'rollout')} engine did not sample the trainer's current weights"
     return None
@@ -93,7 +95,11 @@ def score(trainer, phase, metrics: dict) -> Scored:
     g = cfg.rollout.group_size
     guard = trainer.guard
     rollout, examples = phase.rollout, phase.examples
-    rewards, reward_metrics = trainer._rewards(examples, phase.texts)
+    if phase.scores is None:
+        rewards, reward_metrics = trainer._rewards(examples, phase.texts)
+    else:  # scored by the rollout worker (rollout.mode=async)
+        trainer._last_reward_values = phase.scores.per_function
+        rewards, reward_metrics = phase.scores.total, dict(phase.scores.metrics)
     # What the sample log shows (samples.jsonl): filled in as the phase goes.
     trainer._last_samples = {"prompts": [examples[i // g].prompt_text for i in range(len(phase.texts))],
                              "completions": phase.texts, "finished": rollout.finished,
