@@ -92,9 +92,10 @@ class Worker:
         self.device = torch.device(spec["device"])
         model, tokenizer = build_model(cfg.model, DTYPES[cfg.precision.dtype])
         self.model = model.to(self.device, dtype=DTYPES[cfg.precision.dtype])
-        self.model.train()  # as the trainer's model: the engine switches to eval while it samples
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        # As the trainer's model: train mode (the engine switches to eval while it samples)
+        # and parameters that require grad. Frozen parameters take another CPU matmul path
+        # under inference_mode, and the log-probs then move in the last bits.
+        self.model.train()
         d = cfg.data
         self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)
         self.engine = HFRollout(self.model, self.codec.eos_token_id, self.codec.pad_token_id,
