@@ -227,6 +227,29 @@ def _cmd_bench_step(args) -> int:
     return 0
 
 
+def _cmd_bench_async(args) -> int:
+    import json
+    from pathlib import Path
+
+    if _missing_train_extra("bench async"):
+        return 2
+    from portarl.bench.async_rollout import main as bench_async
+
+    try:
+        result, table = bench_async(args, progress=_log)
+    except (RuntimeError, ValueError) as err:
+        _log(f"portarl bench async: {err}")
+        return 2
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        out.with_suffix(".md").write_text(table)
+        print(f"written: {out} and {out.with_suffix('.md')}")
+    return 0
+
+
 def _cmd_export(args) -> int:
     if _missing_train_extra("export"):
         return 2
@@ -338,6 +361,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--beta", type=float, default=0.0, help="KL weight on both sides (0: no reference model)")
     sp.add_argument("--out", help="JSON output (a .md table is written beside it)")
     sp.set_defaults(func=_cmd_bench_step)
+    sa = bench_cmds.add_parser("async", help="rollout.mode colocated vs async: samples/s and reward in the same "
+                               "wall-clock budget, beside the ideal overlap")
+    sa.add_argument("--config", help="training config (default: the built-in demo)")
+    sa.add_argument("--set", action="append", metavar="FIELD=VALUE", help="config override (repeatable)")
+    sa.add_argument("--budget-s", type=float, default=60.0, help="seconds of GRPO steps per mode (default 60)")
+    sa.add_argument("--threads", type=int, default=1, help="torch / OMP threads per process (default 1)")
+    sa.add_argument("--work-dir", help="where the runs go (default: a temporary directory)")
+    sa.add_argument("--out", help="JSON output (a .md table is written beside it)")
+    sa.set_defaults(func=_cmd_bench_async)
     return parser
 
 

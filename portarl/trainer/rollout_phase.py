@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 from portarl.data import Example
 from portarl.rollout import identical_group_fraction, request_seeds
@@ -44,11 +45,13 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
     seeds = seeds[trainer._local_offset * g : (trainer._local_offset + per_rank) * g]
     # Encoded (and checked) once when the data loaded (GRPOTrainer._check_examples).
     prompts = [trainer._prompt_ids.get(id(ex)) or trainer.codec.encode_prompt(ex.prompt) for ex in examples for _ in range(g)]
+    started = time.perf_counter()
     trainer.rollout.sync_weights(trainer.model)
     rollout = trainer.rollout.generate(prompts, seeds, trainer.sampling)
     trainer.rollout.sleep()  # the trainer computes now: the engine frees what it can (vLLM: KV cache)
     texts = [trainer.codec.decode(c) for c in rollout.completion_ids]
     metrics, events = rollout_metrics(trainer, step, rollout, seeds)
+    metrics["time/rollout_s"] = time.perf_counter() - started  # what async mode overlaps (bench async)
     return RolloutPhase(examples, rollout, texts, metrics, events)
 
 
