@@ -23,12 +23,14 @@ Requests, handled strictly in order:
 
 The worker dies with the trainer: ``PR_SET_PDEATHSIG`` (Linux) sends it SIGKILL when the
 trainer dies, and a watchdog thread exits when its parent changes (other systems). It
-ignores SIGINT (a Ctrl-C reaches the trainer, which stops the worker itself) and dies on
-SIGTERM.
+ignores SIGINT and SIGTERM: the trainer decides when it stops (a scheduler's SIGTERM to
+every process of a job must not kill the worker under a trainer that is finishing its
+step and saving), and stops it with SIGKILL (it holds nothing worth saving).
 
 Fault injection for the tests (``PORTARL_ROLLOUT_WORKER_FAULT``): ``die@S``, ``hang@S``,
-``garbage@S`` (at the generate request of step S), ``constant_seed`` (one seed for every
-sample: the identical-samples detector must fire).
+``garbage@S``, ``stale@S`` (the first batch of step S claims old weights: the trainer must
+drop and regenerate it), all at the generate request of step S; ``constant_seed`` (one
+seed for every sample: the identical-samples detector must fire).
 """
 
 from __future__ import annotations
@@ -147,6 +149,9 @@ class Worker:
                  "gen_s": gen_s, "score_s": time.perf_counter() - started - gen_s, "idle_s": idle}
         if self.fault_step == step and self.fault == "garbage":
             reply["completion_ids"] = reply["completion_ids"][:-1]
+        if self.fault_step == step and self.fault == "stale":
+            reply["version"] = self.version - 10
+            self.fault = None
         return reply
 
     def handle(self, request: dict) -> dict:
@@ -171,6 +176,7 @@ class Worker:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent(int(os.environ.get("PORTARL_TRAINER_PID", os.getppid())))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     out = sys.stdout

@@ -191,16 +191,9 @@ class AsyncRollout:
         """Stop the worker and join it and the reader thread (every exit path)."""
         proc = self.proc
         try:
-            if proc.poll() is None:
-                with contextlib.suppress(OSError, ValueError):
-                    proc.stdin.write(json.dumps({"op": "stop"}) + "\n")
-                    proc.stdin.close()
-                proc.terminate()  # a worker mid-batch would finish it first: its batch is not needed
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            if proc.poll() is None:  # mid-batch or idle: its batches are not needed, nor kept
+                proc.kill()
+            proc.wait()
         finally:
             with contextlib.suppress(OSError, ValueError):
                 proc.stdin.close()

@@ -127,6 +127,15 @@ def test_worker_fault_is_named_and_the_run_stops_with_a_checkpoint(tmp_path, mon
     assert not (tmp_path / "run" / "async_weights").exists()
 
 
+def test_a_batch_older_than_max_staleness_is_dropped_and_regenerated(tmp_path, monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "stale@2")
+    _run(tmp_path, "train.steps=3", "rollout.mode=async")
+    dropped = [e for e in _jsonl(tmp_path / "run" / "events.jsonl") if e["kind"] == "stale_batch_dropped"]
+    assert [(e["step"], e["value"]) for e in dropped] == [(2, 11)]
+    rows = _jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[1]["rollout/staleness_max"] <= 1
+
+
 def test_config_refuses_what_async_cannot_do():
     with pytest.raises(ConfigError, match="rollout.mode .*async vLLM is not implemented"):
         TrainConfig.load(None, ["rollout.mode=async", "rollout.engine=vllm"])
