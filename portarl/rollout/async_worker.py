@@ -68,6 +68,12 @@ def _die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="portarl-worker-watchdog", daemon=True).start()
 
 
+def one_line(text: str, limit: int = 600) -> str:
+    """An error for the trainer's one-line message (load_state_dict's, say, spans lines)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def parse_fault(text: str | None) -> tuple[str | None, int | None]:
     if not text:
         return None, None
@@ -167,10 +173,10 @@ class Worker:
                 return reply
             return {"op": "error", "kind": "worker", "message": f"unknown request {op!r}"}
         except RewardError as err:
-            return {"op": "error", "kind": "reward", "message": str(err)}
+            return {"op": "error", "kind": "reward", "message": one_line(str(err))}
         except Exception as err:  # reported to the trainer, which names the worker and stops
             log.exception("rollout worker: %s failed", op)
-            return {"op": "error", "kind": "worker", "message": f"{type(err).__name__}: {err}"}
+            return {"op": "error", "kind": "worker", "message": one_line(f"{type(err).__name__}: {err}")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,8 @@ measure the real staleness. This is the decoupled objective of AReaL (Fu et al. 
 "AReaL: a large-scale asynchronous reinforcement learning system for language
 reasoning") with the truncation of IMPALA's V-trace (Espeholt et al. 2018) as applied to
 rollout/trainer mismatch by Yao et al. 2025 ("Your efficient RL framework secretly brings
-you off-policy RL training", TIS); verl's one-step off-policy trainer uses the same.
+you off-policy RL training", TIS); NeMo RL's async GRPO (trajectory age 1, importance
+sampling correction required) and verl's one-step off-policy trainer use the same.
 
 Metrics per step: ``rollout/staleness_mean`` / ``rollout/staleness_max``,
 ``rollout/version``, ``rollout/wait_s`` (the worker idle, waiting for a request or
