@@ -206,16 +206,16 @@ def _cmd_bench_stability(args) -> int:
     return cmd_stability(args)
 
 
-def _cmd_bench_step(args) -> int:
+def _write_bench(name: str, run, args) -> int:
+    """Run a ``bench`` command (``run(args, progress) -> (result, table)``), print its table
+    and write ``--out`` (JSON, with the table as .md beside it); its errors: one line, exit 2."""
     import json
     from pathlib import Path
 
-    from portarl.bench.step import main as bench_step
-
     try:
-        result, table = bench_step(args, progress=_log)
-    except RuntimeError as err:
-        _log(f"portarl bench step: {err}")
+        result, table = run(args, progress=_log)
+    except (RuntimeError, ValueError) as err:
+        _log(f"portarl bench {name}: {err}")
         return 2
     print(table)
     if args.out:
@@ -227,27 +227,18 @@ def _cmd_bench_step(args) -> int:
     return 0
 
 
-def _cmd_bench_async(args) -> int:
-    import json
-    from pathlib import Path
+def _cmd_bench_step(args) -> int:
+    from portarl.bench.step import main as bench_step
 
+    return _write_bench("step", bench_step, args)
+
+
+def _cmd_bench_async(args) -> int:
     if _missing_train_extra("bench async"):
         return 2
     from portarl.bench.async_rollout import main as bench_async
 
-    try:
-        result, table = bench_async(args, progress=_log)
-    except (RuntimeError, ValueError) as err:
-        _log(f"portarl bench async: {err}")
-        return 2
-    print(table)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
-        out.with_suffix(".md").write_text(table)
-        print(f"written: {out} and {out.with_suffix('.md')}")
-    return 0
+    return _write_bench("async", bench_async, args)
 
 
 def _cmd_export(args) -> int:
