@@ -359,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--budget-s", type=float, default=60.0, help="seconds of GRPO steps per mode (default 60)")
     sa.add_argument("--threads", type=int, default=1, help="torch / OMP threads per process (default 1)")
     sa.add_argument("--work-dir", help="where the runs go (default: a temporary directory)")
+    sa.add_argument("--reuse", action="store_true", help="no new runs: report on those already in --work-dir")
     sa.add_argument("--out", help="JSON output (a .md table is written beside it)")
     sa.set_defaults(func=_cmd_bench_async)
     return parser

@@ -72,14 +72,26 @@ def run_mode(mode: str, config: str | None, sets: list[str], budget_s: float, th
             proc.kill()
             proc.wait()
         log.close()
+    (out.parent / "load_avg.txt").write_text(f"{os.getloadavg()[0]:.1f}\n")  # the table reports it
+    rows = budget_rows(out, budget_s)
+    progress(f"{mode}: {len(rows)} GRPO steps in {budget_s:g} s")
+    return rows
+
+
+def budget_rows(out: Path, budget_s: float) -> list[dict]:
+    """The run's GRPO rows whose steps (the first not counted) fit in ``budget_s``."""
     rows, used = [], 0.0
     for i, row in enumerate(_rows(out / "metrics.jsonl")):
         used += row["time/step_s"] if i else 0.0
         if used > budget_s:
             break
         rows.append(row)
-    progress(f"{mode}: {len(rows)} GRPO steps in {budget_s:g} s")
     return rows
+
+
+def _load(run_dir: Path) -> float | None:
+    path = run_dir / "load_avg.txt"
+    return float(path.read_text()) if path.exists() else None
 
 
 def _median(rows, key):
@@ -114,12 +126,17 @@ def main(args, progress=print) -> tuple[dict, str]:
 
     cfg = TrainConfig.load(args.config, list(args.set or []))
     samples_per_step = cfg.train.prompts_per_step * cfg.rollout.group_size
+    if args.reuse and not args.work_dir:
+        raise ValueError("--reuse reports on the runs in --work-dir: give --work-dir")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="portarl-bench-async-"))
     results = {}
     for mode in MODES:
         (work / mode).mkdir(parents=True, exist_ok=True)
-        rows = run_mode(mode, args.config, list(args.set or []), args.budget_s, args.threads, work / mode / "run",
-                        progress)
+        if args.reuse:  # report on the runs already in --work-dir
+            rows = budget_rows(work / mode / "run", args.budget_s)
+        else:
+            rows = run_mode(mode, args.config, list(args.set or []), args.budget_s, args.threads,
+                            work / mode / "run", progress)
         if len(rows) < 3:
             raise RuntimeError(f"the {mode} run trained {len(rows)} steps in {args.budget_s:g} s: raise --budget-s")
         results[mode] = {"summary": summarize(rows, samples_per_step), "rows": rows}
@@ -128,18 +145,47 @@ def main(args, progress=print) -> tuple[dict, str]:
     ideal = step / max(r, step - r)
     common = min(col["steps"], asy["steps"])
     result = {"config": args.config or "demo", "sets": list(args.set or []), "budget_s": args.budget_s,
-              "threads": args.threads, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+              "threads": args.threads, "cpus": os.cpu_count(),
+              "load_avg_1m": {m: _load(work / m) for m in MODES},
               "samples_per_step": samples_per_step, "colocated": col, "async": asy,
               "speedup_measured": asy["samples_per_s"] / col["samples_per_s"], "speedup_ideal": ideal,
-              "curve_steps": common, "curve": {m: curve(results[m]["rows"], common) for m in MODES}}
+              "curve_steps": common, "curve": {m: curve(results[m]["rows"], common) for m in MODES},
+              "reward_per_step": {m: [r["reward/mean"] for r in results[m]["rows"]] for m in MODES}}
+    if args.out:
+        plot(result, Path(args.out).with_suffix(".png"))
     return result, table(result)
+
+
+def plot(result: dict, path: Path) -> None:
+    """reward/mean against samples trained, both modes (a moving mean over 10 steps)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    n = result["samples_per_step"]
+    for mode, values in result["reward_per_step"].items():
+        window = [statistics.fmean(values[max(0, i - 9):i + 1]) for i in range(len(values))]
+        ax.plot([(i + 1) * n for i in range(len(values))], window, label=mode)
+    ax.set_xlabel("samples trained")
+    ax.set_ylabel("reward/mean (10-step mean)")
+    ax.set_title(f"{result['config']}: {result['budget_s']:g} s per mode")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def table(res: dict) -> str:
     col, asy = res["colocated"], res["async"]
     lines = [f"# bench async: {res['config']} {' '.join(res['sets'])}".rstrip(), "",
              f"{res['budget_s']:g} s of GRPO steps per mode, {res['threads']} thread(s) per process, "
-             f"{res['cpus']} CPUs, 1-min load average {res['load_avg_1m']:.1f} at the end", "",
+             f"{res['cpus']} CPUs, 1-min load average at the end of each run: "
+             + ", ".join(f"{m} {v if v is not None else 'n/a'}" for m, v in res["load_avg_1m"].items()), "",
              "| mode | steps | samples | samples/s | step s (median) | reward (last fifth) | staleness | |d| rollout vs trainer |",
              "|---|---|---|---|---|---|---|---|"]
     for name, s in (("colocated", col), ("async", asy)):
