@@ -185,8 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent(int(os.environ.get("PORTARL_TRAINER_PID", os.getppid())))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    out = sys.stdout
-    sys.stdout = sys.stderr  # stray prints must not corrupt the protocol
+    # The protocol gets its own descriptor; fd 1 (and sys.stdout) become stderr, so stray
+    # prints, from Python or from a C library, cannot corrupt the replies.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     with open(argv[0]) as f:
         spec = json.load(f)
     worker = Worker(spec)

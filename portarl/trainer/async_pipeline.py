@@ -114,6 +114,8 @@ class AsyncRollout:
                 "search_dirs": [os.getcwd()] + [d for d in [getattr(cfg, "source_dir", None)] if d]}
         spec_path = self.dir / "worker.json"
         spec_path.write_text(json.dumps(spec))
+        self.batch_log_path = Path(trainer.output_dir) / BATCH_LOG
+        prepare_log(self.batch_log_path, trainer.step)
         self._log = (Path(trainer.output_dir) / WORKER_LOG).open("a")
         env = {**os.environ, "PORTARL_TRAINER_PID": str(os.getpid())}
         if cfg.precision.backend is not None:
@@ -127,8 +129,6 @@ class AsyncRollout:
         self.name = f"rollout worker (pid {self.proc.pid}, log {Path(trainer.output_dir) / WORKER_LOG})"
         self.reader = threading.Thread(target=self._read, name="portarl-rollout-reader", daemon=True)
         self.reader.start()
-        self.batch_log_path = Path(trainer.output_dir) / BATCH_LOG
-        prepare_log(self.batch_log_path, trainer.step)
 
     # ----------------------------------------------------------- the process
     def _read(self) -> None:
@@ -186,7 +186,7 @@ class AsyncRollout:
             if reply.get("op") != "ready":
                 raise RolloutWorkerError(f"the {self.name} sent {reply.get('op')!r} before 'ready'")
             self.ready = True
-            self.startup_s = time.perf_counter() - self.started
+            log.info("%s ready after %.1f s", self.name, time.perf_counter() - self.started)
 
     def close(self) -> None:
         """Stop the worker and join it and the reader thread (every exit path)."""
