@@ -18,10 +18,13 @@ the reward (``loss.kl_in_reward``: old log-probs are needed before the update); 
 numerics emulation (it reproduces a stack that scores old log-probs in their own pass);
 an engine that did not sample the trainer's current weights (a replayed file, a vLLM
 engine not synced since the last optimizer step, any engine that does not say so through
-:meth:`~portarl.rollout.RolloutEngine.samples_policy_of`).
+:meth:`~portarl.rollout.RolloutEngine.samples_policy_of`); ``rollout.mode=async`` (the worker
+process sampled its own copy of the weights, up to ``rollout.max_staleness`` steps old:
+:mod:`portarl.trainer.async_pipeline`).
 
 The reward call is ``GRPOTrainer._rewards`` (:mod:`portarl.reward_runner`: per-sample and
-TRL-style batched rewards with dataset columns, errors naming the reward and the sample).
+TRL-style batched rewards with dataset columns, errors naming the reward and the sample),
+except in async mode, where the worker scored the batch (``RolloutPhase.scores``).
 """
 
 from __future__ import annotations
