@@ -127,6 +127,21 @@ def test_worker_fault_is_named_and_the_run_stops_with_a_checkpoint(tmp_path, mon
     assert not (tmp_path / "run" / "async_weights").exists()
 
 
+def failing_reward(prompt, completion, answer):
+    """Loaded by name in the worker process (the test puts this directory on its path)."""
+    raise ZeroDivisionError("a reward that fails")
+
+
+def test_a_reward_failing_in_the_worker_stops_the_run_naming_the_reward(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    with pytest.raises(TrainingStopped) as info:
+        _run(tmp_path, "train.steps=2", "rollout.mode=async", "rewards=[{name: 'test_async_rollout:failing_reward'}]")
+    assert info.value.tensor_name == "reward"
+    assert "test_async_rollout:failing_reward" in str(info.value) and "in the rollout worker" in str(info.value)
+    assert "\n" not in str(info.value) and info.value.checkpoint.name == "step-000000"
+    assert not _children(os.getpid())
+
+
 def test_a_batch_older_than_max_staleness_is_dropped_and_regenerated(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "stale@2")
     _run(tmp_path, "train.steps=3", "rollout.mode=async")
