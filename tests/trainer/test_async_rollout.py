@@ -88,6 +88,29 @@ def test_staleness_0_reproduces_colocated_bitwise(colocated, async_s0):
     assert not _children(os.getpid()), "the worker outlived the run"
 
 
+def test_model_directory_with_chat_data_reproduces_colocated_at_staleness_0(tmp_path):
+    """The path of examples/smollm2-arith.yaml: a local model directory (a tiny Llama with a
+    ChatML tokenizer), conversational JSONL, generation stopped at <|im_end|>."""
+    from chat_tiny import chat_tokenizer, tiny_llama
+
+    tok = chat_tokenizer()
+    tiny_llama(len(tok)).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    with (tmp_path / "data.jsonl").open("w") as f:
+        for a in range(1, 9):
+            row = {"prompt": [{"role": "user", "content": f"What is {a} plus 1 ?"}], "answer": str(a + 1)}
+            f.write(json.dumps(row) + "\n")
+    sets = (f"model.path={tmp_path / 'model'}", f"data.path={tmp_path / 'data.jsonl'}", "train.steps=2",
+            "rewards=[{name: math_exact}]", "rollout.max_new_tokens=6")
+    _run(tmp_path / "colocated", *sets)
+    _run(tmp_path / "async", *sets, "rollout.mode=async", "rollout.max_staleness=0")
+    ref, got = (_jsonl(tmp_path / m / "run" / "metrics.jsonl") for m in ("colocated", "async"))
+    assert len(ref) == len(got) == 2
+    for a, b in zip(ref, got):
+        assert {k: v for k, v in a.items() if not k.startswith("time/")} == \
+            {k: v for k, v in b.items() if k in a and not k.startswith("time/")}
+
+
 def test_async_keeps_per_sample_seeds_and_the_detector_fires_on_a_constant_seed(tmp_path, colocated, monkeypatch):
     trainer = _run(tmp_path / "ok", "train.steps=3", "rollout.mode=async")  # max_staleness 1
     rows = _jsonl(tmp_path / "ok" / "run" / "metrics.jsonl")
