@@ -186,15 +186,18 @@ def table(res: dict) -> str:
              f"{res['budget_s']:g} s of GRPO steps per mode, {res['threads']} thread(s) per process, "
              f"{res['cpus']} CPUs, 1-min load average at the end of each run: "
              + ", ".join(f"{m} {v if v is not None else 'n/a'}" for m, v in res["load_avg_1m"].items()), "",
-             "| mode | steps | samples | samples/s | step s (median) | reward (last fifth) | staleness | |d| rollout vs trainer |",
+             "| mode | steps | samples | samples/s | step s (median) | reward (last fifth) | staleness "
+             "| |d| rollout vs trainer |",
              "|---|---|---|---|---|---|---|---|"]
     for name, s in (("colocated", col), ("async", asy)):
-        lines.append(f"| {name} | {s['steps']} | {s['samples']} | {s['samples_per_s']:.1f} | {s['step_s_median']:.3f} | "
+        lines.append(f"| {name} | {s['steps']} | {s['samples']} | {s['samples_per_s']:.1f} | "
+                     f"{s['step_s_median']:.3f} | "
                      f"{s['reward_last_fifth']:.3f} | {s['staleness_mean']:.2f} | {s['mismatch_abs_diff_mean']:.2e} |")
     lines += ["", f"Throughput async / colocated: measured {res['speedup_measured']:.2f}x, ideal "
               f"{res['speedup_ideal']:.2f}x (colocated rollout {col['rollout_s_median']:.3f} s of a "
               f"{col['step_s_median']:.3f} s step: (R + T) / max(R, T)).", "",
-              f"reward/mean over the first {res['curve_steps']} steps of each run, in five equal spans (same samples):", "",
+              f"reward/mean over the first {res['curve_steps']} steps of each run, in five equal spans "
+              "(same samples):", "",
               "| mode | " + " | ".join(f"span {i + 1}" for i in range(len(res['curve']['colocated']))) + " |",
               "|---|" + "---|" * len(res['curve']['colocated'])]
     for mode, values in res["curve"].items():

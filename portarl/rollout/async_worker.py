@@ -105,7 +105,8 @@ class Worker:
         # under inference_mode, and the log-probs then move in the last bits.
         self.model.train()
         d = cfg.data
-        self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)
+        self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template),
+                              system_prompt=d.system_prompt)
         self.engine = HFRollout(self.model, self.codec.eos_token_id, self.codec.pad_token_id,
                                 stop_token_ids=self.codec.stop_token_ids, lean_decode=cfg.rollout.lean_decode,
                                 share_prefill=cfg.rollout.share_prefill)

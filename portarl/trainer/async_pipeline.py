@@ -79,7 +79,8 @@ class RolloutWorkerError(RuntimeError):
 def check_async_trainer(trainer) -> None:
     """What async mode cannot do (yet), refused before the worker starts."""
     if trainer.dist.enabled:
-        raise ValueError("rollout.mode=async is not supported with several ranks (torchrun) yet: set rollout.mode=colocated")
+        raise ValueError("rollout.mode=async is not supported with several ranks (torchrun) yet: set "
+                         "rollout.mode=colocated")
     if trainer._rollout is not None:
         raise ValueError("rollout.mode=async builds its own engine in a worker process: do not pass rollout_engine")
     if not trainer._rewards_from_config:
@@ -271,7 +272,8 @@ class AsyncRollout:
         rollout, scores = validate_batch(reply, step, n, self.name)
         if not 0 <= stale <= self.max_staleness:
             raise RolloutWorkerError(f"the {self.name} returned the batch of step {step} from weights version "
-                                     f"{reply['version']} (staleness {stale}, rollout.max_staleness {self.max_staleness})")
+                                     f"{reply['version']} (staleness {stale}, rollout.max_staleness "
+                                     f"{self.max_staleness})")
         metrics = {"rollout/staleness_mean": float(stale), "rollout/staleness_max": float(stale),
                    "rollout/version": float(reply["version"]), "rollout/wait_s": float(reply["idle_s"]),
                    "train/wait_s": train_wait, "rollout/gen_s": float(reply["gen_s"]),
