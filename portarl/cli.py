@@ -254,16 +254,16 @@ def _cmd_bench_stability(args) -> int:
     return cmd_stability(args)
 
 
-def _cmd_bench_step(args) -> int:
+def _write_bench(name: str, run, args) -> int:
+    """Run a ``bench`` command (``run(args, progress) -> (result, table)``), print its table
+    and write ``--out`` (JSON, with the table as .md beside it); its errors: one line, exit 2."""
     import json
     from pathlib import Path
 
-    from portarl.bench.step import main as bench_step
-
     try:
-        result, table = bench_step(args, progress=_log)
-    except RuntimeError as err:
-        _log(f"portarl bench step: {err}")
+        result, table = run(args, progress=_log)
+    except (RuntimeError, ValueError) as err:
+        _log(f"portarl bench {name}: {err}")
         return 2
     print(table)
     if args.out:
@@ -273,6 +273,20 @@ def _cmd_bench_step(args) -> int:
         out.with_suffix(".md").write_text(table)
         print(f"written: {out} and {out.with_suffix('.md')}")
     return 0
+
+
+def _cmd_bench_step(args) -> int:
+    from portarl.bench.step import main as bench_step
+
+    return _write_bench("step", bench_step, args)
+
+
+def _cmd_bench_async(args) -> int:
+    if _missing_train_extra("bench async"):
+        return 2
+    from portarl.bench.async_rollout import main as bench_async
+
+    return _write_bench("async", bench_async, args)
 
 
 def _cmd_export(args) -> int:
@@ -459,6 +473,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--beta", type=float, default=0.0, help="KL weight on both sides (0: no reference model)")
     sp.add_argument("--out", help="JSON output (a .md table is written beside it)")
     sp.set_defaults(func=_cmd_bench_step)
+    sa = bench_cmds.add_parser("async", help="rollout.mode colocated vs async: samples/s and reward in the same "
+                               "wall-clock budget, beside the ideal overlap")
+    sa.add_argument("--config", help="training config (default: the built-in demo)")
+    sa.add_argument("--set", action="append", metavar="FIELD=VALUE", help="config override (repeatable)")
+    sa.add_argument("--budget-s", type=float, default=60.0, help="seconds of GRPO steps per mode (default 60)")
+    sa.add_argument("--threads", type=int, default=1, help="torch / OMP threads per process (default 1)")
+    sa.add_argument("--work-dir", help="where the runs go (default: a temporary directory)")
+    sa.add_argument("--reuse", action="store_true", help="no new runs: report on those already in --work-dir")
+    sa.add_argument("--out", help="JSON output (a .md table is written beside it)")
+    sa.set_defaults(func=_cmd_bench_async)
     return parser
 
 

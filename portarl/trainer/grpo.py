@@ -46,6 +46,7 @@ from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
 from portarl.trainer.guards import DegenerateDetector, GuardTripped, SpikeDetector
 from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
+from portarl.trainer.async_pipeline import async_rollout
 from portarl.trainer.rollout_phase import run_rollout
 from portarl.trainer import persistence, run_dir
 from portarl.trainer.progress import progress_bar
@@ -114,6 +115,7 @@ class GRPOTrainer:
         self.precision = make_precision(self.model, self.config, self.dist)
         self.optimizer, self.scheduler = make_optimizer(self.precision.optimizer_params(), self.config)
         self._rollout = rollout_engine
+        self.async_rollout = None  # rollout.mode=async: the running pipeline (trainer.async_pipeline)
         r = self.config.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens)
@@ -163,6 +165,7 @@ class GRPOTrainer:
         self._rollout = engine
 
     def _resolve_rewards(self, reward_fns) -> RewardRunner:
+        self._rewards_from_config = reward_fns is None
         if reward_fns is None:
             reward_fns = [(spec.name, spec.weight) for spec in self.config.rewards]
         dirs = [os.getcwd()] + [d for d in [getattr(self.config, "source_dir", None)] if d]
@@ -352,7 +355,7 @@ class GRPOTrainer:
             logger.event(self.step, "precision_warning", f"precision.master_weights_fp32=false with {cfg.precision.dtype}: "
                          "updates below the weights' resolution are lost (update/lost_frac)")
         try:
-            with graceful_stop(self):  # SIGINT and SIGTERM: finish the step, save, stop
+            with graceful_stop(self), async_rollout(self):  # signals: finish the step, save, stop
                 last_ckpt = run_loop(self, logger, last_ckpt)
         finally:
             logger.close()

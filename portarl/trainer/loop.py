@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from portarl.reward_runner import RewardError
+from portarl.trainer.async_pipeline import RolloutWorkerError
 from portarl.trainer.samples import SampleLog
 from portarl.trainer.setup import forced_backend
 from portarl.trainer.signals import StopRequested
@@ -49,6 +50,11 @@ def run_loop(trainer, logger, last_ckpt: Path | None) -> Path | None:
                 message = f"stopping at step {trainer.step + 1}: {err}. Checkpoint of step {trainer.step}: {last_ckpt}"
                 logger.event(trainer.step + 1, "stopped", message)
                 raise TrainingStopped(message, "reward", last_ckpt) from err
+            except RolloutWorkerError as err:  # rollout.mode=async: nothing of this step was applied either
+                last_ckpt = trainer.save_checkpoint()
+                message = f"stopping at step {trainer.step + 1}: {err}. Checkpoint of step {trainer.step}: {last_ckpt}"
+                logger.event(trainer.step + 1, "stopped", message)
+                raise TrainingStopped(message, "rollout_worker", last_ckpt) from None
         events = metrics.pop("_events")
         if trainer.evaluator is not None and trainer.evaluator.due(trainer.step):  # eval.data: eval/* metrics
             metrics.update(trainer.evaluator.run(trainer))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import time
 
 import torch
 
@@ -28,6 +29,7 @@ class RolloutPhase:
     #: Rewards already computed (and shaped) by the rollout (dynamic sampling), else None:
     #: scoring computes them.
     rewards: torch.Tensor | None = None
+    scores: object = None        # RewardScores when the rollout side scored the batch (async mode)
 
 
 def prompts_for_step(trainer, step: int) -> list[Example]:
@@ -37,6 +39,8 @@ def prompts_for_step(trainer, step: int) -> list[Example]:
 
 
 def run_rollout(trainer, step: int) -> RolloutPhase:
+    if trainer.async_rollout is not None:  # rollout.mode=async: a scored batch from the worker process
+        return async_phase(trainer, step)
     cfg = trainer.config
     g = cfg.rollout.group_size
     if cfg.rollout.dynamic_sampling:  # DAPO: rounds until prompts_per_step informative groups
@@ -56,12 +60,22 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
     seeds = seeds[trainer._local_offset * g : (trainer._local_offset + per_rank) * g]
     # Encoded (and checked) once when the data loaded (GRPOTrainer._check_examples).
     prompts = [trainer._prompt_ids.get(id(ex)) or trainer.codec.encode_prompt(ex.prompt) for ex in examples for _ in range(g)]
+    started = time.perf_counter()
     trainer.rollout.sync_weights(trainer.model)
     rollout = trainer.rollout.generate(prompts, seeds, trainer.sampling)
     trainer.rollout.sleep()  # the trainer computes now: the engine frees what it can (vLLM: KV cache)
     texts = [trainer.codec.decode(c) for c in rollout.completion_ids]
     metrics, events = rollout_metrics(trainer, step, rollout, seeds)
+    metrics["time/rollout_s"] = time.perf_counter() - started  # what async mode overlaps (bench async)
     return RolloutPhase(examples, rollout, texts, metrics, events)
+
+
+def async_phase(trainer, step: int) -> RolloutPhase:
+    examples, rollout, texts, seeds, scores, extra, async_events = trainer.async_rollout.batch(step)
+    trainer._local_offset = 0
+    metrics, events = rollout_metrics(trainer, step, rollout, seeds)
+    metrics.update(extra)
+    return RolloutPhase(examples, rollout, texts, metrics, async_events + events, scores=scores)
 
 
 def identical_cause(seeds: list[int], completions: list[list[int]], logprobs: list[list[float]], g: int,

@@ -30,11 +30,11 @@ log = logging.getLogger("portarl.train")
 #: What a training run writes into its output directory (all of it, and only it, is
 #: removed by ``--overwrite``).
 RUN_FILES = ("checkpoints", "metrics.jsonl", "events.jsonl", "samples.jsonl", "tensorboard", "config.yaml", "summary.txt",
-             "curves.png", "best")
+             "curves.png", "best", "rollout_batches.jsonl", "rollout_worker.log", "async_weights")  # the last three: async mode
 
 #: Fields (``section.field``; a trailing dot: the whole section) that ``--resume`` applies.
 MID_RUN_FIELDS = ("train.steps", "train.old_logprobs", "optim.lr", "optim.implementation", "logging.",
-                  "checkpoint.every", "checkpoint.keep_last", "device", "eval.",
+                  "checkpoint.every", "checkpoint.keep_last", "device", "eval.", "rollout.timeout_s",
                   # detector settings only: they never change what the run computes
                   "rollout.identical_warn_frac", "rollout.identical_min_chance")
 

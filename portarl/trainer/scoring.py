@@ -18,10 +18,13 @@ the reward (``loss.kl_in_reward``: old log-probs are needed before the update); 
 numerics emulation (it reproduces a stack that scores old log-probs in their own pass);
 an engine that did not sample the trainer's current weights (a replayed file, a vLLM
 engine not synced since the last optimizer step, any engine that does not say so through
-:meth:`~portarl.rollout.RolloutEngine.samples_policy_of`).
+:meth:`~portarl.rollout.RolloutEngine.samples_policy_of`); ``rollout.mode=async`` (the worker
+process sampled its own copy of the weights, up to ``rollout.max_staleness`` steps old:
+:mod:`portarl.trainer.async_pipeline`).
 
 The reward call is ``GRPOTrainer._rewards`` (:mod:`portarl.reward_runner`: per-sample and
-TRL-style batched rewards with dataset columns, errors naming the reward and the sample).
+TRL-style batched rewards with dataset columns, errors naming the reward and the sample),
+except in async mode, where the worker scored the batch (``RolloutPhase.scores``).
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ def old_logprobs_recompute_reason(trainer) -> str | None:
         return "loss.kl_in_reward needs old log-probs before the update"
     if trainer.emulate:
         return "precision.numerics emulation"
+    if cfg.rollout.mode == "async":
+        return "rollout.mode=async (the worker sampled a copy of the weights, possibly older ones)"
     if not trainer.rollout.samples_policy_of(trainer.model):
         return f"the {getattr(trainer.rollout, 'name', 'rollout')} engine did not sample the trainer's current weights"
     return None
@@ -97,7 +102,11 @@ def score(trainer, phase, metrics: dict) -> Scored:
     if phase.rewards is not None:  # dynamic sampling scored (and shaped) them while choosing groups
         rewards, reward_metrics = phase.rewards, {}
     else:
-        rewards, reward_metrics = trainer._rewards(examples, phase.texts)
+        if phase.scores is None:
+            rewards, reward_metrics = trainer._rewards(examples, phase.texts)
+        else:  # scored by the rollout worker (rollout.mode=async)
+            trainer._last_reward_values = phase.scores.per_function
+            rewards, reward_metrics = phase.scores.total, dict(phase.scores.metrics)
         rewards = shape_rewards(cfg, rewards, rollout.completion_ids, reward_metrics)  # DAPO overlong penalty
     # What the sample log shows (samples.jsonl): filled in as the phase goes.
     trainer._last_samples = {"prompts": [examples[i // g].prompt_text for i in range(len(phase.texts))],

@@ -1,0 +1,209 @@
+"""The asynchronous rollout worker: a process of its own that owns a copy of the policy,
+samples the batches the trainer asks for and scores them (``rollout.mode: async``).
+
+Started by :class:`portarl.trainer.async_pipeline.AsyncRollout` as
+``python -m portarl.rollout.async_worker SPEC.json``. It speaks JSON lines: requests on
+stdin, replies on stdout (logging goes to stderr, which the trainer points at
+``rollout_worker.log`` in the run directory). Nothing is unpickled: weights arrive as a
+safetensors file, everything else as JSON (Python's ``json`` writes floats with
+``repr``, which round-trips every float64, hence every fp32 log-prob, exactly).
+
+Requests, handled strictly in order:
+
+- ``{"op": "weights", "version": v, "path": p}``: load the weights the trainer published
+  after optimizer step ``v`` (written atomically by the trainer); replies ``loaded``.
+- ``{"op": "generate", "step": s, "prompts": [[ids]], "examples": [...]}``: G samples per
+  prompt with the weights loaded last. Seeds come from (run seed, step, prompt, sample)
+  through :func:`portarl.rollout.request_seeds`, exactly as in colocated mode
+  (:func:`portarl.trainer.rollout_phase.run_rollout`): the failure reported for other
+  frameworks' async modes, identical completions step after step, came from a worker
+  whose seeds never advanced. Rewards are computed here (the trainer gets scored
+  batches); the reply carries the weight version that generated it.
+- ``{"op": "stop"}`` or the end of stdin: exit.
+
+The worker dies with the trainer: ``PR_SET_PDEATHSIG`` (Linux) sends it SIGKILL when the
+trainer dies, and a watchdog thread exits when its parent changes (other systems). It
+ignores SIGINT and SIGTERM: the trainer decides when it stops (a scheduler's SIGTERM to
+every process of a job must not kill the worker under a trainer that is finishing its
+step and saving), and stops it with SIGKILL (it holds nothing worth saving).
+
+Fault injection for the tests (``PORTARL_ROLLOUT_WORKER_FAULT``): ``die@S``, ``hang@S``,
+``garbage@S``, ``stale@S`` (the first batch of step S claims old weights: the trainer must
+drop and regenerate it), all at the generate request of step S; ``constant_seed`` (one
+seed for every sample: the identical-samples detector must fire).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+FAULT_ENV = "PORTARL_ROLLOUT_WORKER_FAULT"
+
+log = logging.getLogger("portarl.rollout.worker")
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the trainer dies (Linux), else poll the parent id."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0:  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the parent died before prctl took effect
+                os._exit(1)
+            return
+    except OSError:
+        pass
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="portarl-worker-watchdog", daemon=True).start()
+
+
+def one_line(text: str, limit: int = 600) -> str:
+    """An error for the trainer's one-line message (load_state_dict's, say, spans lines)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def parse_fault(text: str | None) -> tuple[str | None, int | None]:
+    if not text:
+        return None, None
+    kind, _, step = text.partition("@")
+    return kind, int(step) if step else None
+
+
+class Worker:
+    """The worker's state: model, codec, engine, rewards, and the weight version loaded."""
+
+    def __init__(self, spec: dict):
+        import torch
+
+        from portarl.models import build_model
+        from portarl.reward_runner import RewardRunner
+        from portarl.rollout import SamplingParams
+        from portarl.rollout.hf import HFRollout
+        from portarl.tokenizer import as_codec, chat_template_option
+        from portarl.trainer.config import TrainConfig
+        from portarl.trainer.precision import DTYPES
+
+        torch.set_num_threads(int(spec["threads"]))
+        self.config = cfg = TrainConfig.from_dict(spec["config"])
+        self.device = torch.device(spec["device"])
+        model, tokenizer = build_model(cfg.model, DTYPES[cfg.precision.dtype])
+        self.model = model.to(self.device, dtype=DTYPES[cfg.precision.dtype])
+        # As the trainer's model: train mode (the engine switches to eval while it samples)
+        # and parameters that require grad. Frozen parameters take another CPU matmul path
+        # under inference_mode, and the log-probs then move in the last bits.
+        self.model.train()
+        d = cfg.data
+        self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template),
+                              system_prompt=d.system_prompt)
+        self.engine = HFRollout(self.model, self.codec.eos_token_id, self.codec.pad_token_id,
+                                stop_token_ids=self.codec.stop_token_ids, lean_decode=cfg.rollout.lean_decode,
+                                share_prefill=cfg.rollout.share_prefill)
+        self.rewards = RewardRunner([(r.name, r.weight) for r in cfg.rewards], search_dirs=spec["search_dirs"])
+        r = cfg.rollout
+        self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                       max_new_tokens=r.max_new_tokens)
+        self.version: int | None = None
+        self.fault, self.fault_step = parse_fault(os.environ.get(FAULT_ENV))
+        self.idle_since = time.perf_counter()
+
+    def load_weights(self, version: int, path: str) -> dict:
+        from safetensors.torch import load_model
+
+        load_model(self.model, path, strict=True, device=str(self.device))
+        self.version = version
+        return {"op": "loaded", "version": version}
+
+    def generate(self, request: dict) -> dict:
+        from portarl.data import Example
+        from portarl.rollout import request_seeds
+
+        idle = time.perf_counter() - self.idle_since
+        step, cfg = int(request["step"]), self.config
+        g = cfg.rollout.group_size
+        if self.version is None:
+            raise RuntimeError(f"asked for step {step} before any weights were published")
+        if self.fault_step == step and self.fault == "die":
+            os._exit(3)
+        if self.fault_step == step and self.fault == "hang":
+            while True:
+                time.sleep(60)
+        mode = "constant" if self.fault == "constant_seed" else cfg.rollout.seed_mode
+        prompts = request["prompts"]
+        seeds = request_seeds(cfg.train.seed, step, len(prompts), g, mode)
+        started = time.perf_counter()
+        batch = self.engine.generate([p for p in prompts for _ in range(g)], seeds, self.sampling)
+        gen_s = time.perf_counter() - started
+        texts = [self.codec.decode(c) for c in batch.completion_ids]
+        examples = [Example(e["prompt"] if isinstance(e["prompt"], str) else tuple(e["prompt"]), e["answer"],
+                            e["columns"], e["where"]) for e in request["examples"]]
+        scores = self.rewards.score([examples[i // g] for i in range(len(texts))], texts)
+        reply = {"op": "batch", "step": step, "version": self.version, "seeds": seeds,
+                 "prompt_ids": batch.prompt_ids, "completion_ids": batch.completion_ids, "logprobs": batch.logprobs,
+                 "finished": batch.finished, "texts": texts, "total": scores.total.tolist(),
+                 "per_function": scores.per_function, "reward_metrics": scores.metrics,
+                 "gen_s": gen_s, "score_s": time.perf_counter() - started - gen_s, "idle_s": idle}
+        if self.fault_step == step and self.fault == "garbage":
+            reply["completion_ids"] = reply["completion_ids"][:-1]
+        if self.fault_step == step and self.fault == "stale":
+            reply["version"] = self.version - 10
+            self.fault = None
+        return reply
+
+    def handle(self, request: dict) -> dict:
+        from portarl.reward_runner import RewardError
+
+        op = request.get("op")
+        try:
+            if op == "weights":
+                return self.load_weights(int(request["version"]), request["path"])
+            if op == "generate":
+                reply = self.generate(request)
+                self.idle_since = time.perf_counter()
+                return reply
+            return {"op": "error", "kind": "worker", "message": f"unknown request {op!r}"}
+        except RewardError as err:
+            return {"op": "error", "kind": "reward", "message": one_line(str(err))}
+        except Exception as err:  # reported to the trainer, which names the worker and stops
+            log.exception("rollout worker: %s failed", op)
+            return {"op": "error", "kind": "worker", "message": one_line(f"{type(err).__name__}: {err}")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent(int(os.environ.get("PORTARL_TRAINER_PID", os.getppid())))
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    # The protocol gets its own descriptor; fd 1 (and sys.stdout) become stderr, so stray
+    # prints, from Python or from a C library, cannot corrupt the replies.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    worker = Worker(spec)
+    out.write(json.dumps({"op": "ready", "pid": os.getpid()}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request.get("op") == "stop":
+            break
+        out.write(json.dumps(worker.handle(request)) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
