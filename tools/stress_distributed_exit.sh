@@ -9,6 +9,10 @@
 #   BURNERS=8 NICE=19 tools/stress_distributed_exit.sh     (harsher: 4 burners a core, ranks at
 #                                                           the lowest priority, so a rank's
 #                                                           threads lag its main thread at exit)
+#   MODE=mechanism tools/stress_distributed_exit.sh 100    (the cause alone, a few seconds a run:
+#                                                           tools/exit_race_worker.py, 2 Gloo ranks
+#                                                           on DTensors, each run twice: the plain
+#                                                           interpreter exit, then portarl's path)
 #
 # Every rank runs with PYTHONFAULTHANDLER=1, so an abort prints each Python thread's stack.
 # The burner processes are killed on every exit path (normal end, error, Ctrl-C).
@@ -18,6 +22,7 @@ RUNS=${1:-100}
 OUT=${2:-runs/stress-exit}
 BURNERS=${BURNERS:-$(nproc)}
 NICE=${NICE:-0}
+MODE=${MODE:-train}
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 if ! [[ "$RUNS" =~ ^[1-9][0-9]*$ ]]; then
@@ -46,6 +51,27 @@ args=()
 for s in "${SETS[@]}"; do args+=(--set "$s"); done
 
 failed=0 aborts=0 start=$(date +%s)
+if [ "$MODE" = mechanism ]; then
+  plain=0 ours=0
+  for i in $(seq 1 "$RUNS"); do
+    for how in plain portarl; do
+      PYTHONFAULTHANDLER=1 OMP_NUM_THREADS=1 nice -n "$NICE" "$PY" -m torch.distributed.run --nproc-per-node 2 \
+        tools/exit_race_worker.py "$how" >"$OUT/last.log" 2>&1
+      rc=$?
+      if [ "$rc" -ne 0 ]; then
+        cp "$OUT/last.log" "$OUT/failed-$how-$i.log"
+        if [ "$how" = plain ]; then plain=$((plain + 1)); else ours=$((ours + 1)); fi
+      fi
+    done
+    echo "run $i/$RUNS: failed so far: plain exit $plain, portarl's exit path $ours ($(( $(date +%s) - start )) s)"
+  done
+  echo "mechanism result: $RUNS runs each; plain interpreter exit failed $plain, portarl's exit path failed $ours ($BURNERS burner(s), nice $NICE, $(( $(date +%s) - start )) s)"
+  [ "$ours" -eq 0 ]
+  exit
+elif [ "$MODE" != train ]; then
+  echo "stress_distributed_exit.sh: MODE must be train or mechanism, got '$MODE'" >&2
+  exit 2
+fi
 for i in $(seq 1 "$RUNS"); do
   run_dir="$OUT/run"
   log="$OUT/last.log"
