@@ -42,7 +42,7 @@ for _ in $(seq 1 "$BURNERS"); do
   "$PY" -c 'while True: pass' &
   burner_pids+=($!)
 done
-echo "stress: $RUNS runs of 2-rank portarl train under $BURNERS CPU burner(s), ranks at nice $NICE; logs of failures in $OUT"
+echo "stress ($MODE): $RUNS runs of 2 ranks under $BURNERS CPU burner(s), ranks at nice $NICE; logs of failures in $OUT"
 
 SETS=(train.steps=2 checkpoint.every=1 train.prompts_per_step=4 train.sft_warmup_steps=0 train.micro_batch_size=4
       rollout.group_size=4 rollout.max_new_tokens=3 data.synthetic_size=64 model.hidden_size=32
