@@ -143,7 +143,8 @@ def default_step(model, batch, tap: Tap) -> torch.Tensor:
     if loss is None:
         raise ValueError("dump_modules: the model returned no .loss; pass labels in the batch or a step_fn "
                          "(model, batch, tap) -> loss")
-    return tap.record("loss", loss)
+    logits = getattr(out, "logits", None)
+    return tap.record("loss", loss, inputs=() if logits is None else (logits,))
 
 
 def dump_modules(model: torch.nn.Module, batch, out: str | Path, *,
