@@ -85,7 +85,7 @@ def write_locate_report(result: dict, out: str | Path) -> Path:
             lines.append(f"| {r['order']} | {name} | {'bit-equal' if r['in_exact'] else _g(r['in_err'])} | "
                          f"{'bit-equal' if r['out_exact'] else _g(r['out_err'])} | {_g(r['max_rel'])} | "
                          f"{_g(r['mean_rel'])} | {_g(r['cos'], '.6f')} | {_g(r['amplification'], '.3g')} | "
-                         f"{_g(r['expected'])} | {r['verdict'] if r['judged'] else f"n/a ({r['unjudged']})"} |")
+                         f"{_g(r['expected'])} | {r['verdict'] if r['judged'] else 'n/a (' + r['unjudged'] + ')'} |")
     for side in ("a", "b"):
         only = result[f"only_in_{side}"]
         if only:
