@@ -71,7 +71,7 @@ def cmd_dump(args) -> int:
 
 
 def cmd_locate(args) -> int:
-    from portarl.bench.stability.locate import locate
+    from portarl.bench.stability.locator import locate
     from portarl.bench.stability.locate_report import write_locate_report
 
     try:

@@ -2,7 +2,7 @@
 
 Why: two machines' runs part at some step (``bench stability compare`` says when); to say
 *where* (which layer, which op), both machines run the same step's forward and backward
-with every module hooked, and :func:`portarl.bench.stability.locate.locate` compares the
+with every module hooked, and :func:`portarl.bench.stability.locator.locate` compares the
 two dumps module by module.
 
 What is recorded, per module call (forward hooks with kwargs, full backward hooks):
@@ -126,10 +126,14 @@ class Tap:
         return output
 
     def finish_param_grads(self) -> None:
-        """Each backward entry gets its module's parameter grads (final once backward ends)."""
-        for entry, module in self.param_grads:
+        """Each backward entry gets its module's parameter grads (final once backward ends).
+        A parameter shared by several modules (tied embeddings) holds the sum of their
+        grads: it goes to the module whose backward ran last, once the sum was complete."""
+        seen: set[int] = set()
+        for entry, module in reversed(self.param_grads):
             for pname, p in module.named_parameters(recurse=False):
-                if p.grad is not None and pname not in entry["params"]:
+                if p.grad is not None and id(p) not in seen and pname not in entry["params"]:
+                    seen.add(id(p))
                     info = summarise(p.grad)
                     info["tensor"] = self.writer.offer(f"{entry['order']}.{entry['name']}.grad.{pname}", p.grad)
                     entry["params"][pname] = info
