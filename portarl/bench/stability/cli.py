@@ -38,8 +38,8 @@ def add_locate_arguments(dump_parser, locate_parser) -> None:
                                   "e.g. npu:bf16 or cpu:bf16:npu-emulated")
     dump_parser.add_argument("--modules", dest="dump_modules", nargs="+", metavar="PATTERN",
                              help="only these modules: globs or prefixes, e.g. 'model.layers.7' 'portarl.*'")
-    dump_parser.add_argument("--budget-mb", dest="dump_budget_mb", type=float, default=256.0,
-                             help="full tensors kept up to this size (call order); summaries for all")
+    dump_parser.add_argument("--budget-mb", dest="dump_budget_mb", type=float, default=1024.0,
+                             help="full tensors (activations, weights, grads) kept up to this size, in call order; summaries for all (0: summaries only, culprits found by CRC-32 alone)")
     dump_parser.add_argument("--rows", dest="dump_rows", type=int, metavar="N",
                              help="sequences of the step's first micro-batch to run (default: the whole micro-batch)")
     locate_parser.add_argument("dumps", nargs=2, metavar="DUMP", help="two dump directories (A: reference, B: other)")

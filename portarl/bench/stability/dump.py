@@ -152,7 +152,7 @@ def default_step(model, batch, tap: Tap) -> torch.Tensor:
 
 
 def dump_modules(model: torch.nn.Module, batch, out: str | Path, *,
-                 step_fn: Callable | None = None, modules=None, budget_mb: float = 256.0, step: int = 0,
+                 step_fn: Callable | None = None, modules=None, budget_mb: float = 1024.0, step: int = 0,
                  rank: int = 0, environment: dict | None = None, extra: dict | None = None) -> Path:
     """Run ``step_fn(model, batch, tap) -> loss`` (default :func:`default_step`) and
     ``loss.backward()`` with every module of ``model`` hooked (or those ``modules``

@@ -74,7 +74,7 @@ def grpo_step_fn(trainer, old_logp, ref_logp, rollout_logp, advantages, norms: d
 
 
 def dump_recorded_step(directory: str | Path, step: int, out: str | Path, *, run: str | None = None,
-                       modules=None, budget_mb: float = 256.0, rows: int | None = None,
+                       modules=None, budget_mb: float = 1024.0, rows: int | None = None,
                        progress: Callable[[str], None] | None = None) -> Path:
     """Dump step ``step`` of the recording in ``directory`` under setting ``run`` (a
     ``--runs`` entry, default: the directory's own run). Returns the index path."""
