@@ -47,25 +47,32 @@ def add_locate_arguments(dump_parser, locate_parser) -> None:
                                help="report directory (locate.md, locate.json, locate.png)")
 
 
+def _guarded(command: str, call, errors: tuple):
+    """``(call(), None)``, or ``(None, 2)`` after one line saying what is wrong with the input."""
+    from portarl.trainer.config import ConfigError
+
+    try:
+        return call(), None
+    except ConfigError as err:
+        _log(f"portarl {command}: config error: {err}")
+    except errors as err:
+        _log(f"portarl {command}: {err}")
+    return None, 2
+
+
 def cmd_dump(args) -> int:
     from portarl.bench.stability.dump_step import dump_recorded_step
     from portarl.rollout.replay import RolloutFileError
-    from portarl.trainer.config import ConfigError
 
     if args.dump_budget_mb < 0:
         _log(f"portarl bench stability dump: --budget-mb {args.dump_budget_mb}: give 0 (summaries only) or more")
         return 2
     logging.getLogger("portarl.train").setLevel(logging.ERROR)
-    try:
-        index = dump_recorded_step(args.dump_from, args.dump_step, args.dump_out, run=args.dump_run,
-                                   modules=args.dump_modules, budget_mb=args.dump_budget_mb, rows=args.dump_rows,
-                                   progress=_log)
-    except ConfigError as err:
-        _log(f"portarl bench stability dump: config error: {err}")
-        return 2
-    except (FileNotFoundError, ValueError, RolloutFileError) as err:
-        _log(f"portarl bench stability dump: {err}")
-        return 2
+    index, failed = _guarded("bench stability dump", lambda: dump_recorded_step(
+        args.dump_from, args.dump_step, args.dump_out, run=args.dump_run, modules=args.dump_modules,
+        budget_mb=args.dump_budget_mb, rows=args.dump_rows, progress=_log), (FileNotFoundError, ValueError, RolloutFileError))
+    if failed:
+        return failed
     print(f"dump: {index.parent}")
     return 0
 
@@ -99,7 +106,6 @@ def _check_run_devices(specs) -> None:
 
 def cmd_stability(args) -> int:
     from portarl.bench.stability import ReplayMismatch, parse_runs, run_stability
-    from portarl.trainer.config import ConfigError
 
     command = getattr(args, "stability_command", None)
     if command in ("compare", "dump", "locate"):
@@ -111,18 +117,14 @@ def cmd_stability(args) -> int:
         _log(f"portarl bench stability: {err}")
         return 2
     logging.getLogger("portarl.train").setLevel(logging.ERROR)  # events go to the report
-    try:
-        analysis, report = run_stability(
-            specs, steps=args.steps, seed=args.seed, config_path=args.config, overrides=args.set or [],
-            out_dir=args.out, replay=args.replay_rollouts, replay_from=args.replay_from,
-            noise_floor=args.noise_floor, threshold=args.threshold, progress=_log,
-        )
-    except ConfigError as err:
-        _log(f"portarl bench stability: config error: {err}")
-        return 2
-    except (ReplayMismatch, FileNotFoundError, ValueError) as err:
-        _log(f"portarl bench stability: {err}")
-        return 2
+    done, failed = _guarded("bench stability", lambda: run_stability(
+        specs, steps=args.steps, seed=args.seed, config_path=args.config, overrides=args.set or [],
+        out_dir=args.out, replay=args.replay_rollouts, replay_from=args.replay_from,
+        noise_floor=args.noise_floor, threshold=args.threshold, progress=_log,
+    ), (ReplayMismatch, FileNotFoundError, ValueError))
+    if failed:
+        return failed
+    analysis, report = done
     for run in analysis["runs"]:
         print(run["verdict"])
     print(f"report: {report}")
