@@ -22,7 +22,6 @@ the order autograd runs them) and a per-module ``call`` number. Files: see
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import shutil
 import warnings
@@ -177,9 +176,7 @@ def dump_modules(model: torch.nn.Module, batch, out: str | Path, *,
             # itself; its children are recorded) and on those with no input needing grad.
             warnings.filterwarnings("ignore", message=".*(backward hook|Full backward hook).*")
             loss = (step_fn or default_step)(model, batch, tap)
-            with contextlib.suppress(AttributeError):
-                loss = loss.float()
-            loss.backward()
+            loss.float().backward()
         tap.finish_param_grads()
     finally:
         for h in handles:

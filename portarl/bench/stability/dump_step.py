@@ -21,8 +21,6 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from portarl.bench.stability.record import CONFIG, ROLLOUTS, START_MODEL, load_run, read_manifest
 from portarl.bench.stability.runs import parse_runs
 
@@ -135,4 +133,3 @@ def dump_recorded_step(directory: str | Path, step: int, out: str | Path, *, run
                                 step=step, rank=0, environment=envinfo.environment(trainer.device), extra=extra)
         finally:
             trainer.close()
-            torch.set_grad_enabled(True)
