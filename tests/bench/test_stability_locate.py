@@ -245,6 +245,7 @@ def test_recorded_step_with_a_planted_fault_is_named(recorded, tmp_path, monkeyp
     (["dump", "--from", "{missing}", "--step", "1", "--out", "{out}"], "is not a stability run directory"),
     (["dump", "--from", "{recorded}", "--step", "9", "--out", "{out}"], "--step 9: "),
     (["dump", "--from", "{recorded}", "--step", "1", "--out", "{out}", "--run", "cpu:fp64"], "dtype must be"),
+    (["dump", "--from", "{recorded}", "--step", "1", "--out", "{out}", "--run", "npu:bf16"], "--run npu:bf16: "),
     (["locate", "{missing}", "{missing}"], "is not a portarl module dump"),
 ])
 def test_bad_input_is_one_line_and_exit_2(recorded, tmp_path, capsys, args, message):

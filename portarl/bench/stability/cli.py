@@ -38,7 +38,7 @@ def add_locate_arguments(dump_parser, locate_parser) -> None:
                                   "e.g. npu:bf16 or cpu:bf16:npu-emulated")
     dump_parser.add_argument("--modules", dest="dump_modules", nargs="+", metavar="PATTERN",
                              help="only these modules: globs or prefixes, e.g. 'model.layers.7' 'portarl.*'")
-    dump_parser.add_argument("--budget-mb", dest="dump_budget_mb", type=float, default=1024.0,
+    dump_parser.add_argument("--budget-mb", dest="dump_budget_mb", type=float, default=1024.0, metavar="MB",
                              help="full tensors (activations, weights, grads) kept up to this size, in call order; summaries for all (0: summaries only, culprits found by CRC-32 alone)")
     dump_parser.add_argument("--rows", dest="dump_rows", type=int, metavar="N",
                              help="sequences of the step's first micro-batch to run (default: the whole micro-batch)")
@@ -92,7 +92,7 @@ def cmd_locate(args) -> int:
     return 0
 
 
-def _check_run_devices(specs) -> None:
+def check_run_devices(specs, option: str = "--runs") -> None:
     """Every device a stability run names must be here before the first run's warm-up
     starts (``npu:bf16`` on a machine without torch_npu used to fail 40 s in)."""
     from portarl.device import DeviceUnavailableError, resolve_device
@@ -101,7 +101,7 @@ def _check_run_devices(specs) -> None:
         try:
             resolve_device(spec.device)
         except DeviceUnavailableError as err:
-            raise ValueError(f"--runs {spec.label}: {err}") from None
+            raise ValueError(f"{option} {spec.label}: {err}") from None
 
 
 def cmd_stability(args) -> int:
@@ -112,7 +112,7 @@ def cmd_stability(args) -> int:
         return {"compare": cmd_compare, "dump": cmd_dump, "locate": cmd_locate}[command](args)
     try:
         specs = parse_runs(args.runs)
-        _check_run_devices(specs)
+        check_run_devices(specs)
     except ValueError as err:
         _log(f"portarl bench stability: {err}")
         return 2

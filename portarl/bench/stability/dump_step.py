@@ -77,6 +77,7 @@ def dump_recorded_step(directory: str | Path, step: int, out: str | Path, *, run
     """Dump step ``step`` of the recording in ``directory`` under setting ``run`` (a
     ``--runs`` entry, default: the directory's own run). Returns the index path."""
     from portarl import envinfo
+    from portarl.bench.stability.cli import check_run_devices
     from portarl.bench.stability.dump import dump_modules
     from portarl.rollout import ReplayRollout
     from portarl.rollout.replay import load_rollouts
@@ -92,6 +93,7 @@ def dump_recorded_step(directory: str | Path, step: int, out: str | Path, *, run
     if rows is not None and rows < 1:
         raise ValueError(f"--rows {rows}: give a positive number of sequences")
     spec = parse_runs(run)[0] if run else parse_runs(label.removesuffix("#noise"))[0]
+    check_run_devices([spec], "--run")  # npu:bf16 on a machine without torch_npu: refused here, not mid-replay
     recorder = load_run(source / "runs" / manifest["recording"]["slug"])
     with tempfile.TemporaryDirectory(prefix="portarl-dump-") as scratch:
         overrides = [f"model.path={source / START_MODEL}", f"train.steps={step}", f"train.seed={manifest['seed']}",
