@@ -7,7 +7,7 @@
                   [--resume | --overwrite]
     portarl sft   [--config FILE.yaml] [--set key=value ...] [--device D] [--output-dir DIR] [--steps N] [--overwrite]
     portarl export --checkpoint C --out DIR [--overwrite]
-    portarl bench kernels | stability ...
+    portarl bench kernels | stability [compare | dump | locate] ...
     portarl bench step [--vs trl] [--steps N] [--rounds R] [--threads T] [--out FILE.json]
     portarl --version
 
@@ -457,9 +457,13 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=_cmd_bench_stability)
     st_cmds = st.add_subparsers(dest="stability_command")
     st_compare = st_cmds.add_parser("compare", help="one report over run directories made on any machines; exit 1 when a run parts")
+    st_dump = st_cmds.add_parser("dump", help="one recorded step's forward and backward, dumped per module on this machine")
+    st_locate = st_cmds.add_parser("locate", help="the first module where two dumps part, forward and backward")
     from portarl.bench.stability.cli import add_arguments as _stability_arguments
+    from portarl.bench.stability.cli import add_locate_arguments as _locate_arguments
 
     _stability_arguments(st, st_compare)
+    _locate_arguments(st_dump, st_locate)
     sp = bench_cmds.add_parser(
         "step", help="per-step CPU / wall time, phases and peak RSS; --vs trl: TRL's GRPOTrainer on the same work",
         description="Run short GRPO trainings in fresh processes and report the median per-step CPU and wall "

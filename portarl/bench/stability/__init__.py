@@ -7,6 +7,9 @@ machine or several.
 - :mod:`.analysis`: parting steps against a measured noise floor, token-level divergence
 - :mod:`.report`: ``report.md``, ``stability.png``, ``tokens.png``
 - :mod:`.harness`: record / replay-from / compare; :mod:`.cli`: the ``bench stability`` commands
+- :mod:`.dump` / :mod:`.dump_index` / :mod:`.dump_step`: one step's forward and backward dumped per
+  module (safetensors + JSON index + msprobe's L0 dump.json); :mod:`.locator` /
+  :mod:`.locate_report`: where two dumps part, module by module
 """
 
 import importlib
@@ -16,6 +19,7 @@ _EXPORTS = {
     "analyse": "analysis", "first_divergence": "analysis", "token_divergence": "analysis",
     "compare": "harness", "run_stability": "harness",
     "ReplayMismatch": "record", "RunResult": "record", "load_directory": "record",
+    "dump_modules": "dump", "dump_recorded_step": "dump_step", "locate": "locator",
     "BACKENDS": "runs", "METRICS": "runs", "RunSpec": "runs", "parse_runs": "runs",
 }
 __all__ = sorted(_EXPORTS)

@@ -26,7 +26,73 @@ def add_arguments(st, compare_parser) -> None:
                                 help="parting threshold, as a fraction of a metric's typical size")
 
 
-def _check_run_devices(specs) -> None:
+def add_locate_arguments(dump_parser, locate_parser) -> None:
+    """``bench stability dump`` and ``bench stability locate``."""
+    dump_parser.add_argument("--from", dest="dump_from", metavar="DIR", required=True,
+                             help="stability directory that recorded its rollouts (--replay-rollouts), or one that replayed them")
+    dump_parser.add_argument("--step", dest="dump_step", type=int, required=True, metavar="S",
+                             help="the step to dump (steps 1..S-1 are trained here on the recorded rollouts first)")
+    dump_parser.add_argument("--out", dest="dump_out", metavar="DIR", required=True, help="dump directory")
+    dump_parser.add_argument("--run", dest="dump_run", metavar="SPEC",
+                             help="setting on this machine, as a --runs entry (default: the directory's own run), "
+                                  "e.g. npu:bf16 or cpu:bf16:npu-emulated")
+    dump_parser.add_argument("--modules", dest="dump_modules", nargs="+", metavar="PATTERN",
+                             help="only these modules: globs or prefixes, e.g. 'model.layers.7' 'portarl.*'")
+    dump_parser.add_argument("--budget-mb", dest="dump_budget_mb", type=float, default=1024.0, metavar="MB",
+                             help="full tensors (activations, weights, grads) kept up to this size, in call order; summaries for all (0: summaries only, culprits found by CRC-32 alone)")
+    dump_parser.add_argument("--rows", dest="dump_rows", type=int, metavar="N",
+                             help="sequences of the step's first micro-batch to run (default: the whole micro-batch)")
+    locate_parser.add_argument("dumps", nargs=2, metavar="DUMP", help="two dump directories (A: reference, B: other)")
+    locate_parser.add_argument("--out", dest="locate_out", metavar="DIR", default="locate",
+                               help="report directory (locate.md, locate.json, locate.png)")
+
+
+def _guarded(command: str, call, errors: tuple):
+    """``(call(), None)``, or ``(None, 2)`` after one line saying what is wrong with the input."""
+    from portarl.trainer.config import ConfigError
+
+    try:
+        return call(), None
+    except ConfigError as err:
+        _log(f"portarl {command}: config error: {err}")
+    except errors as err:
+        _log(f"portarl {command}: {err}")
+    return None, 2
+
+
+def cmd_dump(args) -> int:
+    from portarl.bench.stability.dump_step import dump_recorded_step
+    from portarl.rollout.replay import RolloutFileError
+
+    if args.dump_budget_mb < 0:
+        _log(f"portarl bench stability dump: --budget-mb {args.dump_budget_mb}: give 0 (summaries only) or more")
+        return 2
+    logging.getLogger("portarl.train").setLevel(logging.ERROR)
+    index, failed = _guarded("bench stability dump", lambda: dump_recorded_step(
+        args.dump_from, args.dump_step, args.dump_out, run=args.dump_run, modules=args.dump_modules,
+        budget_mb=args.dump_budget_mb, rows=args.dump_rows, progress=_log), (FileNotFoundError, ValueError, RolloutFileError))
+    if failed:
+        return failed
+    print(f"dump: {index.parent}")
+    return 0
+
+
+def cmd_locate(args) -> int:
+    from portarl.bench.stability.locator import locate
+    from portarl.bench.stability.locate_report import write_locate_report
+
+    try:
+        result = locate(*args.dumps)
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        _log(f"portarl bench stability locate: {err}")
+        return 2
+    report = write_locate_report(result, args.locate_out)
+    print(result["verdict"])
+    print(f"report: {report}")
+    return 0
+
+
+def check_run_devices(specs, option: str = "--runs") -> None:
     """Every device a stability run names must be here before the first run's warm-up
     starts (``npu:bf16`` on a machine without torch_npu used to fail 40 s in)."""
     from portarl.device import DeviceUnavailableError, resolve_device
@@ -35,34 +101,30 @@ def _check_run_devices(specs) -> None:
         try:
             resolve_device(spec.device)
         except DeviceUnavailableError as err:
-            raise ValueError(f"--runs {spec.label}: {err}") from None
+            raise ValueError(f"{option} {spec.label}: {err}") from None
 
 
 def cmd_stability(args) -> int:
     from portarl.bench.stability import ReplayMismatch, parse_runs, run_stability
-    from portarl.trainer.config import ConfigError
 
-    if getattr(args, "stability_command", None) == "compare":
-        return cmd_compare(args)
+    command = getattr(args, "stability_command", None)
+    if command in ("compare", "dump", "locate"):
+        return {"compare": cmd_compare, "dump": cmd_dump, "locate": cmd_locate}[command](args)
     try:
         specs = parse_runs(args.runs)
-        _check_run_devices(specs)
+        check_run_devices(specs)
     except ValueError as err:
         _log(f"portarl bench stability: {err}")
         return 2
     logging.getLogger("portarl.train").setLevel(logging.ERROR)  # events go to the report
-    try:
-        analysis, report = run_stability(
-            specs, steps=args.steps, seed=args.seed, config_path=args.config, overrides=args.set or [],
-            out_dir=args.out, replay=args.replay_rollouts, replay_from=args.replay_from,
-            noise_floor=args.noise_floor, threshold=args.threshold, progress=_log,
-        )
-    except ConfigError as err:
-        _log(f"portarl bench stability: config error: {err}")
-        return 2
-    except (ReplayMismatch, FileNotFoundError, ValueError) as err:
-        _log(f"portarl bench stability: {err}")
-        return 2
+    done, failed = _guarded("bench stability", lambda: run_stability(
+        specs, steps=args.steps, seed=args.seed, config_path=args.config, overrides=args.set or [],
+        out_dir=args.out, replay=args.replay_rollouts, replay_from=args.replay_from,
+        noise_floor=args.noise_floor, threshold=args.threshold, progress=_log,
+    ), (ReplayMismatch, FileNotFoundError, ValueError))
+    if failed:
+        return failed
+    analysis, report = done
     for run in analysis["runs"]:
         print(run["verdict"])
     print(f"report: {report}")
