@@ -106,7 +106,8 @@ def make_rollout_engine(trainer):
     engine = ENGINES["hf"](trainer.model, trainer.codec.eos_token_id, trainer.codec.pad_token_id,
                            stop_token_ids=trainer.codec.stop_token_ids,  # eos and a chat end-of-turn
                            lean_decode=trainer.config.rollout.lean_decode,
-                           share_prefill=trainer.config.rollout.share_prefill)
+                           share_prefill=trainer.config.rollout.share_prefill,
+                           max_batch_size=trainer.config.rollout.max_batch_size)
     if trainer.dist.enabled:  # FSDP forwards are collective: every rank decodes until all are done
         engine.finished_everywhere = lambda flag: not pdist.any_rank(trainer.dist, not flag)
     return engine
