@@ -7,11 +7,13 @@
                   [--resume | --overwrite]
     portarl sft   [--config FILE.yaml] [--set key=value ...] [--device D] [--output-dir DIR] [--steps N] [--overwrite]
     portarl export --checkpoint C --out DIR [--overwrite]
+    portarl plan  [--config FILE.yaml] [--set key=value ...] [--devices N] [--device-memory 80GiB]
     portarl bench kernels | stability ...
     portarl bench step [--vs trl] [--steps N] [--rounds R] [--threads T] [--out FILE.json]
+    portarl bench memory [--config FILE.yaml] [--set key=value ...] [--nproc N]
     portarl --version
 
-Exit status: 0 on success, 1 when a parity check fails, 2 for bad usage, a bad config, an
+Exit status: 0 on success, 1 when a parity check fails or ``plan`` says the run does not fit, 2 for bad usage, a bad config, an
 output directory holding another run, a model directory or data that cannot be used, an
 unusable device, no checkpoint that verifies on --resume, or a missing / incomplete /
 damaged checkpoint or a non-empty --out for export (one line on stderr, no
@@ -206,6 +208,18 @@ def _cmd_bench_stability(args) -> int:
     return cmd_stability(args)
 
 
+def _cmd_bench_memory(args) -> int:
+    from portarl.bench.memory import main as bench_memory
+
+    argv = [*(["--config", args.config] if args.config else []), *(x for item in args.set for x in ("--set", item)),
+            "--nproc", str(args.nproc), "--threads", str(args.threads)]
+    try:
+        return bench_memory(argv)
+    except RuntimeError as err:
+        _log(f"portarl bench memory: {err}")
+        return 2
+
+
 def _cmd_bench_step(args) -> int:
     import json
     from pathlib import Path
@@ -284,6 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
         cli_train.add_run_arguments(p, name)
         p.set_defaults(func=func)
 
+    from portarl import cli_plan
+
+    pl = commands.add_parser("plan", help="peak memory per device of a training config, before any weights load",
+                             description=cli_plan.__doc__.split("\n\n")[0])
+    cli_plan.add_arguments(pl)
+    pl.set_defaults(func=cli_plan.cmd_plan)
+
     ex = commands.add_parser("export", help="write a checkpoint as a Hugging Face model directory (LoRA merged in)",
                              description="Write a training checkpoint as a Hugging Face model directory: the model "
                              "rebuilt from the run config saved in it, its weights (a LoRA adapter merged into the "
@@ -338,6 +359,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--beta", type=float, default=0.0, help="KL weight on both sides (0: no reference model)")
     sp.add_argument("--out", help="JSON output (a .md table is written beside it)")
     sp.set_defaults(func=_cmd_bench_step)
+    mem = bench_cmds.add_parser("memory", help="one GRPO step's measured peak RSS increase and time beside the "
+                                "memory plan's estimate (CPU; a fresh process per rank)")
+    mem.add_argument("--config", help="training config YAML (default: the built-in demo config)")
+    mem.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    mem.add_argument("--nproc", type=int, default=1, help="ranks (torchrun, Gloo, FSDP2)")
+    mem.add_argument("--threads", type=int, default=1, help="OMP threads per process")
+    mem.set_defaults(func=_cmd_bench_memory)
     return parser
 
 

@@ -177,7 +177,8 @@ def parse_size(text: str) -> int:
 
 
 def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """A size for people: GiB from 1 GiB up, MiB below."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def advice(plan: Plan, cfg) -> list[str]:
