@@ -212,7 +212,8 @@ def _cmd_bench_memory(args) -> int:
     from portarl.bench.memory import main as bench_memory
 
     argv = [*(["--config", args.config] if args.config else []), *(x for item in args.set for x in ("--set", item)),
-            "--nproc", str(args.nproc), "--threads", str(args.threads)]
+            "--nproc", str(args.nproc), "--threads", str(args.threads), "--steps", str(args.steps),
+            *(["--malloc-mmap-threshold", str(args.malloc_mmap_threshold)] if args.malloc_mmap_threshold else [])]
     try:
         return bench_memory(argv)
     except RuntimeError as err:
@@ -365,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     mem.add_argument("--nproc", type=int, default=1, help="ranks (torchrun, Gloo, FSDP2)")
     mem.add_argument("--threads", type=int, default=1, help="OMP threads per process")
+    mem.add_argument("--steps", type=int, default=1, help="GRPO steps (1: compared with the plan's first step)")
+    mem.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
+                     help="glibc MALLOC_MMAP_THRESHOLD_ for the workers (RSS then follows the live tensors)")
     mem.set_defaults(func=_cmd_bench_memory)
     return parser
 

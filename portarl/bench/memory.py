@@ -52,7 +52,7 @@ def _warm_up(cfg) -> None:
     gc.collect()
 
 
-def _worker(config: str | None, sets: list[str]) -> None:
+def _worker(config: str | None, sets: list[str], steps: int) -> None:
     import torch  # noqa: F401  (the baseline includes the libraries)
     import transformers  # noqa: F401
 
@@ -61,7 +61,7 @@ def _worker(config: str | None, sets: list[str]) -> None:
 
     cfg = TrainConfig.load(config, sets)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    estimate = estimate_for_config(cfg, devices=world)
+    estimate = estimate_for_config(cfg, devices=world, first_step=steps == 1)
     _warm_up(cfg)
     baseline = _rss_bytes()
     started = time.perf_counter()
@@ -69,13 +69,17 @@ def _worker(config: str | None, sets: list[str]) -> None:
     trainer = GRPOTrainer(model, tokenizer, None, examples, cfg, device="cpu")
     loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     load_s = time.perf_counter() - started
-    step_started, cpu_started = time.perf_counter(), time.process_time()
-    metrics = trainer.train_step()
-    step_s, cpu_s = time.perf_counter() - step_started, time.process_time() - cpu_started
+    step_s, cpu_s, skipped = [], [], 0
+    for _ in range(steps):
+        step_started, cpu_started = time.perf_counter(), time.process_time()
+        skipped += trainer.train_step()["skipped"]
+        step_s.append(time.perf_counter() - step_started)
+        cpu_s.append(time.process_time() - cpu_started)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     record = {"rank": int(os.environ.get("RANK", "0")), "baseline_bytes": baseline, "peak_bytes": peak,
               "after_load_peak_bytes": loaded, "increase_bytes": peak - baseline, "load_s": load_s,
-              "step_s": step_s, "step_cpu_s": cpu_s, "skipped": metrics.get("skipped"),
+              "steps": steps, "step_s": step_s, "step_cpu_s": cpu_s, "skipped": skipped,
+              "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
               "estimate_bytes": estimate.peak, "estimate_parts": estimate.parts, "estimate_phase": estimate.phase}
     print(MARK + json.dumps(record), flush=True)
     from portarl import distributed as pdist
@@ -83,12 +87,19 @@ def _worker(config: str | None, sets: list[str]) -> None:
     pdist.shutdown()
 
 
-def measure(config: str | None, sets: list[str], nproc: int = 1, threads: int = 1) -> list[dict]:
-    """One step in a fresh process (``nproc`` > 1: torchrun ranks); a record per rank."""
+def measure(config: str | None, sets: list[str], nproc: int = 1, threads: int = 1, steps: int = 1,
+            mmap_threshold: int | None = None) -> list[dict]:
+    """``steps`` steps in a fresh process (``nproc`` > 1: torchrun ranks); a record per rank.
+    ``mmap_threshold``: glibc's ``MALLOC_MMAP_THRESHOLD_`` for the workers (a fixed
+    threshold: freed large tensors go back to the system at once, so RSS follows the live
+    tensors; glibc's default raises the threshold up to 32 MiB as large blocks are freed
+    and then keeps freed memory of smaller tensors in its heap)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)] if nproc > 1 \
         else [sys.executable]
-    cmd = [*launcher, "-m", "portarl.bench.memory", "--worker"]
+    cmd = [*launcher, "-m", "portarl.bench.memory", "--worker", "--steps", str(steps)]
     if config:
         cmd += ["--config", config]
     for item in sets:
@@ -100,26 +111,27 @@ def measure(config: str | None, sets: list[str], nproc: int = 1, threads: int = 
     return sorted(records, key=lambda r: r["rank"])
 
 
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 def main(argv: list[str] | None = None) -> int:
+    from portarl.trainer.memory_plan import gib
+
     ap = argparse.ArgumentParser(prog="portarl bench memory")
     ap.add_argument("--config")
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--malloc-mmap-threshold", type=int)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        _worker(args.config, args.set)
+        _worker(args.config, args.set, args.steps)
         return 0
-    for r in measure(args.config, args.set, args.nproc, args.threads):
+    for r in measure(args.config, args.set, args.nproc, args.threads, args.steps, args.malloc_mmap_threshold):
         ratio = r["estimate_bytes"] / max(1, r["increase_bytes"])
         print(f"rank {r['rank']}: measured peak RSS increase {gib(r['increase_bytes'])} (peak {gib(r['peak_bytes'])}, "
               f"baseline {gib(r['baseline_bytes'])}, after load {gib(r['after_load_peak_bytes'])}); estimate "
-              f"{gib(r['estimate_bytes'])} ({ratio:.2f}x); step {r['step_s']:.1f} s wall, {r['step_cpu_s']:.1f} s CPU")
+              f"{gib(r['estimate_bytes'])} ({ratio:.2f}x); steps " + ", ".join(
+                  f"{w:.1f} s wall / {c:.1f} s CPU" for w, c in zip(r["step_s"], r["step_cpu_s"])))
         print("  " + json.dumps(r))
     return 0
 

@@ -6,7 +6,7 @@ adapter's), L layers, H hidden, I MLP width, n_h / n_kv attention / KV heads of 
 vocabulary, b the bytes of ``precision.dtype`` (4 / 2), W devices (FSDP2 ranks), S the
 longest sequence (longest prompt + ``rollout.max_new_tokens``).
 
-Held for the whole run ("static"):
+Held for the whole run ("static"; the optimizer state from the first optimizer step on):
 - parameters: N b on one process. FSDP2 shards them: N b_p / W, with b_p = 4 when fp32
   masters are kept (FSDP2 stores fp32 and computes in b), plus the unsharded working set
   it all-gathers: the root (embeddings, head, final norm; not resharded between forward
@@ -37,14 +37,21 @@ Update phase, added to the static part:
   chunks of at most ``chunk_elements`` logits (fp32; logits, softmax and gradient: 3 of
   them; 4 MiB per buffer on CPU, 64 MiB on accelerators).
 
+Optimizer step, added to the static part: the gradients; the guard's snapshot of what the
+step writes (``guards.update_snapshot``: a copy of the optimizer's parameters and of its
+state, so a non-finite update can be undone); with the foreach AdamW (FSDP2's DTensors,
+``optim.implementation=foreach``) one temporary per parameter (sqrt of the second moment);
+the fused AdamW (one process on CPU / CUDA) has none. On the first step the state does not
+exist before the step: it is created here, and the snapshot holds the parameters only.
+
 Rollout phase, added to the static part (no gradients; the decode is chunked by
 ``rollout.max_batch_size``, so only one chunk of c sequences is live):
 - KV cache: c S L 2 n_kv d b (preallocated for the whole length by the lean decode).
 - prefill: one layer's working set at a time, c P (2 H + n_h d + 2 n_kv d + 3 I) b, and the
   last position's logits and sampling buffers, 3 c V x 4.
 
-Peak = static + max(update, rollout). The no-grad scoring forwards (old / reference
-log-probs) need one layer's working set of one micro-batch, less than the update's.
+Peak = static + max(update, optimizer step, rollout). The no-grad scoring forwards (old /
+reference log-probs) need one layer's working set of one micro-batch, less than the update's.
 
 Checked against measured peak RSS increases on CPU (``portarl bench memory``): see
 ``docs/memory.md``. Not counted: the Python / torch runtime itself (measured as the
@@ -74,6 +81,7 @@ class Plan:
     static: int
     update: int
     rollout: int
+    optimizer: int
     micro_batch_rows: int
     sequence_tokens: int
     checkpointing: bool
@@ -81,12 +89,16 @@ class Plan:
     device_memory: int | None = None
 
     @property
+    def phases(self) -> dict:
+        return {"update": self.update, "optimizer step": self.optimizer, "rollout": self.rollout}
+
+    @property
     def peak(self) -> int:
-        return self.static + max(self.update, self.rollout)
+        return self.static + max(self.phases.values())
 
     @property
     def phase(self) -> str:
-        return "update" if self.update >= self.rollout else "rollout"
+        return max(self.phases, key=self.phases.get)
 
     @property
     def fits(self) -> bool | None:
@@ -109,8 +121,10 @@ def layer_activation_elements(arch: Arch) -> int:
 
 
 def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_memory: int | None = None,
-             accelerator: bool = False) -> Plan:
-    """The per-device plan for config ``cfg`` (a TrainConfig) on ``devices`` devices."""
+             accelerator: bool = False, first_step: bool = False) -> Plan:
+    """The per-device plan for config ``cfg`` (a TrainConfig) on ``devices`` devices.
+    ``first_step``: the run's first step, before which no optimizer state exists (what a
+    one-step measurement sees); default the steady state."""
     from portarl.trainer.checkpointing import wants_checkpointing
 
     b = _BYTES[cfg.precision.dtype]
@@ -120,16 +134,18 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     n, l = arch.params, arch.layers
     n_t = _lora_params(arch, lora) if lora is not None else n
     masters = cfg.precision.use_master and b < 4
+    b_opt = 4 if masters or b == 4 else b  # the optimizer's parameters and state
     parts: dict[str, int] = {}
     if sharded:
         parts["parameters"] = n * (4 if masters else b) // w + (arch.root_params + 2 * arch.layer_params) * b
     else:
         parts["parameters"] = n * b
         parts["fp32 master weights"] = 4 * n_t if masters else 0
-    parts["optimizer state"] = 2 * n_t * (4 if masters or b == 4 else b) // w
     parts["KL reference"] = n * b // w if cfg.loss.kl_coef > 0 and lora is None else 0
-    static = sum(parts.values())
-    # Update phase.
+    state = 2 * n_t * b_opt // w
+    parts["optimizer state"] = state
+    held = sum(parts.values()) - (state if first_step else 0)
+    # Update phase: forward / backward of the largest micro-batch.
     s = prompt_tokens + cfg.rollout.max_new_tokens
     per_device = cfg.train.prompts_per_step // w * cfg.rollout.group_size
     budget = cfg.train.max_tokens_per_micro_batch
@@ -138,7 +154,6 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     a = layer_activation_elements(arch)
     ckpt = wants_checkpointing(cfg)
     full, checkpointed = l * a * b * m, (l * arch.hidden + a) * b * m
-
     if sharded:
         grads = n_t * (4 if masters else b) // w + arch.layer_params * b
     else:
@@ -149,6 +164,13 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     chunk = ACCEL_CHUNK_BYTES if accelerator else CPU_CHUNK_BYTES
     parts["log-prob chunk buffers"] = 3 * min(chunk, m * arch.vocab * 4)
     update = sum(parts[k] for k in ("gradients", "saved activations", "backward working set", "log-prob chunk buffers"))
+    # Optimizer step: gradients, the state it creates on the first step, the guard's
+    # snapshot of what it writes, foreach temporaries (one per parameter: sqrt of v).
+    snapshot = cfg.guards.update_snapshot or (b < 4 and not masters)
+    parts["update snapshot"] = (n_t * b_opt // w + (0 if first_step else state)) if snapshot else 0
+    foreach = sharded or cfg.optim.implementation == "foreach"
+    parts["optimizer temporaries"] = n_t * b_opt // w if foreach else 0
+    optimizer = grads + parts["update snapshot"] + parts["optimizer temporaries"] + (state if first_step else 0)
     # Rollout phase.
     c = min(cfg.rollout.max_batch_size or per_device, per_device) if cfg.rollout.engine == "hf" else per_device
     kv = arch.kv_heads * arch.head_dim
@@ -157,13 +179,15 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     parts["rollout prefill + sampling"] = (c * prompt_tokens * (2 * arch.hidden + q + 2 * kv + 3 * arch.intermediate) * b
                                            + 3 * c * arch.vocab * 4)
     rollout = parts["rollout KV cache"] + parts["rollout prefill + sampling"]
-    return Plan(arch, w, parts, static, update, rollout, rows, s, ckpt, full if ckpt else checkpointed, device_memory)
+    return Plan(arch, w, parts, held, update, rollout, optimizer, rows, s, ckpt, full if ckpt else checkpointed,
+                device_memory)
 
 
-def estimate_for_config(cfg, *, devices: int = 1, device_memory: int | None = None, accelerator: bool = False) -> Plan:
+def estimate_for_config(cfg, *, devices: int = 1, device_memory: int | None = None, accelerator: bool = False,
+                        first_step: bool = False) -> Plan:
     """:func:`estimate` with the model's shape and the longest prompt read from ``cfg``."""
     return estimate(cfg, arch_of(cfg.model), prompt_tokens=longest_prompt(cfg), devices=devices,
-                    device_memory=device_memory, accelerator=accelerator)
+                    device_memory=device_memory, accelerator=accelerator, first_step=first_step)
 
 
 def parse_size(text: str) -> int:
@@ -193,6 +217,8 @@ def advice(plan: Plan, cfg) -> list[str]:
     if plan.phase == "update" and plan.micro_batch_rows > 1:
         tips.append(f"a smaller train.max_tokens_per_micro_batch (now {cfg.train.max_tokens_per_micro_batch}; "
                     f"{plan.micro_batch_rows} rows of {plan.sequence_tokens} tokens per micro-batch)")
+    if plan.phase == "optimizer step" and plan.parts.get("update snapshot"):
+        tips.append("guards.update_snapshot=false (no copy of the parameters and optimizer state during the step)")
     if plan.phase == "rollout":
         tips.append("a smaller rollout.max_batch_size (the KV cache grows with it)")
     if plan.parts.get("KL reference"):
@@ -216,7 +242,7 @@ def render(plan: Plan, cfg) -> str:
             lines.append(f"  {name:<28}{gib(value):>12}")
     other = "off" if plan.checkpointing else "on"
     lines.append(f"  (saved activations with checkpointing {other}: {gib(plan.activations_other)})")
-    lines.append(f"static {gib(plan.static)} + max(update {gib(plan.update)}, rollout {gib(plan.rollout)})")
+    lines.append(f"held {gib(plan.static)} + the largest phase: " + ", ".join(f"{k} {gib(v)}" for k, v in plan.phases.items()))
     lines.append(f"estimated peak: {gib(plan.peak)} per device (in the {plan.phase} phase)")
     if plan.device_memory is not None:
         verdict = "fits" if plan.fits else "does NOT fit"
