@@ -42,7 +42,7 @@ def local_device_memory(device: str = "auto") -> tuple[int | None, bool]:
 
 
 def cmd_plan(args) -> int:
-    from portarl.trainer.memory_arch import arch_of, longest_prompt
+    from portarl.trainer.memory_arch import arch_of, prompt_lengths
     from portarl.trainer.memory_plan import estimate, parse_size, render
 
     try:
@@ -62,7 +62,8 @@ def cmd_plan(args) -> int:
         else:
             memory, accelerator = local_device_memory(config.device)
         arch = arch_of(config.model)
-        prompt = args.prompt_tokens or longest_prompt(config)
+        longest, examples, tokens = prompt_lengths(config)
+        prompt = args.prompt_tokens or longest
     except UsageError as err:
         log(f"portarl plan: {err}")
         return 2
@@ -70,7 +71,7 @@ def cmd_plan(args) -> int:
         log(f"portarl plan: {err}")
         return 2
     plan = estimate(config, arch, prompt_tokens=prompt, devices=args.devices, device_memory=memory,
-                    accelerator=accelerator)
+                    accelerator=accelerator, examples=examples, data_tokens=tokens)
     print(render(plan, config))
     return 0 if plan.fits is not False else 1
 
@@ -81,10 +82,10 @@ def train_start_line(trainer) -> str:
     from portarl.trainer.memory_plan import estimate, one_line
 
     cfg = trainer.config
-    prompt = max((len(ids) for ids in trainer._prompt_ids.values()), default=1)
+    lengths = [len(ids) for ids in trainer._prompt_ids.values()] or [1]
     memory, accelerator = local_device_memory(trainer.device.type)
-    plan = estimate(cfg, arch_of(cfg.model), prompt_tokens=prompt, devices=trainer.dist.world_size,
-                    device_memory=memory, accelerator=accelerator)
+    plan = estimate(cfg, arch_of(cfg.model), prompt_tokens=max(lengths), devices=trainer.dist.world_size,
+                    device_memory=memory, accelerator=accelerator, examples=len(lengths), data_tokens=sum(lengths))
     return one_line(plan)
 
 

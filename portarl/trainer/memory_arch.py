@@ -98,6 +98,12 @@ def arch_of(model_cfg) -> Arch:
 def longest_prompt(cfg) -> int:
     """The longest prompt of ``cfg``'s data in tokens, as the trainer encodes it (chat
     template, system prompt); loads the tokenizer, not the model."""
+    return prompt_lengths(cfg)[0]
+
+
+def prompt_lengths(cfg) -> tuple[int, int, int]:
+    """``(longest prompt, examples, prompt tokens in all)`` of ``cfg``'s data, as the
+    trainer encodes it (chat template, system prompt); loads the tokenizer, not the model."""
     from portarl.data import arithmetic_examples, load_examples
     from portarl.tokenizer import as_codec, chat_template_option
 
@@ -123,7 +129,8 @@ def longest_prompt(cfg) -> int:
     else:
         examples = load_examples(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)
     codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)
-    return max(len(codec.encode_prompt(ex.prompt)) for ex in examples)
+    lengths = [len(codec.encode_prompt(ex.prompt)) for ex in examples]
+    return max(lengths), len(lengths), sum(lengths)
 
 
-__all__ = ["Arch", "arch_of", "longest_prompt"]
+__all__ = ["Arch", "arch_of", "longest_prompt", "prompt_lengths"]

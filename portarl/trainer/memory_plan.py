@@ -16,6 +16,8 @@ Held for the whole run ("static"; the optimizer state from the first optimizer s
   masters (or fp32 parameters), 2 b N_t otherwise; / W under FSDP2.
 - KL reference (``loss.kl_coef`` > 0 without LoRA: a frozen copy; with LoRA it is the
   model with its adapter off, no copy): N b, / W under FSDP2.
+- the data set, on CPU only (host memory is the device there): the loaded examples and
+  their encoded prompts, 520 B per example + 33 B per prompt token (tracemalloc).
 
 Update phase, added to the static part:
 - gradients: b N_t (one process; plus 4 N_t for the fp32 master gradients when masters are
@@ -30,9 +32,10 @@ Update phase, added to the static part:
     SwiGLU: gate, up, silu(gate), silu(gate) x up                   4 I
   a = 4 H + 3 n_h d + 2 n_kv d + 4 I. Without checkpointing all L layers keep a b m; with
   activation checkpointing each keeps its input (H b m) and one layer at a time rebuilds
-  its a b m during the backward. The backward also holds the gradient of one layer's
-  activations (another a b m at most), and the decoder's own tensors (embedding output,
-  final norm, the completion hidden states): 4 H b m.
+  its a b m during the backward. The backward's own working set peaks in a layer's MLP:
+  the gradients arriving at and leaving the layer (2 H) and those of the product, gate and
+  up projections (3 I), beside the decoder's own tensors (embedding output, final norm, the
+  completion hidden states and their gradient: 4 H): (6 H + 3 I) b m.
 - log-prob chunk buffers: :func:`portarl.ops.linear_logprobs` scores the completion rows in
   chunks of at most ``chunk_elements`` logits (fp32; logits, softmax and gradient: 3 of
   them; 4 MiB per buffer on CPU, 64 MiB on accelerators).
@@ -64,9 +67,13 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from portarl.trainer.memory_arch import Arch, arch_of, longest_prompt
+from portarl.trainer.memory_arch import Arch, arch_of, prompt_lengths
 
 CPU_CHUNK_BYTES = 4 << 20
+#: Host memory of one loaded example (the Example object, its prompt and answer strings)
+#: and of one token of its encoded prompt (a list entry, a dict slot share, the int):
+#: tracemalloc on the synthetic arithmetic data, 520 B and 33 B.
+DATA_EXAMPLE_BYTES, DATA_TOKEN_BYTES = 520, 33
 ACCEL_CHUNK_BYTES = 64 << 20
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -121,10 +128,11 @@ def layer_activation_elements(arch: Arch) -> int:
 
 
 def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_memory: int | None = None,
-             accelerator: bool = False, first_step: bool = False) -> Plan:
+             accelerator: bool = False, first_step: bool = False, examples: int = 0, data_tokens: int = 0) -> Plan:
     """The per-device plan for config ``cfg`` (a TrainConfig) on ``devices`` devices.
     ``first_step``: the run's first step, before which no optimizer state exists (what a
-    one-step measurement sees); default the steady state."""
+    one-step measurement sees); default the steady state. ``examples`` / ``data_tokens``:
+    the data set's size (counted on CPU only, where host memory is the device's)."""
     from portarl.trainer.checkpointing import wants_checkpointing
 
     b = _BYTES[cfg.precision.dtype]
@@ -144,6 +152,7 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     parts["KL reference"] = n * b // w if cfg.loss.kl_coef > 0 and lora is None else 0
     state = 2 * n_t * b_opt // w
     parts["optimizer state"] = state
+    parts["data set (host)"] = 0 if accelerator else examples * DATA_EXAMPLE_BYTES + data_tokens * DATA_TOKEN_BYTES
     held = sum(parts.values()) - (state if first_step else 0)
     # Update phase: forward / backward of the largest micro-batch.
     s = prompt_tokens + cfg.rollout.max_new_tokens
@@ -160,7 +169,7 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
         grads = n_t * b + (4 * n_t if masters else 0)
     parts["gradients"] = grads
     parts["saved activations"] = checkpointed if ckpt else full
-    parts["backward working set"] = (a + 4 * arch.hidden) * b * m
+    parts["backward working set"] = (6 * arch.hidden + 3 * arch.intermediate) * b * m
     chunk = ACCEL_CHUNK_BYTES if accelerator else CPU_CHUNK_BYTES
     parts["log-prob chunk buffers"] = 3 * min(chunk, m * arch.vocab * 4)
     update = sum(parts[k] for k in ("gradients", "saved activations", "backward working set", "log-prob chunk buffers"))
@@ -186,8 +195,9 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
 def estimate_for_config(cfg, *, devices: int = 1, device_memory: int | None = None, accelerator: bool = False,
                         first_step: bool = False) -> Plan:
     """:func:`estimate` with the model's shape and the longest prompt read from ``cfg``."""
-    return estimate(cfg, arch_of(cfg.model), prompt_tokens=longest_prompt(cfg), devices=devices,
-                    device_memory=device_memory, accelerator=accelerator, first_step=first_step)
+    longest, examples, tokens = prompt_lengths(cfg)
+    return estimate(cfg, arch_of(cfg.model), prompt_tokens=longest, devices=devices, device_memory=device_memory,
+                    accelerator=accelerator, first_step=first_step, examples=examples, data_tokens=tokens)
 
 
 def parse_size(text: str) -> int:
