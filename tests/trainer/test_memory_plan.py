@@ -80,3 +80,10 @@ def test_plan_command_says_whether_it_fits(capsys):
     assert "does NOT fit" in out and "change: train.gradient_checkpointing=true" in out
     assert main(["plan", "--devices", "3"]) == 2
     assert "multiple of --devices 3" in capsys.readouterr().err
+
+
+def test_train_start_line_names_the_peak_and_the_device_memory(make_trainer):
+    from portarl.cli_plan import train_start_line
+
+    line = train_start_line(make_trainer())
+    assert line.startswith("memory plan: estimated peak ") and "device memory" in line and "checkpointing off" in line
