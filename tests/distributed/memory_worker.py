@@ -1,12 +1,14 @@
 """Worker of tests/distributed/test_fsdp_memory.py, run under torchrun (2 Gloo ranks): one
 GRPO step of the tiny model, FSDP2-sharded, for each memory setting in VARIANTS; rank 0
-saves the full gradients of the first optimizer step to ``<out>/<variant>.safetensors``.
+saves the full gradients of the first optimizer step to ``<out>/<variant>.safetensors``
+and the number of FSDP2 all-gathers of each variant's step to ``<out>/all_gathers.json``.
 
 The gradients are captured where the optimizer would step (after every micro-batch's
 backward and FSDP's reduce-scatter), so they are the step's real gradients."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import torch
@@ -35,7 +37,20 @@ def varied_reward(prompt, completion, answer):
     return float(sum(map(ord, completion)) % 5)
 
 
-def gradients(out: str, name: str) -> dict[str, torch.Tensor]:
+def _count_all_gathers(counter: dict) -> None:
+    """Count FSDP2's parameter all-gathers (one per FSDP module unshard)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    real = group.foreach_all_gather
+
+    def counted(*args, **kwargs):
+        counter["all_gathers"] += 1
+        return real(*args, **kwargs)
+
+    group.foreach_all_gather = counted
+
+
+def gradients(out: str, name: str, counter: dict) -> dict[str, torch.Tensor]:
     cfg = TrainConfig.load(None, [*BASE, *VARIANTS[name], f"output_dir={out}/{name}"])
     model, tokenizer, examples = build_from_config(cfg)
     trainer = GRPOTrainer(model, tokenizer, [varied_reward], examples, cfg, device="cpu")
@@ -50,16 +65,24 @@ def gradients(out: str, name: str) -> dict[str, torch.Tensor]:
         return {}
 
     update.guarded_optimizer_step = capture
+    counter["all_gathers"] = 0
     metrics = trainer.train_step()
+    counter[name] = counter["all_gathers"]
     assert metrics["skipped"] == 0, metrics
     return grads
 
 
 def main(out: str) -> None:
+    counter: dict = {}
+    _count_all_gathers(counter)
     for name in VARIANTS:
-        grads = gradients(out, name)
+        grads = gradients(out, name, counter)
         if pdist.init_distributed(torch.device("cpu"))[0].is_main:
             save_file({k: v.contiguous() for k, v in grads.items()}, f"{out}/{name}.safetensors")
+    if pdist.init_distributed(torch.device("cpu"))[0].is_main:
+        counter.pop("all_gathers")
+        with open(f"{out}/all_gathers.json", "w") as f:
+            json.dump(counter, f)
     pdist.barrier(pdist.init_distributed(torch.device("cpu"))[0])
     pdist.shutdown()
 

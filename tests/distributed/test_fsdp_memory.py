@@ -1,10 +1,11 @@
 """Activation checkpointing and token-budget micro-batches under FSDP2 (2 Gloo ranks): the
-first optimizer step's gradients equal the plain sharded run's within fp32 rounding
-(worker: memory_worker.py). LoRA is refused with several ranks, so it is tested on one
+first optimizer step's gradients equal the plain sharded run's within fp32 rounding, and
+checkpointing adds no all-gather (worker: memory_worker.py). LoRA is refused with several ranks, so it is tested on one
 process (tests/trainer/test_memory_*.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -30,6 +31,10 @@ def test_checkpointing_and_budget_give_the_plain_gradients_on_two_ranks(tmp_path
     assert proc.returncode == 0, proc.stderr[-4000:]
     plain = load_file(tmp_path / "plain.safetensors")
     assert plain and any(float(g.abs().max()) > 0 for g in plain.values())
+    # The recompute runs inside the backward's all-gather (the checkpoint wraps each layer's
+    # forward, FSDP2's hooks stay outside it): no extra all-gather per step.
+    gathers = json.loads((tmp_path / "all_gathers.json").read_text())
+    assert gathers["plain"] > 0 and gathers["checkpointing"] == gathers["plain"], gathers
     for name in ("checkpointing", "budget", "both"):
         other = load_file(tmp_path / f"{name}.safetensors")
         assert other.keys() == plain.keys(), name
