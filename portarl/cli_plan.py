@@ -76,17 +76,32 @@ def cmd_plan(args) -> int:
     return 0 if plan.fits is not False else 1
 
 
-def train_start_line(trainer) -> str:
-    """The one line ``portarl train`` logs at its start: estimated peak and device memory."""
+def train_start_line(config, tokenizer, examples, device) -> str:
+    """The one line ``portarl train`` logs at its start: estimated peak and device memory
+    (the prompts encoded as the trainer will; devices: torchrun's ``WORLD_SIZE``)."""
+    from portarl.tokenizer import as_codec, chat_template_option
     from portarl.trainer.memory_arch import arch_of
     from portarl.trainer.memory_plan import estimate, one_line
 
-    cfg = trainer.config
-    lengths = [len(ids) for ids in trainer._prompt_ids.values()] or [1]
-    memory, accelerator = local_device_memory(trainer.device.type)
-    plan = estimate(cfg, arch_of(cfg.model), prompt_tokens=max(lengths), devices=trainer.dist.world_size,
-                    device_memory=memory, accelerator=accelerator, examples=len(lengths), data_tokens=sum(lengths))
+    d = config.data
+    codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)
+    lengths = [len(codec.encode_prompt(ex.prompt)) for ex in examples] or [1]
+    memory, accelerator = local_device_memory(device.type)
+    plan = estimate(config, arch_of(config.model), prompt_tokens=max(lengths),
+                    devices=int(os.environ.get("WORLD_SIZE", "1")), device_memory=memory, accelerator=accelerator,
+                    examples=len(lengths), data_tokens=sum(lengths))
     return one_line(plan)
 
 
-__all__ = ["add_arguments", "cmd_plan", "local_device_memory", "train_start_line"]
+def log_train_plan(config, tokenizer, examples, device) -> None:
+    """:func:`train_start_line` on stderr, from rank 0; an estimate never stops a run."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        line = train_start_line(config, tokenizer, examples, device)
+    except Exception as err:  # noqa: BLE001 - a bad prompt is the trainer's error to report, with its file:line
+        line = f"memory plan unavailable ({type(err).__name__}: {err})"
+    log(f"portarl train: {line}")
+
+
+__all__ = ["add_arguments", "cmd_plan", "local_device_memory", "log_train_plan", "train_start_line"]

@@ -177,6 +177,10 @@ def prepare(args, command: str) -> Prepared:
         raise UsageError(f"{err}") from None
     if len(tokenizer) == 0:
         raise UsageError(f"the tokenizer in {config.model.path} is empty")
+    if command == "train":
+        from portarl.cli_plan import log_train_plan
+
+        log_train_plan(config, tokenizer, examples, device)
     return Prepared(config, device, model, tokenizer, examples)
 
 
@@ -207,13 +211,6 @@ def cmd_train(args) -> int:
         log(f"portarl train: {err}")
         return 2
     log(f"portarl train: {config.model.path} model on {trainer.device}, output in {config.output_dir}")
-    if trainer.dist.is_main:
-        try:
-            from portarl.cli_plan import train_start_line
-
-            log(f"portarl train: {train_start_line(trainer)}")
-        except Exception as err:  # noqa: BLE001 - an estimate must never stop a run
-            log(f"portarl train: memory plan unavailable ({type(err).__name__}: {err})")
     try:
         result = trainer.train(resume=args.resume, overwrite=args.overwrite)
     except RunDirError as err:

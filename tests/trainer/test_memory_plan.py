@@ -82,8 +82,13 @@ def test_plan_command_says_whether_it_fits(capsys):
     assert "multiple of --devices 3" in capsys.readouterr().err
 
 
-def test_train_start_line_names_the_peak_and_the_device_memory(make_trainer):
-    from portarl.cli_plan import train_start_line
+def test_train_start_line_names_the_peak_and_the_device_memory():
+    import torch
 
-    line = train_start_line(make_trainer())
+    from portarl.cli_plan import train_start_line
+    from portarl.trainer import build_from_config
+
+    cfg = TrainConfig.load(None, ["data.synthetic_size=20"])
+    _, tokenizer, examples = build_from_config(cfg)
+    line = train_start_line(cfg, tokenizer, examples, torch.device("cpu"))
     assert line.startswith("memory plan: estimated peak ") and "device memory" in line and "checkpointing off" in line
