@@ -36,3 +36,8 @@ def test_max_batch_size_is_checked():
     model, tok = build_tiny(seed=3)
     with pytest.raises(ValueError, match="rollout.max_batch_size"):
         HFRollout(model, tok.eos_token_id, tok.pad_token_id, max_batch_size=0)
+
+
+def test_the_config_reaches_the_engine(make_trainer):
+    assert make_trainer("rollout.max_batch_size=3").rollout.max_batch_size == 3
+    assert make_trainer().rollout.max_batch_size == 256  # the default bound
