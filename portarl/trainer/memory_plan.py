@@ -252,7 +252,8 @@ def render(plan: Plan, cfg) -> str:
             lines.append(f"  {name:<28}{gib(value):>12}")
     other = "off" if plan.checkpointing else "on"
     lines.append(f"  (saved activations with checkpointing {other}: {gib(plan.activations_other)})")
-    lines.append(f"held {gib(plan.static)} + the largest phase: " + ", ".join(f"{k} {gib(v)}" for k, v in plan.phases.items()))
+    phases = ", ".join(f"{k} {gib(v)}" for k, v in plan.phases.items())
+    lines.append(f"held {gib(plan.static)} + the largest phase: {phases}")
     lines.append(f"estimated peak: {gib(plan.peak)} per device (in the {plan.phase} phase)")
     if plan.device_memory is not None:
         verdict = "fits" if plan.fits else "does NOT fit"
