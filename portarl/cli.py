@@ -7,11 +7,13 @@
                   [--resume | --overwrite]
     portarl sft   [--config FILE.yaml] [--set key=value ...] [--device D] [--output-dir DIR] [--steps N] [--overwrite]
     portarl export --checkpoint C --out DIR [--overwrite]
+    portarl plan  [--config FILE.yaml] [--set key=value ...] [--devices N] [--device-memory 80GiB]
     portarl bench kernels | stability [compare | dump | locate] ...
     portarl bench step [--vs trl] [--steps N] [--rounds R] [--threads T] [--out FILE.json]
+    portarl bench memory [--config FILE.yaml] [--set key=value ...] [--nproc N]
     portarl --version
 
-Exit status: 0 on success, 1 when a parity check fails, 2 for bad usage, a bad config, an
+Exit status: 0 on success, 1 when a parity check fails or ``plan`` says the run does not fit, 2 for bad usage, a bad config, an
 output directory holding another run, a model directory or data that cannot be used, an
 unusable device, no checkpoint that verifies on --resume, or a missing / incomplete /
 damaged checkpoint or a non-empty --out for export (one line on stderr, no
@@ -254,6 +256,19 @@ def _cmd_bench_stability(args) -> int:
     return cmd_stability(args)
 
 
+def _cmd_bench_memory(args) -> int:
+    from portarl.bench.memory import main as bench_memory
+
+    argv = [*(["--config", args.config] if args.config else []), *(x for item in args.set for x in ("--set", item)),
+            "--nproc", str(args.nproc), "--threads", str(args.threads), "--steps", str(args.steps),
+            *(["--malloc-mmap-threshold", str(args.malloc_mmap_threshold)] if args.malloc_mmap_threshold else [])]
+    try:
+        return bench_memory(argv)
+    except RuntimeError as err:
+        _log(f"portarl bench memory: {err}")
+        return 2
+
+
 def _write_bench(name: str, run, args) -> int:
     """Run a ``bench`` command (``run(args, progress) -> (result, table)``), print its table
     and write ``--out`` (JSON, with the table as .md beside it); its errors: one line, exit 2."""
@@ -387,6 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
         cli_train.add_run_arguments(p, name)
         p.set_defaults(func=func)
 
+    from portarl import cli_plan
+
+    pl = commands.add_parser("plan", help="peak memory per device of a training config, before any weights load",
+                             description=cli_plan.__doc__.split("\n\n")[0])
+    cli_plan.add_arguments(pl)
+    pl.set_defaults(func=cli_plan.cmd_plan)
+
     ex = commands.add_parser("export", help="write a checkpoint as a Hugging Face model directory (LoRA merged in)",
                              description="Write a training checkpoint as a Hugging Face model directory: the model "
                              "rebuilt from the run config saved in it, its weights (a LoRA adapter merged into the "
@@ -415,7 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmarks. kernels: speed and peak memory of the fused ops (logprobs, kl, linear_logprobs) "
                     "against eager PyTorch and others; stability: one config trained under several device / dtype "
                     "settings, the runs compared; step: per-step CPU / wall time, phases and peak RSS (optionally "
-                    "beside TRL). Results go under runs/bench unless --out says otherwise.")
+                    "beside TRL); async: colocated vs asynchronous rollout in one wall-clock budget; memory: "
+                    "one step's measured peak RSS beside the memory plan. Results go under runs/bench unless --out "
+                    "says otherwise.")
     bench_cmds = bench.add_subparsers(dest="bench_command", required=True)
     k = bench_cmds.add_parser(
         "kernels", help="logprobs, kl and linear_logprobs: portarl backends vs eager, row loop, Liger",
@@ -487,6 +511,16 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--reuse", action="store_true", help="no new runs: report on those already in --work-dir")
     sa.add_argument("--out", help="JSON output (a .md table is written beside it)")
     sa.set_defaults(func=_cmd_bench_async)
+    mem = bench_cmds.add_parser("memory", help="one GRPO step's measured peak RSS increase and time beside the "
+                                "memory plan's estimate (CPU; a fresh process per rank)")
+    mem.add_argument("--config", help="training config YAML (default: the built-in demo config)")
+    mem.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    mem.add_argument("--nproc", type=int, default=1, help="ranks (torchrun, Gloo, FSDP2)")
+    mem.add_argument("--threads", type=int, default=1, help="OMP threads per process")
+    mem.add_argument("--steps", type=int, default=1, help="GRPO steps (1: compared with the plan's first step)")
+    mem.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
+                     help="glibc MALLOC_MMAP_THRESHOLD_ for the workers (RSS then follows the live tensors)")
+    mem.set_defaults(func=_cmd_bench_memory)
     return parser
 
 

@@ -199,6 +199,10 @@ def prepare(args, command: str) -> Prepared:
         raise UsageError(f"{err}") from None
     if len(tokenizer) == 0:
         raise UsageError(f"the tokenizer in {config.model.path} is empty")
+    if command == "train":
+        from portarl.cli_plan import log_train_plan
+
+        log_train_plan(config, tokenizer, examples, device)
     return Prepared(config, device, model, tokenizer, examples)
 
 

@@ -84,11 +84,13 @@ class HFRollout(RolloutEngine):
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
                  stop_token_ids: tuple[int, ...] | list[int] | None = None, lean_decode: bool = True,
-                 share_prefill: bool = False):
+                 share_prefill: bool = False, max_batch_size: int | None = None):
         """``stop_token_ids``: tokens that end a completion (kept in it, ``finished``);
         default ``(eos_token_id,)``. Pass e.g. eos plus a chat end-of-turn (``<|im_end|>``).
         ``lean_decode``: decode with :mod:`portarl.rollout.lean_decode` where it applies.
-        ``share_prefill``: prefill a repeated prompt once (:meth:`_prefill`)."""
+        ``share_prefill``: prefill a repeated prompt once (:meth:`_prefill`).
+        ``max_batch_size``: generate at most this many sequences at once (``rollout.max_batch_size``;
+        None: all): chunks run one after the other, each one's KV cache freed before the next."""
         if isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int):
             raise TypeError(f"eos_token_id must be one token id (int), got {eos_token_id!r}; pass further stop tokens "
                             "(a chat end-of-turn such as <|im_end|>) as stop_token_ids=[...]")
@@ -105,6 +107,9 @@ class HFRollout(RolloutEngine):
         self.lean_decode = lean_decode
         self.share_prefill = share_prefill
         self.decode_path: str | None = None  # "lean" or "hf (why not lean)", from the last generate
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"rollout.max_batch_size must be >= 1 or None, got {max_batch_size}")
+        self.max_batch_size = max_batch_size
 
     def samples_policy_of(self, model: torch.nn.Module) -> bool:
         """It samples from the module it was given: the trainer's own model, always current."""
@@ -113,8 +118,18 @@ class HFRollout(RolloutEngine):
     def generate(self, prompts, seeds, params: SamplingParams) -> RolloutBatch:
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        size = self.max_batch_size or max(1, len(prompts))
+        parts = []
         with _without_autograd(self.model):
-            return self._generate(prompts, seeds, params)
+            # Bounded memory: one chunk's KV cache at a time. Every sample has its own
+            # random stream (seed), so a chunk samples what the whole batch would; ranks
+            # hold equal numbers of prompts, so lock-step ranks run equal numbers of chunks.
+            for start in range(0, len(prompts), size):
+                parts.append(self._generate(prompts[start:start + size], seeds[start:start + size], params))
+        if len(parts) == 1:
+            return parts[0]
+        return RolloutBatch(*(sum((getattr(p, f) for p in parts), []) for f in
+                              ("prompt_ids", "completion_ids", "logprobs", "finished")))
 
     def _generate(self, prompts, seeds, params: SamplingParams) -> RolloutBatch:
         model = self.model

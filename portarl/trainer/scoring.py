@@ -36,6 +36,7 @@ import torch
 from portarl import distributed as pdist
 from portarl.core import compute_advantages, kl_penalized_rewards
 from portarl.trainer.guards import NonFiniteError, check_finite
+from portarl.trainer.micro_batches import micro_batches
 from portarl.trainer.reference import reference_model
 from portarl.trainer.sequences import build_batch, completion_logprobs, padded
 from portarl.trainer.shaping import shape_rewards, truncated_keep
@@ -58,10 +59,13 @@ def logprobs(trainer, model, batch, *, with_entropy=False):
 
 
 def no_grad_logprobs(trainer, model, batch) -> torch.Tensor:
-    mb = trainer.config.train.micro_batch_size
+    """fp32 log-probs [B, T] of ``batch`` without autograd, in the update's micro-batches
+    (:func:`portarl.trainer.micro_batches.micro_batches`: the same token budget bounds them)."""
+    out = torch.zeros(batch.labels.shape, dtype=torch.float32, device=batch.labels.device)
     with torch.no_grad():
-        parts = [logprobs(trainer, model, batch.rows(slice(i, i + mb))) for i in range(0, batch.labels.shape[0], mb)]
-    return torch.cat(parts)
+        for rows, part in micro_batches(trainer, batch):
+            out[rows, : part.labels.shape[1]] = logprobs(trainer, model, part)
+    return out
 
 
 def old_logprobs_recompute_reason(trainer) -> str | None:

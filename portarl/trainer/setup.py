@@ -14,6 +14,7 @@ import torch
 from portarl import distributed as pdist
 from portarl.lora import apply_lora, is_lora
 from portarl.rollout import ENGINES
+from portarl.trainer.checkpointing import enable_checkpointing, wants_checkpointing
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.trainer.optimizer import make_adamw
 from portarl.trainer.precision import DTYPES, PrecisionPlan
@@ -58,9 +59,11 @@ def place_model(model, cfg: TrainConfig, dist, device):
             if cfg.train.sft_warmup_steps and cfg.loss.kl_coef > 0:
                 log.warning("model.lora with train.sft_warmup_steps: the warm-up trains the adapter, and the KL "
                             "reference is the base model (adapter disabled), i.e. the model before the warm-up")
+        _checkpoint_layers(model, cfg)
         return model.to(device, dtype=dtype), None
     check_distributed_config(cfg, dist.world_size)
     reference = copy.deepcopy(model).to(device, dtype=dtype) if cfg.loss.kl_coef > 0 else None
+    _checkpoint_layers(model, cfg)  # before fully_shard (portarl.trainer.checkpointing); the reference never needs it
     if cfg.precision.use_master:
         model = pdist.shard(model.to(device, dtype=torch.float32), param_dtype=dtype)
     else:
@@ -70,6 +73,16 @@ def place_model(model, cfg: TrainConfig, dist, device):
             p.requires_grad_(False)
         reference = pdist.shard(reference)
     return model, reference
+
+
+def _checkpoint_layers(model, cfg: TrainConfig) -> None:
+    """``train.gradient_checkpointing`` on ``model`` (:mod:`portarl.trainer.checkpointing`)."""
+    if wants_checkpointing(cfg):
+        try:
+            enable_checkpointing(model)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        log.info("activation checkpointing: on (per decoder layer, non-reentrant)")
 
 
 def make_precision(model, cfg: TrainConfig, dist) -> PrecisionPlan:
@@ -96,7 +109,8 @@ def make_rollout_engine(trainer):
     engine = ENGINES["hf"](trainer.model, trainer.codec.eos_token_id, trainer.codec.pad_token_id,
                            stop_token_ids=trainer.codec.stop_token_ids,  # eos and a chat end-of-turn
                            lean_decode=trainer.config.rollout.lean_decode,
-                           share_prefill=trainer.config.rollout.share_prefill)
+                           share_prefill=trainer.config.rollout.share_prefill,
+                           max_batch_size=trainer.config.rollout.max_batch_size)
     if trainer.dist.enabled:  # FSDP forwards are collective: every rank decodes until all are done
         engine.finished_everywhere = lambda flag: not pdist.any_rank(trainer.dist, not flag)
     return engine

@@ -22,6 +22,7 @@ import torch
 from portarl import distributed as pdist
 from portarl.core import compute_loss
 from portarl.trainer.guards import GuardTripped, NonFiniteError, first_nonfinite_gradient
+from portarl.trainer.micro_batches import micro_batches, rows_of
 from portarl.trainer.scoring import logprobs
 from portarl.trainer.step_guard import guarded_optimizer_step, judge_spikes
 
@@ -174,7 +175,6 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
     step's gradients are dropped, never applied."""
     cfg = trainer.config
     dist, precision = trainer.dist, trainer.precision
-    mb = cfg.train.micro_batch_size
     n = batch.labels.shape[0]
     mask = batch.mask.bool()  # token_count / sequence_count, in one transfer
     counts = pdist.all_reduce(dist, torch.stack([mask.sum(), mask.any(dim=-1).sum()]).to(torch.float32)).tolist()
@@ -186,9 +186,7 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
     loss_ok = torch.ones((), dtype=torch.bool, device=batch.labels.device)
     old_bad = torch.zeros((), dtype=torch.int64, device=batch.labels.device)
     on_policy: list = []  # (micro-batch, old log-probs from its training forward)
-    for start in range(0, n, mb):
-        rows = slice(start, start + mb)
-        part = batch.rows(rows)
+    for rows, part in micro_batches(trainer, batch):  # fixed slices, or a token budget (micro_batches.py)
         out = logprobs(trainer, trainer.model, part, with_entropy=want_entropy)
         logp, entropy = out if want_entropy else (out, None)
         if old_logp is None:  # on-policy: the rollout sampled these weights (scoring.old_logprobs_recompute_reason)
@@ -196,11 +194,10 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
             old_bad = old_bad + (~torch.isfinite(old) & part.mask).sum()
             on_policy.append((part, old))
         else:
-            old = old_logp[rows]
+            old = rows_of(old_logp, rows, part)
         loss, metrics = compute_loss(
             logp, old, advantages[rows], part.mask, config=loss_cfg,
-            ref_logp=None if ref_logp is None else ref_logp[rows],
-            rollout_logp=None if rollout_logp is None else rollout_logp[rows],
+            ref_logp=rows_of(ref_logp, rows, part), rollout_logp=rows_of(rollout_logp, rows, part),
             entropy=entropy, **norms,
         )
         loss = trainer._apply_hooks("loss", loss)

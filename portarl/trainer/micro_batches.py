@@ -1,0 +1,129 @@
+"""Micro-batches of an optimizer step (and of the no-grad scoring forwards) cut by a token
+budget: ``train.max_tokens_per_micro_batch``, verl's ``ppo_max_token_len_per_gpu``.
+
+Why: a fixed number of sequences per micro-batch is either too many for long completions
+(out of memory) or too few for short ones (slow), and every micro-batch was padded to the
+longest sequence of the whole batch. Here the rows are sorted by length (longest first) and
+packed greedily: a micro-batch takes the next row while ``rows x (longest prompt + longest
+completion)`` of the micro-batch stays within the budget (and its rows within
+``train.micro_batch_size``); each micro-batch is then cut to its own widths (all-padding
+prompt columns on the left and completion columns on the right are dropped), so its forward
+and its saved activations cost what its own tokens cost.
+
+Numerics: the loss is micro-batch invariant because its aggregation divides by the
+optimizer batch's global token / sequence counts (:func:`portarl.core.compute_loss`), not
+by the micro-batch's; dropped columns are padding (masked keys, zero-weight tokens; position
+ids come from the attention mask and do not move). So any budget gives the one-micro-batch
+gradient within fp32 rounding (``tests/trainer/test_memory_micro_batches.py``).
+
+A row longer than the budget gets a micro-batch of its own (it cannot be split: the
+forward needs the whole sequence), and a warning names the setting (once per trainer).
+
+Several ranks (FSDP2): every forward is collective, so every rank must run the same number
+of micro-batches; the count is all-reduced (max) and a rank with fewer splits its largest
+micro-batches in halves until it has as many (halves stay within the budget).
+
+Host syncs: one read of the rows' lengths per call (and one all-reduce under torchrun), not
+one per micro-batch. ``max_tokens_per_micro_batch=None`` keeps the fixed
+``micro_batch_size`` slices (no sort, no trim, no sync).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from portarl import distributed as pdist
+from portarl.trainer.sequences import TokenBatch
+
+log = logging.getLogger("portarl.train")
+
+
+def pack(prompt_lens: list[int], completion_lens: list[int], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Row indices of each micro-batch: rows sorted by total length, longest first, taken
+    greedily while ``rows x (max prompt + max completion)`` <= ``max_tokens`` and rows <=
+    ``max_rows``. A row alone over the budget is a micro-batch of its own. Each micro-batch's
+    indices are in ascending order (the batch's own order within it)."""
+    order = sorted(range(len(prompt_lens)), key=lambda i: (-(prompt_lens[i] + completion_lens[i]), i))
+    parts: list[list[int]] = []
+    current: list[int] = []
+    width_p = width_c = 0
+    for i in order:
+        p, c = max(width_p, prompt_lens[i]), max(width_c, max(1, completion_lens[i]))
+        if current and (len(current) + 1 > max_rows or (len(current) + 1) * (p + c) > max_tokens):
+            parts.append(sorted(current))
+            current, p, c = [], prompt_lens[i], max(1, completion_lens[i])
+        current.append(i)
+        width_p, width_c = p, c
+    if current:
+        parts.append(sorted(current))
+    return parts
+
+
+def split_to(parts: list[list[int]], count: int) -> list[list[int]]:
+    """``parts`` with its largest micro-batches split in halves until there are ``count``
+    (ranks must run the same number of forwards). ``count`` <= total rows."""
+    parts = [list(p) for p in parts]
+    while len(parts) < count:
+        k = max(range(len(parts)), key=lambda j: len(parts[j]))
+        if len(parts[k]) < 2:
+            raise ValueError(f"cannot split {sum(map(len, parts))} rows into {count} micro-batches")
+        half = len(parts[k]) // 2
+        parts[k:k + 1] = [parts[k][:half], parts[k][half:]]
+    return parts
+
+
+def trimmed(batch: TokenBatch, rows: torch.Tensor, width_p: int, width_c: int) -> TokenBatch:
+    """``rows`` of ``batch`` with only the last ``width_p`` prompt columns and the first
+    ``width_c`` completion columns (the rest is padding for every one of these rows)."""
+    start, end = batch.prompt_width - width_p, batch.prompt_width + width_c
+    return TokenBatch(batch.input_ids[rows, start:end], batch.attention_mask[rows, start:end],
+                      batch.position_ids[rows, start:end], batch.labels[rows, :width_c], batch.mask[rows, :width_c],
+                      width_p)
+
+
+def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice, TokenBatch]]:
+    """``(rows, micro-batch)`` pairs covering ``batch``: fixed ``micro_batch_size`` slices
+    when ``train.max_tokens_per_micro_batch`` is None, else token-budget packs (module
+    docstring). ``micro-batch.labels.shape[1]`` says how many completion columns it kept:
+    per-row tensors of the batch go through :func:`rows_of`."""
+    cfg = trainer.config.train
+    n = batch.labels.shape[0]
+    budget = getattr(cfg, "max_tokens_per_micro_batch", None)
+    if budget is None:
+        return [(slice(i, i + cfg.micro_batch_size), batch.rows(slice(i, i + cfg.micro_batch_size)))
+                for i in range(0, n, cfg.micro_batch_size)]
+    p_width = batch.prompt_width
+    lengths = torch.stack([batch.attention_mask[:, :p_width].sum(-1), (batch.labels != -100).sum(-1)]).tolist()
+    prompt_lens, completion_lens = lengths
+    parts = pack(prompt_lens, completion_lens, cfg.micro_batch_size, budget)
+    longest = max(p + max(1, c) for p, c in zip(prompt_lens, completion_lens)) if n else 0
+    if longest > budget and not getattr(trainer, "_budget_warned", False):
+        trainer._budget_warned = True  # once per run
+        log.warning("train.max_tokens_per_micro_batch=%d is below the longest sequence (%d tokens): each such "
+                    "sequence runs as a micro-batch of its own; raise the budget to at least %d", budget, longest,
+                    longest)
+    dist = trainer.dist
+    if dist.enabled:
+        count = int(pdist.all_reduce(dist, torch.tensor([float(len(parts))]), op=torch.distributed.ReduceOp.MAX).item())
+        parts = split_to(parts, count)
+    out = []
+    for part in parts:
+        rows = torch.tensor(part, dtype=torch.long, device=batch.labels.device)
+        width_p = max(prompt_lens[i] for i in part)
+        width_c = max(max(1, completion_lens[i]) for i in part)
+        out.append((rows, trimmed(batch, rows, width_p, width_c)))
+    return out
+
+
+def rows_of(value: torch.Tensor | None, rows, part: TokenBatch) -> torch.Tensor | None:
+    """``value[rows]`` cut to the micro-batch's completion columns (per-sequence tensors
+    [B] are only indexed)."""
+    if value is None:
+        return None
+    value = value[rows]
+    return value[:, : part.labels.shape[1]] if value.dim() > 1 else value
+
+
+__all__ = ["micro_batches", "pack", "rows_of", "split_to", "trimmed"]
