@@ -199,10 +199,6 @@ def prepare(args, command: str) -> Prepared:
         raise UsageError(f"{err}") from None
     if len(tokenizer) == 0:
         raise UsageError(f"the tokenizer in {config.model.path} is empty")
-    if command == "train":
-        from portarl.cli_plan import log_train_plan
-
-        log_train_plan(config, tokenizer, examples, device)
     return Prepared(config, device, model, tokenizer, examples)
 
 
@@ -248,6 +244,9 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
         return 2, False
     ready.model = None
     log(f"portarl train: {config.model.path} model on {trainer.device}, output in {config.output_dir}")
+    from portarl.cli_plan import log_train_plan  # after every set-up error: those stay one line
+
+    log_train_plan(config, ready.tokenizer, ready.examples, ready.device)
     try:
         result = trainer.train(resume=args.resume, overwrite=args.overwrite)
     except RunDirError as err:
