@@ -83,10 +83,13 @@ def graceful_stop(trainer):
     def handler(signum, frame):
         if trainer._stop_requested:
             raise AbortNow(signum)
-        log.warning("%s: finishing step %d, then saving a checkpoint (send it again to abort now, without saving)",
-                    signal_name(signum), trainer.step + 1)
+        # The request is recorded before anything is said: a second signal can arrive while
+        # this handler still runs (a user who saw the message, a scheduler's follow-up), and
+        # Python then runs this handler again, nested; it must find the first one recorded.
         trainer._stop_requested = True
         trainer._stop_signal = signum
+        log.warning("%s: finishing step %d, then saving a checkpoint (send it again to abort now, without saving)",
+                    signal_name(signum), trainer.step + 1)
 
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
