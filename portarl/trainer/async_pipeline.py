@@ -112,6 +112,7 @@ class AsyncRollout:
         self.replies: queue.Queue = queue.Queue()
         self.ready = False
         spec = {"config": cfg.to_dict(), "device": str(trainer.device), "threads": torch.get_num_threads(),
+                "work_dir": str(self.dir),  # engine vllm: the in-memory tiny model's directory goes here
                 "search_dirs": [os.getcwd()] + [d for d in [getattr(cfg, "source_dir", None)] if d]}
         spec_path = self.dir / "worker.json"
         spec_path.write_text(json.dumps(spec))

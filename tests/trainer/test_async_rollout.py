@@ -178,8 +178,11 @@ def test_a_batch_older_than_max_staleness_is_dropped_and_regenerated(tmp_path, m
 
 
 def test_config_refuses_what_async_cannot_do():
-    with pytest.raises(ConfigError, match="rollout.mode .*async vLLM is not implemented"):
-        TrainConfig.load(None, ["rollout.mode=async", "rollout.engine=vllm"])
+    TrainConfig.load(None, ["rollout.mode=async", "rollout.engine=vllm"])  # the vLLM worker: tests/vllm_engine
+    with pytest.raises(ConfigError, match="rollout.vllm_sleep_mode .*async mode the worker's vLLM generates"):
+        TrainConfig.load(None, ["rollout.mode=async", "rollout.engine=vllm", "rollout.vllm_sleep_mode=true"])
+    with pytest.raises(ConfigError, match="rollout.dynamic_sampling .*not implemented in async mode"):
+        TrainConfig.load(None, ["rollout.mode=async", "rollout.dynamic_sampling=true"])
     with pytest.raises(ConfigError, match="rollout.mode"):
         TrainConfig.load(None, ["rollout.mode=later"])
     with pytest.raises(ConfigError, match="rollout.max_staleness"):
