@@ -1,5 +1,7 @@
 """The asynchronous rollout worker: a process of its own that owns a copy of the policy,
-samples the batches the trainer asks for and scores them (``rollout.mode: async``).
+samples the batches the trainer asks for and scores them (``rollout.mode: async``), with
+``rollout.engine`` ``hf`` (the copy itself) or ``vllm`` (a vLLM engine in this process fed
+from the copy: :func:`build_engine`).
 
 Started by :class:`portarl.trainer.async_pipeline.AsyncRollout` as
 ``python -m portarl.rollout.async_worker SPEC.json``. It speaks JSON lines: requests on
@@ -11,7 +13,8 @@ safetensors file, everything else as JSON (Python's ``json`` writes floats with
 Requests, handled strictly in order:
 
 - ``{"op": "weights", "version": v, "path": p}``: load the weights the trainer published
-  after optimizer step ``v`` (written atomically by the trainer); replies ``loaded``.
+  after optimizer step ``v`` (written atomically by the trainer) into the copy, and from
+  it into the engine (vllm: in memory, vLLM's in-place reload); replies ``loaded``.
 - ``{"op": "generate", "step": s, "prompts": [[ids]], "examples": [...]}``: G samples per
   prompt with the weights loaded last. Seeds come from (run seed, step, prompt, sample)
   through :func:`portarl.rollout.request_seeds`, exactly as in colocated mode
