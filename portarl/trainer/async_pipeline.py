@@ -83,6 +83,12 @@ def check_async_trainer(trainer) -> None:
                          "rollout.mode=colocated")
     if trainer._rollout is not None:
         raise ValueError("rollout.mode=async builds its own engine in a worker process: do not pass rollout_engine")
+    if trainer.config.rollout.engine == "vllm":  # else the worker dies at start-up with it in its log
+        from portarl.rollout.vllm import vllm_unavailable_reason
+
+        reason = vllm_unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"rollout.engine=vllm with rollout.mode=async: the rollout worker runs vLLM, but {reason}")
     if not trainer._rewards_from_config:
         raise ValueError("rollout.mode=async computes rewards in the worker process, which can only load the config's "
                          "rewards (rewards: [{name: module:function}]): pass reward_fns=None")

@@ -191,6 +191,20 @@ def test_config_refuses_what_async_cannot_do():
         TrainConfig.load(None, ["rollout.timeout_s=0"])
 
 
+def test_async_vllm_without_vllm_is_refused_before_the_worker_starts(tmp_path):
+    """The vLLM worker itself runs in tests/vllm_engine (`make test-vllm`); here vLLM is absent."""
+    from portarl.rollout.vllm import vllm_unavailable_reason
+
+    if vllm_unavailable_reason() is None:
+        pytest.skip("vLLM is installed: tests/vllm_engine/test_vllm_async.py runs the vLLM worker")
+    cfg = fast_config(tmp_path, "train.steps=1", "rollout.mode=async", "rollout.engine=vllm")
+    model, tokenizer, examples = build_from_config(cfg)
+    trainer = GRPOTrainer(model, tokenizer, None, examples, cfg, device="cpu")
+    with pytest.raises(ValueError, match="rollout.engine=vllm with rollout.mode=async: .*vLLM is not importable"):
+        trainer.train(overwrite=True)
+    assert not _children(os.getpid())
+
+
 def test_validate_batch_names_what_is_wrong():
     good = {"prompt_ids": [[1]] * 2, "completion_ids": [[2, 3], [4]], "logprobs": [[-1.0, -2.0], [-0.5]],
             "finished": [True, False], "texts": ["a", "b"], "seeds": [1, 2], "total": [0.0, 1.0],
