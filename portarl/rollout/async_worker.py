@@ -97,6 +97,12 @@ def build_engine(cfg, model, tokenizer, codec, work_dir: str):
     if cfg.rollout.engine == "vllm":
         from portarl.rollout.vllm import engine_from_config, model_dir_for
 
+        # Forced, not defaulted: an engine-core child process would outlive the SIGKILL that
+        # stops this worker, and weight sync would copy every tensor across processes.
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            log.info("rollout worker: VLLM_ENABLE_V1_MULTIPROCESSING set to 0 (vLLM runs in this process)")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
         model_dir = model_dir_for(cfg, model, tokenizer, work_dir)
         return engine_from_config(cfg, model_dir, codec.stop_token_ids, next(model.parameters()).dtype)
     from portarl.rollout.hf import HFRollout
