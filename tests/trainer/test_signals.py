@@ -168,37 +168,32 @@ def test_a_startup_signal_swallowed_by_a_finaliser_still_stops_before_training()
         pass
 
 
-def test_a_second_signal_while_the_first_is_being_reported_still_aborts():
+def test_a_second_signal_while_the_first_is_being_reported_still_aborts(monkeypatch):
     """CI under load once sent the second SIGINT as soon as the first's message appeared, while
     the first handler was still running: Python ran the handler again, nested, before the
     first had recorded its request, so the second signal counted as a first and the run
     never aborted. The request is recorded before the message; here the second signal
-    arrives from inside the message's own log call."""
-    import logging
+    arrives from inside the message's own log call (the module's logger is replaced, so the
+    test does not depend on how earlier tests left the logging configuration)."""
     from types import SimpleNamespace
 
+    from portarl.trainer import signals as signals_module
     from portarl.trainer.signals import AbortNow, graceful_stop
 
-    class SecondSignalWhileLogging(logging.Handler):
-        def __init__(self):
-            super().__init__()
-            self.sent = False
+    class SecondSignalWhileLogging:
+        sent = False
 
-        def emit(self, record):
+        def warning(self, *args):
             if not self.sent:
                 self.sent = True
                 signal.raise_signal(signal.SIGINT)
 
-    trainer = SimpleNamespace(_stop_requested=False, _stop_signal=None, step=3)
-    logger = logging.getLogger("portarl.train")
     second = SecondSignalWhileLogging()
-    logger.addHandler(second)
-    try:
-        with pytest.raises(AbortNow):
-            with graceful_stop(trainer):
-                signal.raise_signal(signal.SIGINT)
-                for _ in range(1000):  # the handlers run at the next bytecodes
-                    pass
-    finally:
-        logger.removeHandler(second)
+    monkeypatch.setattr(signals_module, "log", second)
+    trainer = SimpleNamespace(_stop_requested=False, _stop_signal=None, step=3)
+    with pytest.raises(AbortNow):
+        with graceful_stop(trainer):
+            signal.raise_signal(signal.SIGINT)
+            for _ in range(1000):  # the handlers run at the next bytecodes
+                pass
     assert second.sent and trainer._stop_requested and trainer._stop_signal == signal.SIGINT
