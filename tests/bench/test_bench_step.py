@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from portarl.bench import step as bench_step  # noqa: E402
+from portarl.bench.step_work import Work  # noqa: E402
 from portarl.cli import main  # noqa: E402
 
 TINY = ["--steps", "2", "--warmup", "1", "--rounds", "1", "--threads", "1"]
@@ -83,23 +84,23 @@ def _fake_workers(monkeypatch):
     import sys
 
     monkeypatch.setattr(bench_step, "worker_command",
-                        lambda impl, steps, threads, beta: [sys.executable, "-c", FAKE_WORKER, impl, str(steps)])
+                        lambda impl, steps, threads, work: [sys.executable, "-c", FAKE_WORKER, impl, str(steps)])
 
 
 def test_two_sides_take_their_steps_in_turn_swapping_who_goes_first(monkeypatch):
     """The driver's protocol (stand-in workers, no TRL needed): one process steps while the
     other waits, never both at once, and the first side swaps every step."""
     _fake_workers(monkeypatch)
-    results = bench_step.run_in_turn(["a", "b"], 4, 1, 0.0)
+    results = bench_step.run_in_turn(["a", "b"], 4, 1, Work())
     steps = sorted((s for r in results.values() for s in r["steps"]), key=lambda s: s["started_unix"])
     assert [s["impl"] for s in steps] == ["a", "b", "b", "a", "a", "b", "b", "a"]
     for before, after in zip(steps, steps[1:]):
         assert before["started_unix"] + before["wall_s"] <= after["started_unix"]
-    alone = bench_step.run_in_turn(["a"], 2, 1, 0.0)["a"]  # a side run on its own is not gated
+    alone = bench_step.run_in_turn(["a"], 2, 1, Work())["a"]  # a side run on its own is not gated
     assert len(alone["steps"]) == 2
 
 
 def test_a_worker_that_dies_is_reported_with_its_error(monkeypatch):
     _fake_workers(monkeypatch)
     with pytest.raises(RuntimeError, match="(?s)worker broken failed.*no model for you"):
-        bench_step.run_in_turn(["a", "broken"], 2, 1, 0.0)
+        bench_step.run_in_turn(["a", "broken"], 2, 1, Work())
