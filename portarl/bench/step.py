@@ -125,14 +125,17 @@ def step_record(wall: float, cpu: float, phases: dict, started: float | None = N
     return out
 
 
-def finish(steps: list[dict], threads: int, started: float, baseline_mib: float) -> dict:
-    """A worker's result; ``baseline_mib``: its resident set once the model was loaded."""
+def finish(steps: list[dict], threads: int, started: float, baseline_mib: float, model) -> dict:
+    """A worker's result; ``baseline_mib``: its resident set once the model was loaded;
+    ``model``: the policy trained, to record whether checkpointing really was on."""
     import torch
+
+    from portarl.bench.step_work import checkpointing_on
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"steps": steps, "torch_threads": torch.get_num_threads(), "process_s": time.perf_counter() - started,
             "peak_rss_mib": peak, "baseline_rss_mib": baseline_mib, "rss_increase_mib": peak - baseline_mib,
-            "threads": threads}
+            "threads": threads, "gradient_checkpointing": checkpointing_on(model)}
 
 
 # ---------------------------------------------------------------- taking steps in turn
@@ -192,7 +195,7 @@ def run_portarl(steps: int, threads: int, work: Work) -> dict:
             t0, w0, c0 = time.time(), time.perf_counter(), time.process_time()
             trainer.train_step()
             records.append(step_record(time.perf_counter() - w0, time.process_time() - c0, dict(phases), t0))
-    return finish(records, threads, started, baseline)
+    return finish(records, threads, started, baseline, trainer.model)
 
 
 # ---------------------------------------------------------------- the driver

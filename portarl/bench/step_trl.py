@@ -75,4 +75,4 @@ def run_trl(steps: int, threads: int, work: Work) -> dict:
         trainer._generate_and_score_completions = timed(phases, "generate_and_score",
                                                         trainer._generate_and_score_completions)
         trainer.train()
-    return finish(records, threads, started, baseline)
+        return finish(records, threads, started, baseline, trainer.model)

@@ -190,6 +190,12 @@ def prompts(work: Work, n: int) -> list[tuple[object, str]]:
     return [(({"role": "user", "content": p},), a) for p, a in pairs]
 
 
+def checkpointing_on(model) -> bool:
+    """Whether any module of ``model`` checkpoints its activations (transformers' per-layer
+    flag, set by either trainer): the record shows the work's setting took effect."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
 def completion_text(completion) -> str:
     """TRL passes conversational completions as message lists; portarl and TRL's text mode as text."""
     if isinstance(completion, (list, tuple)):
