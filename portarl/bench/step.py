@@ -274,10 +274,15 @@ def run_one(impl: str, steps: int, threads: int, work: Work) -> dict:
     return run_in_turn([impl], steps, threads, work)[impl]
 
 
-def run_sides(order: list[str], steps: int, threads: int, work: Work) -> dict:
+def run_sides(order: list[str], steps: int, threads: int, work: Work, done=lambda impl, run: None) -> dict:
     """One fresh process per side, one after the other (each ended before the next starts:
-    a side's peak memory is its own, and two real models' training state never coexist)."""
-    return {impl: run_one(impl, steps, threads, work) for impl in order}
+    a side's peak memory is its own, and two real models' training state never coexist);
+    ``done(impl, run)`` as each side ends (a real model's side takes minutes)."""
+    runs = {}
+    for impl in order:
+        runs[impl] = run_one(impl, steps, threads, work)
+        done(impl, runs[impl])
+    return runs
 
 
 def run_in_turn(order: list[str], steps: int, threads: int, work: Work) -> dict:
@@ -324,13 +329,20 @@ def run_bench(*, vs_trl: bool, steps: int, rounds: int, warmup: int, threads: in
     for r in range(rounds):
         order = impls if r % 2 == 0 else impls[::-1]
         row: dict = {"order": order}
-        runs = (run_sides if schedule == "sides" else run_in_turn)(order, steps, threads, work)
-        for impl in order:
-            row[impl] = run = runs[impl]
+
+        def done(impl, run, row=row, r=r):
+            row[impl] = run
             row[impl + "_median"] = s = summarize_run(run, warmup)
             progress(f"round {r + 1}/{rounds} {impl}: cpu {s['cpu_s'] * 1e3:.1f} ms/step, "
                      f"wall {s['wall_s'] * 1e3:.1f} ms/step, peak RSS {s['peak_rss_mib']:.0f} MiB "
                      f"({s['rss_increase_mib']:.0f} MiB over the {s['baseline_rss_mib']:.0f} MiB after load)")
+
+        if schedule == "sides":
+            run_sides(order, steps, threads, work, done)
+        else:
+            runs = run_in_turn(order, steps, threads, work)
+            for impl in order:
+                done(impl, runs[impl])
         if vs_trl:
             row["ratio_cpu"] = row["portarl_median"]["cpu_s"] / row["trl_median"]["cpu_s"]
             row["ratio_wall"] = row["portarl_median"]["wall_s"] / row["trl_median"]["wall_s"]
