@@ -196,3 +196,27 @@ def test_tiny_defaults_are_unchanged():
     assert (readme.samples, readme.max_new_tokens, readme.micro_batch_size, readme.gradient_checkpointing,
             readme.beta) == (128, 64, 64, True, 0.001)
     assert readme.trl_batching()["gradient_accumulation_steps"] == 2
+
+
+@pytest.mark.skipif(bench_step.trl_unavailable_reason() is not None, reason="trl is not installed (portarl[bench])")
+def test_bench_step_vs_trl_on_a_gguf_file(tmp_path):
+    """A .gguf model with a KL reference: TRL would load its reference from the policy's
+    directory, which a GGUF file does not have; the bench gives it the same file's weights."""
+    pytest.importorskip("gguf", reason="GGUF loading needs the gguf package (pip install 'portarl[gguf]')")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+    try:
+        from gguf_tiny import write_tiny_gguf
+    finally:
+        sys.path.pop(0)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--vs", "trl", "--model", str(path), "--steps", "1", "--warmup", "0", "--rounds", "1",
+                 *SMALL_WORK, "--beta", "0.01", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["work"]["beta"] == 0.01 and data["work"]["model_path"] == str(path)
+    for side in ("portarl", "trl"):
+        assert data["summary"][side]["cpu_s"] > 0 and data["rounds"][0][side]["gradient_checkpointing"] is True
