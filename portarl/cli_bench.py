@@ -220,13 +220,22 @@ def add_parser(commands) -> None:
         "step", help="per-step CPU / wall time, phases and peak RSS; --vs trl: TRL's GRPOTrainer on the same work",
         description="Run short GRPO trainings in fresh processes and report the median per-step CPU and wall "
                     "time, the time per phase (rollout, scoring, update) and peak RSS; with --vs trl, TRL's "
-                    "GRPOTrainer on the same model, data and batch, rounds alternated.")
+                    "GRPOTrainer on the same model, data and batch, rounds alternated. --model PATH: a real model "
+                    "(Hugging Face directory or .gguf) at the README's own-data settings unless the work flags say "
+                    "otherwise; peak RSS per side with its increase over the resident set after load. Set "
+                    "MALLOC_MMAP_THRESHOLD_ in the environment to fix glibc's threshold in the workers (docs/memory.md).")
     sp.add_argument("--vs", choices=["trl"], help="also run TRL's GRPOTrainer (pip install 'portarl[bench]')")
     sp.add_argument("--steps", type=int, default=6, help="steps per run (fresh process each)")
     sp.add_argument("--warmup", type=int, default=1, help="first steps of each run left out of the medians")
     sp.add_argument("--rounds", type=int, default=5, help="rounds; each runs every side once, order alternated")
     sp.add_argument("--threads", type=int, default=1, help="torch / OMP / MKL threads in every run")
-    sp.add_argument("--beta", type=float, default=0.0, help="KL weight on both sides (0: no reference model)")
+    sp.add_argument("--schedule", choices=["steps", "sides"],
+                    help="with --vs trl: steps: both sides started together, taking their steps in turn (default "
+                         "without --model); sides: one side after the other, so their memory never adds up (default "
+                         "with --model)")
+    from portarl.bench.step_work import add_arguments as _step_work_arguments
+
+    _step_work_arguments(sp)
     sp.add_argument("--out", help="JSON output (a .md table is written beside it)")
     sp.set_defaults(func=_cmd_bench_step)
     sa = bench_cmds.add_parser("async", help="rollout.mode colocated vs async: samples/s and reward in the same "

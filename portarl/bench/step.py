@@ -24,7 +24,15 @@ phase once the trainer is split into phase modules; with ``train.old_logprobs=au
 default, the on-policy old log-probs come from the update's forward and there is no old
 forward in scoring; TRL: the rest of
 ``_generate_and_score_completions``), update (the remainder of the step: loss forward,
-backward, optimizer). Peak RSS is the process's ``ru_maxrss`` (imports included).
+backward, optimizer). Peak RSS is the process's ``ru_maxrss`` (imports included); the
+resident set after the model and tokenizer are loaded (before the trainer is built) is the
+baseline, and peak - baseline the step's own memory.
+
+``--model PATH`` and the work flags (:mod:`portarl.bench.step_work`: README settings by
+default, checkpointing on on both sides) run the same comparison on a real model. Then the
+sides run one after the other by default (``--schedule sides``): two copies of a real
+model's training state at once may not fit in memory, and each side's peak is then its
+own. ``--schedule steps`` keeps stepping in turn.
 """
 
 from __future__ import annotations
@@ -33,18 +41,17 @@ import argparse
 import functools
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+from portarl.bench.step_report import CONDITIONS, IMPLS, machine, markdown
+from portarl.bench.step_work import Work, add_arguments, work_from_args
 
 VOCAB_CHARS = "0123456789+-*=?., ()abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNO"  # 61 + 3 specials = 64
-PROMPTS_PER_STEP, GROUP, NEW_TOKENS, LR = 8, 8, 8, 5e-4
-IMPLS = ("portarl", "trl")
+LR = 5e-4
 STEP_KEYS = ("wall_s", "cpu_s", *(f"{p}_{k}_s" for p in ("rollout", "scoring", "update") for k in ("cpu", "wall")))
 
 
@@ -118,11 +125,17 @@ def step_record(wall: float, cpu: float, phases: dict, started: float | None = N
     return out
 
 
-def finish(steps: list[dict], threads: int, started: float) -> dict:
+def finish(steps: list[dict], threads: int, started: float, baseline_mib: float, model) -> dict:
+    """A worker's result; ``baseline_mib``: its resident set once the model was loaded;
+    ``model``: the policy trained, to record whether checkpointing really was on."""
     import torch
 
+    from portarl.bench.step_work import checkpointing_on
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"steps": steps, "torch_threads": torch.get_num_threads(), "process_s": time.perf_counter() - started,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "threads": threads}
+            "peak_rss_mib": peak, "baseline_rss_mib": baseline_mib, "rss_increase_mib": peak - baseline_mib,
+            "threads": threads, "gradient_checkpointing": checkpointing_on(model)}
 
 
 # ---------------------------------------------------------------- taking steps in turn
@@ -141,23 +154,28 @@ def gate() -> None:
 
 
 # ---------------------------------------------------------------- the portarl worker
-def run_portarl(steps: int, threads: int, beta: float) -> dict:
+def run_portarl(steps: int, threads: int, work: Work) -> dict:
     started = time.perf_counter()
     set_threads(threads)
+    from portarl.bench import step_work
     from portarl.data import Example
     from portarl.trainer import GRPOTrainer, TrainConfig
 
+    policy, tok = step_work.load(work)
+    baseline = step_work.rss_mib()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig.load(None, [
             f"output_dir={tmp}", "device=cpu", "precision.dtype=fp32", f"train.steps={steps}",
-            f"train.prompts_per_step={PROMPTS_PER_STEP}", f"rollout.group_size={GROUP}",
-            f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.temperature=1.0", "train.sft_warmup_steps=0",
-            f"train.micro_batch_size={PROMPTS_PER_STEP * GROUP}", "train.ppo_epochs=1", f"optim.lr={LR}",
-            f"loss.kl_coef={beta}", "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
+            f"train.prompts_per_step={work.prompts_per_step}", f"rollout.group_size={work.group_size}",
+            f"rollout.max_new_tokens={work.max_new_tokens}", "rollout.temperature=1.0", "train.sft_warmup_steps=0",
+            f"train.micro_batch_size={work.micro_batch_size}", "train.ppo_epochs=1", f"optim.lr={LR}",
+            f"train.gradient_checkpointing={str(work.gradient_checkpointing).lower()}",
+            f"loss.kl_coef={work.beta}", "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
             "checkpoint.every=1000000",
         ])
-        data = [Example(p, a) for p, a in prompts(PROMPTS_PER_STEP * (steps + 2))]
-        trainer = GRPOTrainer(model(), tokenizer(), [(lambda p, c, a: score(c), 1.0)], data, cfg, device="cpu")
+        data = [Example(p, a) for p, a in step_work.prompts(work, work.prompts_per_step * (steps + 2))]
+        trainer = GRPOTrainer(policy, tok, [(lambda p, c, a: score(c), 1.0)], data, cfg, device="cpu")
+        del policy
         if trainer._uses_reference():
             trainer.ref_model = trainer._make_reference()
         phases: dict = {}
@@ -177,7 +195,7 @@ def run_portarl(steps: int, threads: int, beta: float) -> dict:
             t0, w0, c0 = time.time(), time.perf_counter(), time.process_time()
             trainer.train_step()
             records.append(step_record(time.perf_counter() - w0, time.process_time() - c0, dict(phases), t0))
-    return finish(records, threads, started)
+    return finish(records, threads, started, baseline, trainer.model)
 
 
 # ---------------------------------------------------------------- the driver
@@ -186,13 +204,13 @@ def _worker_main(argv: list[str]) -> None:
     ap.add_argument("impl", choices=IMPLS)
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--threads", type=int, required=True)
-    ap.add_argument("--beta", type=float, default=0.0)
+    add_arguments(ap)
     args = ap.parse_args(argv)
     if args.impl == "trl":
         from portarl.bench.step_trl import run_trl as run
     else:
         run = run_portarl
-    result = run(args.steps, args.threads, args.beta)
+    result = run(args.steps, args.threads, work_from_args(args))
     print(f"{RESULT} " + json.dumps(result), flush=True)
 
 
@@ -204,16 +222,16 @@ def trl_unavailable_reason() -> str | None:
     return None
 
 
-def worker_command(impl: str, steps: int, threads: int, beta: float) -> list[str]:
+def worker_command(impl: str, steps: int, threads: int, work: Work) -> list[str]:
     return [sys.executable, "-m", "portarl.bench.step", impl, "--steps", str(steps), "--threads", str(threads),
-            "--beta", str(beta)]
+            *work.argv()]
 
 
 class Worker:
     """One fresh worker process for ``impl`` (stderr to a temporary file, so a chatty side
     cannot fill a pipe and stall)."""
 
-    def __init__(self, impl: str, steps: int, threads: int, beta: float, gated: bool):
+    def __init__(self, impl: str, steps: int, threads: int, work: Work, gated: bool):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                    TOKENIZERS_PARALLELISM="false")
         env.pop("TRITON_INTERPRET", None)
@@ -222,7 +240,7 @@ class Worker:
             env[GATED] = "1"
         self.impl, self.result = impl, None
         self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(worker_command(impl, steps, threads, beta), env=env, stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen(worker_command(impl, steps, threads, work), env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.stderr, text=True)
 
     def wait_turn(self) -> bool:
@@ -251,15 +269,26 @@ class Worker:
         self.stderr.close()
 
 
-def run_one(impl: str, steps: int, threads: int, beta: float) -> dict:
+def run_one(impl: str, steps: int, threads: int, work: Work) -> dict:
     """One fresh process for ``impl``, run through; its result dict."""
-    return run_in_turn([impl], steps, threads, beta)[impl]
+    return run_in_turn([impl], steps, threads, work)[impl]
 
 
-def run_in_turn(order: list[str], steps: int, threads: int, beta: float) -> dict:
+def run_sides(order: list[str], steps: int, threads: int, work: Work, done=lambda impl, run: None) -> dict:
+    """One fresh process per side, one after the other (each ended before the next starts:
+    a side's peak memory is its own, and two real models' training state never coexist);
+    ``done(impl, run)`` as each side ends (a real model's side takes minutes)."""
+    runs = {}
+    for impl in order:
+        runs[impl] = run_one(impl, steps, threads, work)
+        done(impl, runs[impl])
+    return runs
+
+
+def run_in_turn(order: list[str], steps: int, threads: int, work: Work) -> dict:
     """Fresh processes for ``order``, started together; with two, they take their steps in
     turn (the first in ``order`` first, then swapping every step). Their result dicts."""
-    workers = [Worker(impl, steps, threads, beta, gated=len(order) > 1) for impl in order]
+    workers = [Worker(impl, steps, threads, work, gated=len(order) > 1) for impl in order]
     try:
         if len(workers) == 1:
             workers[0].wait_turn()
@@ -284,94 +313,50 @@ def _median(values):
 
 def summarize_run(run: dict, warmup: int) -> dict:
     timed_steps = run["steps"][warmup:] or run["steps"][-1:]
-    return {**{k: _median([s[k] for s in timed_steps]) for k in STEP_KEYS}, "peak_rss_mib": run["peak_rss_mib"],
-            "torch_threads": run["torch_threads"], "timed_steps": len(timed_steps)}
+    return {**{k: _median([s[k] for s in timed_steps]) for k in STEP_KEYS},
+            **{k: run.get(k) for k in MEMORY_KEYS}, "torch_threads": run["torch_threads"], "timed_steps": len(timed_steps)}
 
 
-def run_bench(*, vs_trl: bool, steps: int, rounds: int, warmup: int, threads: int, beta: float,
-              progress=lambda line: None) -> dict:
+MEMORY_KEYS = ("peak_rss_mib", "baseline_rss_mib", "rss_increase_mib")
+
+
+def run_bench(*, vs_trl: bool, steps: int, rounds: int, warmup: int, threads: int, work: Work,
+              schedule: str = "steps", progress=lambda line: None) -> dict:
+    """``rounds`` rounds of every side (the order alternated); ``schedule``: ``steps`` (the
+    sides started together, stepping in turn) or ``sides`` (one after the other)."""
     impls = ["portarl", "trl"] if vs_trl else ["portarl"]
     out_rounds = []
     for r in range(rounds):
         order = impls if r % 2 == 0 else impls[::-1]
         row: dict = {"order": order}
-        runs = run_in_turn(order, steps, threads, beta)
-        for impl in order:
-            row[impl] = run = runs[impl]
+
+        def done(impl, run, row=row, r=r):
+            row[impl] = run
             row[impl + "_median"] = s = summarize_run(run, warmup)
             progress(f"round {r + 1}/{rounds} {impl}: cpu {s['cpu_s'] * 1e3:.1f} ms/step, "
-                     f"wall {s['wall_s'] * 1e3:.1f} ms/step, peak RSS {s['peak_rss_mib']:.0f} MiB")
+                     f"wall {s['wall_s'] * 1e3:.1f} ms/step, peak RSS {s['peak_rss_mib']:.0f} MiB "
+                     f"({s['rss_increase_mib']:.0f} MiB over the {s['baseline_rss_mib']:.0f} MiB after load)")
+
+        if schedule == "sides":
+            run_sides(order, steps, threads, work, done)
+        else:
+            runs = run_in_turn(order, steps, threads, work)
+            for impl in order:
+                done(impl, runs[impl])
         if vs_trl:
             row["ratio_cpu"] = row["portarl_median"]["cpu_s"] / row["trl_median"]["cpu_s"]
             row["ratio_wall"] = row["portarl_median"]["wall_s"] / row["trl_median"]["wall_s"]
         out_rounds.append(row)
     summary = {impl: {k: _median([row[impl + "_median"][k] for row in out_rounds])
-                      for k in (*STEP_KEYS, "peak_rss_mib")}
+                      for k in (*STEP_KEYS, *MEMORY_KEYS)}
                for impl in impls}
     if vs_trl:
         summary["ratio_cpu"] = _median([row["ratio_cpu"] for row in out_rounds])
         summary["ratio_wall"] = _median([row["ratio_wall"] for row in out_rounds])
+        summary["ratio_peak_rss"] = summary["portarl"]["peak_rss_mib"] / summary["trl"]["peak_rss_mib"]
     return {"rounds": out_rounds, "summary": summary, "work": {
-        "model": "Qwen2ForCausalLM from a config: vocab 64, hidden 64, 2 layers, 4 heads / 2 kv, mlp 192, fp32",
-        "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP, "max_new_tokens": NEW_TOKENS, "beta": beta,
-        "steps_per_run": steps, "warmup_steps_dropped": warmup, "threads": threads, "rounds": rounds,
-        "in_turn": "steps" if vs_trl else None}}
-
-
-def machine() -> dict:
-    import torch
-
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "load_average": os.getloadavg()}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        import trl
-
-        info["trl"] = trl.__version__
-    except ImportError:
-        info["trl"] = None
-    return info
-
-
-def _ms(v) -> str:
-    return "n/a" if v is None else f"{v * 1e3:.1f}"
-
-
-def markdown(result: dict) -> str:
-    s, w = result["summary"], result["work"]
-    lines = [f"# `portarl bench step`{' --vs trl' if 'trl' in s else ''}", "",
-             f"Command: `{result['command']}`  ", f"Machine: {result['machine'].get('cpu', '?')}, "
-             f"{result['machine']['cpu_count']} cores; torch {result['machine']['torch']}, trl "
-             f"{result['machine']['trl']}; {w['threads']} thread(s) per process; load average at start "
-             f"{result['machine']['load_average'][0]:.2f}.  ",
-             f"Work per step: {w['prompts_per_step']} prompts x {w['group_size']} samples, {w['max_new_tokens']} new "
-             f"tokens, beta {w['beta']}; {w['model']}. {w['steps_per_run']} steps per run, first "
-             f"{w['warmup_steps_dropped']} dropped; {w['rounds']} rounds, fresh processes"
-             f"{', the two sides taking their steps in turn (first side swapped every step)' if w.get('in_turn') else ''}.",
-             "",
-             result["conditions"], "", "Per step, median over rounds (ms; phases in process CPU time, wall in brackets):",
-             "", "| impl | process CPU | wall | rollout | scoring | update | peak RSS (MiB) |", "|---|---|---|---|---|---|---|"]
-    for impl in IMPLS:
-        if impl in s:
-            m = s[impl]
-            ph = " | ".join(f"{_ms(m[f'{p}_cpu_s'])} ({_ms(m[f'{p}_wall_s'])})" for p in ("rollout", "scoring", "update"))
-            lines.append(f"| {impl} | {_ms(m['cpu_s'])} | {_ms(m['wall_s'])} | {ph} | {m['peak_rss_mib']:.0f} |")
-    if "ratio_cpu" in s:
-        lines += ["", "portarl / TRL per round (CPU, wall): " + ", ".join(
-            f"{r['ratio_cpu']:.2f}x / {r['ratio_wall']:.2f}x" for r in result["rounds"]),
-            f"**Median ratio: process CPU {s['ratio_cpu']:.2f}x, wall {s['ratio_wall']:.2f}x.**"]
-    return "\n".join(lines) + "\n"
-
-
-CONDITIONS = ("The machine is shared with other jobs and loaded: wall times include waiting for a core and "
-              "vary with that load; process CPU time counts only this process's own work, so it is the "
-              "meaningful number here; phases are given in both. Peak RSS includes each side's imports (TRL pulls in datasets, accelerate, pandas).")
+        **work.describe(), "steps_per_run": steps, "warmup_steps_dropped": warmup, "threads": threads,
+        "rounds": rounds, "in_turn": schedule if vs_trl else None}}
 
 
 def main(args, progress=lambda line: None) -> tuple[dict, str]:
@@ -379,12 +364,22 @@ def main(args, progress=lambda line: None) -> tuple[dict, str]:
     if min(args.steps, args.rounds, args.threads) < 1 or not 0 <= args.warmup < args.steps:
         raise RuntimeError(f"need --steps, --rounds, --threads >= 1 and 0 <= --warmup < --steps; got steps {args.steps}, "
                            f"rounds {args.rounds}, threads {args.threads}, warmup {args.warmup}")
+    work = work_from_args(args)
+    work.check()
+    schedule = getattr(args, "schedule", None)
+    if schedule is not None and not vs_trl:
+        raise ValueError(f"--schedule {schedule} orders the two sides of --vs trl: add --vs trl or leave it out")
+    schedule = schedule or ("sides" if work.model is not None else "steps")
     if vs_trl and (reason := trl_unavailable_reason()):
         raise RuntimeError(reason)
     result = run_bench(vs_trl=vs_trl, steps=args.steps, rounds=args.rounds, warmup=args.warmup,
-                       threads=args.threads, beta=args.beta, progress=progress)
-    result["command"] = (f"portarl bench step{' --vs trl' if vs_trl else ''} --steps {args.steps} --warmup {args.warmup} "
-                         f"--rounds {args.rounds} --threads {args.threads} --beta {args.beta}")
+                       threads=args.threads, work=work, schedule=schedule, progress=progress)
+    spelled = f"--beta {work.beta}" if work == Work(beta=work.beta) else " ".join(work.argv())
+    threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    result["command"] = (f"{f'MALLOC_MMAP_THRESHOLD_={threshold} ' if threshold else ''}portarl bench step"
+                         f"{' --vs trl' if vs_trl else ''} --steps {args.steps} --warmup {args.warmup} "
+                         f"--rounds {args.rounds} --threads {args.threads} {spelled}"
+                         f"{f' --schedule {schedule}' if vs_trl and work.model is not None else ''}")
     result["machine"], result["conditions"] = machine(), CONDITIONS
     return result, markdown(result)
 

@@ -2,7 +2,12 @@
 
 The only module of portarl that imports ``trl`` (``pip install 'portarl[bench]'``). The
 settings mirror :func:`portarl.bench.step.run_portarl` (see that module's docstring);
-``gradient_checkpointing=False`` because portarl does not checkpoint either. Steps are timed
+``gradient_checkpointing`` is the work's (portarl checkpoints each decoder layer too), the
+micro-batching :meth:`portarl.bench.step_work.Work.trl_batching`. The reference model (beta
+> 0): TRL loads its own from the policy's path; a GGUF file or the tiny model built from a
+config has no path TRL can load, so TRL's loader is replaced by a fresh
+:func:`portarl.bench.step_work.load` of the same work: the same weights, loaded again, as TRL
+would. Steps are timed
 from ``on_step_begin`` (after the driver's go when the sides step in turn) to ``on_step_end`` (generation, scoring, loss, backward, optimizer;
 not TRL's logging); phases by wrapping ``_generate`` and ``_generate_and_score_completions``.
 """
@@ -12,20 +17,28 @@ from __future__ import annotations
 import tempfile
 import time
 
-from portarl.bench.step import (
-    GROUP, LR, NEW_TOKENS, PROMPTS_PER_STEP, finish, gate, model, prompts, score, set_threads, step_record, timed,
-)
+from portarl.bench import step_work
+from portarl.bench.step import LR, finish, gate, score, set_threads, step_record, timed
+from portarl.bench.step_work import Work
 
 
-def run_trl(steps: int, threads: int, beta: float) -> dict:
+def run_trl(steps: int, threads: int, work: Work) -> dict:
     started = time.perf_counter()
     set_threads(threads)
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer import grpo_trainer
 
     def digit_share(prompts, completions, **kwargs):
-        return [score(c) for c in completions]
+        return [score(step_work.completion_text(c)) for c in completions]
+
+    def reference(model_id, **kwargs):  # TRL's own: create_model_from_path(the policy's path)
+        return step_work.load(work)[0]
+
+    grpo_trainer.create_model_from_path = reference
+    policy, tok = step_work.load(work)
+    baseline = step_work.rss_mib()
 
     phases: dict = {}
     records: list[dict] = []
@@ -44,23 +57,22 @@ def run_trl(steps: int, threads: int, beta: float) -> dict:
                 split["scoring"] = [both[0] - rollout[0], both[1] - rollout[1]]
             records.append(step_record(wall, cpu, split, self.t0))
 
-    from portarl.bench.step import tokenizer
-
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(
-            output_dir=tmp, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP, num_generations=GROUP,
-            max_completion_length=NEW_TOKENS, max_steps=steps, learning_rate=LR, lr_scheduler_type="constant",
-            warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0, beta=beta,
-            epsilon=0.2, epsilon_high=0.28, loss_type="dapo", num_iterations=1, temperature=1.0, top_p=1.0,
-            top_k=0, gradient_checkpointing=False, use_cpu=True, bf16=False, fp16=False, report_to="none",
+            output_dir=tmp, **work.trl_batching(), max_completion_length=work.max_new_tokens, max_steps=steps,
+            learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
+            adam_beta2=0.99, max_grad_norm=1.0, beta=work.beta, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
+            temperature=1.0, top_p=1.0, top_k=0, gradient_checkpointing=work.gradient_checkpointing, use_cpu=True, bf16=False, fp16=False, report_to="none",
             logging_steps=1, save_strategy="no", dataloader_num_workers=0, seed=0, log_completions=False,
             disable_tqdm=True,
         )
-        data = Dataset.from_list([{"prompt": p} for p, _ in prompts(PROMPTS_PER_STEP * (steps + 2))])
-        trainer = GRPOTrainer(model=model(), reward_funcs=[digit_share], args=config, train_dataset=data,
-                              processing_class=tokenizer(), callbacks=[StepTimer()])
+        pairs = step_work.prompts(work, work.prompts_per_step * (steps + 2))
+        data = Dataset.from_list([{"prompt": list(p) if isinstance(p, tuple) else p} for p, _ in pairs])
+        trainer = GRPOTrainer(model=policy, reward_funcs=[digit_share], args=config, train_dataset=data,
+                              processing_class=tok, callbacks=[StepTimer()])
+        del policy
         trainer._generate = timed(phases, "rollout", trainer._generate)
         trainer._generate_and_score_completions = timed(phases, "generate_and_score",
                                                         trainer._generate_and_score_completions)
         trainer.train()
-    return finish(records, threads, started)
+        return finish(records, threads, started, baseline, trainer.model)

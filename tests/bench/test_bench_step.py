@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from portarl.bench import step as bench_step  # noqa: E402
+from portarl.bench.step_work import Work  # noqa: E402
 from portarl.cli import main  # noqa: E402
 
 TINY = ["--steps", "2", "--warmup", "1", "--rounds", "1", "--threads", "1"]
@@ -83,23 +84,139 @@ def _fake_workers(monkeypatch):
     import sys
 
     monkeypatch.setattr(bench_step, "worker_command",
-                        lambda impl, steps, threads, beta: [sys.executable, "-c", FAKE_WORKER, impl, str(steps)])
+                        lambda impl, steps, threads, work: [sys.executable, "-c", FAKE_WORKER, impl, str(steps)])
 
 
 def test_two_sides_take_their_steps_in_turn_swapping_who_goes_first(monkeypatch):
     """The driver's protocol (stand-in workers, no TRL needed): one process steps while the
     other waits, never both at once, and the first side swaps every step."""
     _fake_workers(monkeypatch)
-    results = bench_step.run_in_turn(["a", "b"], 4, 1, 0.0)
+    results = bench_step.run_in_turn(["a", "b"], 4, 1, Work())
     steps = sorted((s for r in results.values() for s in r["steps"]), key=lambda s: s["started_unix"])
     assert [s["impl"] for s in steps] == ["a", "b", "b", "a", "a", "b", "b", "a"]
     for before, after in zip(steps, steps[1:]):
         assert before["started_unix"] + before["wall_s"] <= after["started_unix"]
-    alone = bench_step.run_in_turn(["a"], 2, 1, 0.0)["a"]  # a side run on its own is not gated
+    alone = bench_step.run_in_turn(["a"], 2, 1, Work())["a"]  # a side run on its own is not gated
     assert len(alone["steps"]) == 2
 
 
 def test_a_worker_that_dies_is_reported_with_its_error(monkeypatch):
     _fake_workers(monkeypatch)
     with pytest.raises(RuntimeError, match="(?s)worker broken failed.*no model for you"):
-        bench_step.run_in_turn(["a", "broken"], 2, 1, 0.0)
+        bench_step.run_in_turn(["a", "broken"], 2, 1, Work())
+
+
+# ---------------------------------------------------------------- --model PATH: a real model's directory
+#: A template of the character tokenizer's own characters (it has no <|im_start|>): enough
+#: to make the prompts conversations that both sides render through apply_chat_template.
+CHAR_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] + ': ' + m['content'] + '. ' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ 'a: ' }}{% endif %}")
+SMALL_WORK = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "6", "--micro-batch-size", "8"]
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A tiny Qwen2 saved as a Hugging Face directory with a chat-template tokenizer."""
+    tok = bench_step.tokenizer()
+    tok.chat_template = CHAR_TEMPLATE
+    directory = tmp_path / "model"
+    bench_step.model(seed=3).save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.skipif(bench_step.trl_unavailable_reason() is not None, reason="trl is not installed (portarl[bench])")
+def test_bench_step_vs_trl_on_a_model_directory(model_dir, tmp_path):
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--vs", "trl", "--model", str(model_dir), *TINY, *SMALL_WORK,
+                 "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    work = data["work"]
+    assert (work["model_path"], work["prompts_per_step"], work["group_size"], work["max_new_tokens"],
+            work["micro_batch_size"]) == (str(model_dir), 4, 4, 6, 8)
+    assert work["gradient_checkpointing"] is True and work["beta"] == 0.001  # --model's README defaults
+    assert work["trl_batching"] == {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
+                                    "steps_per_generation": 2, "num_generations": 4, "num_iterations": 1}
+    assert work["in_turn"] == "sides"
+    row = data["rounds"][0]
+    for side in ("portarl", "trl"):
+        _check_side(data["summary"][side])
+        run = row[side]
+        assert run["gradient_checkpointing"] is True and len(run["steps"]) == 2
+        assert 50 < run["baseline_rss_mib"] <= run["peak_rss_mib"]
+        assert run["rss_increase_mib"] == pytest.approx(run["peak_rss_mib"] - run["baseline_rss_mib"])
+    first, second = (row[side]["steps"] for side in row["order"])  # one side after the other, never at once
+    assert first[-1]["started_unix"] + first[-1]["wall_s"] <= second[0]["started_unix"]
+    assert data["summary"]["ratio_peak_rss"] == pytest.approx(
+        data["summary"]["portarl"]["peak_rss_mib"] / data["summary"]["trl"]["peak_rss_mib"])
+    assert f"--model {model_dir}" in data["command"] and "--schedule sides" in data["command"]
+    md = out.with_suffix(".md").read_text()
+    for text in ("4 prompts x 4 samples", "6 new tokens", "micro-batches of 8 rows", "gradient checkpointing on",
+                 "per_device_train_batch_size 8, gradient_accumulation_steps 2", "one after the other",
+                 "after load", "peak RSS"):
+        assert text in md, text
+
+
+def test_bench_step_model_checkpointing_off_is_applied(model_dir, tmp_path):
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--model", str(model_dir), *TINY, *SMALL_WORK, "--gradient-checkpointing", "off",
+                 "--beta", "0", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["work"]["gradient_checkpointing"] is False and data["work"]["beta"] == 0
+    assert data["rounds"][0]["portarl"]["gradient_checkpointing"] is False
+    _check_side(data["summary"]["portarl"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "{tmp}/missing"], "--model {tmp}/missing: not a Hugging Face model directory"),
+    (["--model", "{tmp}/missing.gguf"], "--model {tmp}/missing.gguf: no such .gguf file"),
+    (["--model", "package:no_such_package_xyz/m.gguf"], "is not installed"),
+    (["--micro-batch-size", "7"], "--micro-batch-size 7 does not divide the 64 samples"),
+    (["--group-size", "1"], "--group-size must be >= 2"),
+    (["--max-new-tokens", "100"], "the tiny model holds 128 positions"),
+    (["--schedule", "sides"], "--schedule sides orders the two sides of --vs trl"),
+])
+def test_bench_step_refuses_bad_work(argv, message, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(["bench", "step", *TINY, *argv]) == 2
+    assert message.replace("{tmp}", str(tmp_path)) in capsys.readouterr().err
+
+
+def test_tiny_defaults_are_unchanged():
+    """Without --model the work is the earlier results' (8 x 8 samples, 8 new tokens, one
+    64-row micro-batch, no checkpointing, no reference), and TRL gets one micro-batch."""
+    from types import SimpleNamespace
+
+    from portarl.bench.step_work import work_from_args
+
+    work = work_from_args(SimpleNamespace())
+    assert work == Work() and (work.samples, work.max_new_tokens, work.gradient_checkpointing, work.beta) == (64, 8, False, 0.0)
+    assert work.trl_batching()["gradient_accumulation_steps"] == 1
+    readme = work_from_args(SimpleNamespace(model="m.gguf"))
+    assert (readme.samples, readme.max_new_tokens, readme.micro_batch_size, readme.gradient_checkpointing,
+            readme.beta) == (128, 64, 64, True, 0.001)
+    assert readme.trl_batching()["gradient_accumulation_steps"] == 2
+
+
+@pytest.mark.skipif(bench_step.trl_unavailable_reason() is not None, reason="trl is not installed (portarl[bench])")
+def test_bench_step_vs_trl_on_a_gguf_file(tmp_path):
+    """A .gguf model with a KL reference: TRL would load its reference from the policy's
+    directory, which a GGUF file does not have; the bench gives it the same file's weights."""
+    pytest.importorskip("gguf", reason="GGUF loading needs the gguf package (pip install 'portarl[gguf]')")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+    try:
+        from gguf_tiny import write_tiny_gguf
+    finally:
+        sys.path.pop(0)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--vs", "trl", "--model", str(path), "--steps", "1", "--warmup", "0", "--rounds", "1",
+                 *SMALL_WORK, "--beta", "0.01", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["work"]["beta"] == 0.01 and data["work"]["model_path"] == str(path)
+    for side in ("portarl", "trl"):
+        assert data["summary"][side]["cpu_s"] > 0 and data["rounds"][0][side]["gradient_checkpointing"] is True

@@ -1,0 +1,203 @@
+"""The work of one ``portarl bench step`` run: which model, how many samples, how they are
+split, and how the same work is spelled in TRL's GRPOConfig.
+
+Two kinds of work:
+
+* without ``--model`` (the default, unchanged so earlier results keep their meaning): the
+  tiny Qwen2 built from a config and a character tokenizer, 8 prompts x 8 samples, 8 new
+  tokens, one 64-row micro-batch, checkpointing off, no KL reference;
+* ``--model PATH``: a local Hugging Face model directory or a ``.gguf`` file, loaded on
+  both sides by :func:`portarl.models.load_local` in fp32 (the code path of ``model.path``
+  in a training config: same weights, same tokenizer). Defaults are the README's own-data
+  settings: 16 prompts x 8 samples, 64 new tokens, micro-batches of 64 rows, activation
+  checkpointing on (portarl's ``auto`` for such a model, and TRL's default), KL weight
+  0.001 to a reference copy.
+
+Prompts, with ``--model``: the arithmetic prompts as one-message conversations
+(``[{"role": "user", "content": ...}]``). portarl renders them with the tokenizer's chat
+template (``data.chat_template=auto``), TRL with the conversational prompt format; both call
+``tokenizer.apply_chat_template(..., add_generation_prompt=True, tokenize=True)``, so the
+prompt ids are the same on both sides. (Templated text would not be: TRL tokenizes text
+prompts with the tokenizer's special tokens added.)
+
+Micro-batching: portarl takes one optimizer step over ``prompts x group`` samples, its
+forwards and backwards in micro-batches of at most ``micro_batch_size`` rows (and at most
+``train.max_tokens_per_micro_batch`` tokens, left at its default 16384: 64 rows of the
+README's ~113 tokens are 7k). TRL does the same work with
+``per_device_train_batch_size = micro_batch_size``, ``gradient_accumulation_steps =
+steps_per_generation = samples / micro_batch_size`` (one generation of all the samples,
+one optimizer step over them) and ``num_iterations = 1``: :meth:`Work.trl_batching`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+#: The defaults of each kind of work (see the module docstring).
+TINY_DEFAULTS = {"prompts_per_step": 8, "group_size": 8, "max_new_tokens": 8, "micro_batch_size": 64,
+                 "gradient_checkpointing": False, "beta": 0.0}
+MODEL_DEFAULTS = {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 64, "micro_batch_size": 64,
+                  "gradient_checkpointing": True, "beta": 0.001}
+TINY_DESCRIPTION = "Qwen2ForCausalLM from a config: vocab 64, hidden 64, 2 layers, 4 heads / 2 kv, mlp 192, fp32"
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What both sides do per step. ``model``: None for the tiny model, else a path."""
+
+    model: str | None = None
+    prompts_per_step: int = TINY_DEFAULTS["prompts_per_step"]
+    group_size: int = TINY_DEFAULTS["group_size"]
+    max_new_tokens: int = TINY_DEFAULTS["max_new_tokens"]
+    micro_batch_size: int = TINY_DEFAULTS["micro_batch_size"]
+    gradient_checkpointing: bool = TINY_DEFAULTS["gradient_checkpointing"]
+    beta: float = TINY_DEFAULTS["beta"]
+
+    @property
+    def samples(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def trl_batching(self) -> dict:
+        """TRL's GRPOConfig fields for one optimizer step over the same samples in the same
+        micro-batches (the module docstring gives the mapping)."""
+        accumulation = self.samples // self.micro_batch_size
+        return {"per_device_train_batch_size": self.micro_batch_size, "gradient_accumulation_steps": accumulation,
+                "steps_per_generation": accumulation, "num_generations": self.group_size, "num_iterations": 1}
+
+    def check(self) -> None:
+        """Raise ValueError naming the flag and the fix for work that cannot run on both sides."""
+        for flag, value in (("--prompts-per-step", self.prompts_per_step), ("--group-size", self.group_size),
+                            ("--max-new-tokens", self.max_new_tokens), ("--micro-batch-size", self.micro_batch_size)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.group_size < 2:
+            raise ValueError(f"--group-size must be >= 2 (GRPO compares the samples of a prompt), got {self.group_size}")
+        if self.beta < 0:
+            raise ValueError(f"--beta must be >= 0, got {self.beta}")
+        if self.samples % self.micro_batch_size:
+            divisors = [d for d in range(1, self.samples + 1) if self.samples % d == 0]
+            raise ValueError(f"--micro-batch-size {self.micro_batch_size} does not divide the {self.samples} samples of a "
+                             f"step (--prompts-per-step x --group-size): TRL's gradient accumulation needs equal "
+                             f"micro-batches; use one of {divisors}")
+        if self.model is None and self.max_new_tokens > 64:
+            raise ValueError(f"--max-new-tokens {self.max_new_tokens}: the tiny model holds 128 positions; use at most 64 "
+                             "or give --model PATH")
+        if self.model is not None:
+            check_model_path(self.model)
+
+    def argv(self) -> list[str]:
+        """This work as worker command-line flags (:func:`add_arguments` reads them back)."""
+        out = ["--prompts-per-step", str(self.prompts_per_step), "--group-size", str(self.group_size),
+               "--max-new-tokens", str(self.max_new_tokens), "--micro-batch-size", str(self.micro_batch_size),
+               "--gradient-checkpointing", "on" if self.gradient_checkpointing else "off", "--beta", repr(self.beta)]
+        return out + (["--model", self.model] if self.model is not None else [])
+
+    def describe(self) -> dict:
+        """The work as the JSON result records it."""
+        return {"model": TINY_DESCRIPTION if self.model is None else
+                f"{self.model} (portarl.models.load_local, fp32; chat template applied to conversational prompts)",
+                "model_path": self.model, "prompts_per_step": self.prompts_per_step, "group_size": self.group_size,
+                "max_new_tokens": self.max_new_tokens, "micro_batch_size": self.micro_batch_size,
+                "gradient_checkpointing": self.gradient_checkpointing, "beta": self.beta,
+                "trl_batching": self.trl_batching()}
+
+
+def check_model_path(path: str) -> None:
+    """A clear error for a ``--model`` that cannot be loaded, before any worker starts."""
+    from portarl.models import resolve_model_path
+
+    try:
+        resolved = resolve_model_path(path)
+    except FileNotFoundError as err:
+        raise ValueError(f"--model {path}: {err}") from None
+    if resolved.suffix == ".gguf":
+        if not resolved.is_file():
+            raise ValueError(f"--model {path}: no such .gguf file")
+    elif not (resolved / "config.json").is_file():
+        raise ValueError(f"--model {path}: not a Hugging Face model directory (no config.json) nor a .gguf file; "
+                         "pass a save_pretrained directory or a .gguf file")
+
+
+def work_from_args(args) -> Work:
+    """The work the command line asks for: each flag left out takes the default of its kind
+    of work (tiny, or ``--model``'s README settings)."""
+    model = getattr(args, "model", None)
+    defaults = MODEL_DEFAULTS if model is not None else TINY_DEFAULTS
+    picked = {}
+    for key, default in defaults.items():
+        value = getattr(args, key, None)
+        if key == "gradient_checkpointing" and isinstance(value, str):
+            value = value == "on"
+        picked[key] = default if value is None else value
+    if model is not None:
+        model = str(Path(model).expanduser()) if not str(model).startswith("package:") else str(model)
+    return Work(model=model, **picked)
+
+
+def add_arguments(ap, *, worker: bool = False) -> None:
+    """The work's flags, on the ``bench step`` parser or a worker's. On the command line
+    every default is None, so :func:`work_from_args` can give the kind of work's own."""
+    ap.add_argument("--model", metavar="PATH",
+                    help="a local Hugging Face model directory or a .gguf file (or package:<pkg>/<file>), loaded on "
+                         "both sides as model.path is; default: the tiny built-in model")
+    ap.add_argument("--prompts-per-step", type=int, help="prompts per step (default 8; with --model 16)")
+    ap.add_argument("--group-size", type=int, help="samples per prompt (default 8)")
+    ap.add_argument("--max-new-tokens", type=int, help="new tokens per sample (default 8; with --model 64)")
+    ap.add_argument("--micro-batch-size", type=int,
+                    help="rows per forward / backward (default 64); TRL: per_device_train_batch_size, with "
+                         "gradient_accumulation_steps = steps_per_generation = samples / this")
+    ap.add_argument("--gradient-checkpointing", choices=["on", "off"],
+                    help="activation checkpointing on both sides (default off; with --model on, TRL's default)")
+    ap.add_argument("--beta", type=float, help="KL weight on both sides, 0: no reference model (default 0; with "
+                    "--model 0.001, the README's)")
+
+
+def rss_mib() -> float:
+    """The resident set size now (``VmRSS``), in MiB: the post-load baseline of a worker."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return float("nan")  # pragma: no cover
+
+
+def load(work: Work):
+    """``(model, tokenizer)`` of the work, fresh: a worker calls it once for the policy (and
+    TRL once more for its reference, as it would load its own from the model's path)."""
+    if work.model is None:
+        from portarl.bench.step import model, tokenizer
+
+        return model(), tokenizer()
+    import torch
+
+    from portarl.models import load_local
+
+    return load_local(work.model, dtype=torch.float32)
+
+
+def prompts(work: Work, n: int) -> list[tuple[object, str]]:
+    """``n`` (prompt, answer) pairs: plain text for the tiny model (its tokenizer has no chat
+    template), one-message conversations for ``--model``."""
+    from portarl.bench.step import prompts as arithmetic
+
+    pairs = arithmetic(n)
+    if work.model is None:
+        return pairs
+    return [(({"role": "user", "content": p},), a) for p, a in pairs]
+
+
+def checkpointing_on(model) -> bool:
+    """Whether any module of ``model`` checkpoints its activations (transformers' per-layer
+    flag, set by either trainer): the record shows the work's setting took effect."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def completion_text(completion) -> str:
+    """TRL passes conversational completions as message lists; portarl and TRL's text mode as text."""
+    if isinstance(completion, (list, tuple)):
+        return "".join(m.get("content", "") for m in completion if isinstance(m, dict))
+    return completion
