@@ -45,6 +45,7 @@ from portarl.trainer.checkpoint import CheckpointManager
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
 from portarl.trainer.guards import DegenerateDetector, GuardTripped, SpikeDetector
+from portarl.trainer.heap import release_freed_memory
 from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
 from portarl.trainer.async_pipeline import async_rollout
 from portarl.trainer.rollout_phase import run_rollout
@@ -251,6 +252,7 @@ class GRPOTrainer:
         self._hook_step = step
         started = time.perf_counter()
         phase = run_rollout(self, step)
+        release_freed_memory()  # the rollout's caches, before scoring and the update allocate
         metrics, events = phase.metrics, phase.events
         skipped, overflow = False, False
         self.guard.reset()
@@ -258,6 +260,7 @@ class GRPOTrainer:
         self._last_samples = None
         try:
             scored = score(self, phase, metrics)
+            release_freed_memory()
             overflow = run_update(self, scored, metrics, events)
         except GuardTripped as err:
             skipped = True

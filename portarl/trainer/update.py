@@ -22,6 +22,7 @@ import torch
 from portarl import distributed as pdist
 from portarl.core import compute_loss
 from portarl.trainer.guards import GuardTripped, NonFiniteError, first_nonfinite_gradient
+from portarl.trainer.heap import release_freed_memory
 from portarl.trainer.micro_batches import micro_batches, rows_of
 from portarl.trainer.scoring import logprobs
 from portarl.trainer.step_guard import guarded_optimizer_step, judge_spikes
@@ -205,6 +206,7 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
         # FSDP2 averages gradients over ranks; each rank's loss is its share of the global
         # loss, so scale by the world size to reduce to the global batch's gradient.
         precision.scale_loss(loss * dist.world_size if dist.enabled else loss).backward()
+        release_freed_memory()  # this micro-batch's activations, before the next one's forward
         share = part.labels.shape[0] / n
         for k, v in metrics.items():
             v = torch.as_tensor(v, dtype=torch.float32).detach()
