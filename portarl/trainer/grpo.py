@@ -321,11 +321,18 @@ class GRPOTrainer:
     def _stop_requested_anywhere(self) -> bool:
         """A stop is collective: a rank that saw Ctrl-C (or a scheduler's signal) before the
         others must not save alone, since saving is a collective (DCP) and the others would
-        wait in the next step's collectives forever. One all-reduce per step."""
+        wait in the next step's collectives forever. One all-reduce per step.
+
+        The answer is exactly the collective's, so every rank acts alike; the local request
+        is only ever raised here, never cleared: a signal handled while this rank waits in
+        the all-reduce (after it sent its False) must survive to the next step's agreement.
+        Assigning the collective's False over it lost such a signal, and the run trained on."""
         if not self.dist.enabled:
             return self._stop_requested
-        self._stop_requested = pdist.any_rank(self.dist, self._stop_requested)
-        return self._stop_requested
+        anywhere = pdist.any_rank(self.dist, self._stop_requested)
+        if anywhere:
+            self._stop_requested = True
+        return anywhere
 
     def close(self) -> None:
         """Release the rollout engine (vLLM: its processes and device memory). The trainer

@@ -197,3 +197,30 @@ def test_a_second_signal_while_the_first_is_being_reported_still_aborts(monkeypa
             for _ in range(1000):  # the handlers run at the next bytecodes
                 pass
     assert second.sent and trainer._stop_requested and trainer._stop_signal == signal.SIGINT
+
+
+def test_a_signal_during_the_stop_agreement_is_kept_for_the_next_step(monkeypatch):
+    """Under torchrun the stop is agreed by an all-reduce once per step. A signal handled while
+    a rank waits in it (its False already sent) used to be overwritten by the collective's
+    False, and the run trained on to the end (CI under load: 400 of 400 steps after a SIGINT
+    to rank 1). The answer must be the collective's (ranks act alike) and the request kept."""
+    from types import SimpleNamespace
+
+    from portarl import distributed as pdist
+    from portarl.trainer.grpo import GRPOTrainer
+
+    trainer = SimpleNamespace(_stop_requested=False, dist=SimpleNamespace(enabled=True))
+    calls = []
+
+    def any_rank(ctx, flag):
+        calls.append(flag)
+        if len(calls) == 1:
+            trainer._stop_requested = True  # the handler runs as the all-reduce returns
+            return False  # what every rank agreed: nobody had asked yet
+        return flag
+
+    monkeypatch.setattr(pdist, "any_rank", any_rank)
+    assert GRPOTrainer._stop_requested_anywhere(trainer) is False  # the same answer on every rank
+    assert trainer._stop_requested  # not lost
+    assert GRPOTrainer._stop_requested_anywhere(trainer) is True
+    assert calls == [False, True]
