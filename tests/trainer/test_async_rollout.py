@@ -23,6 +23,7 @@ from portarl.trainer.async_pipeline import BATCH_LOG, RolloutWorkerError, valida
 from portarl.rollout.async_worker import FAULT_ENV
 from portarl.trainer.config import ConfigError, TrainConfig
 
+from proc_tree import children
 from trainer_fast import FAST, fast_config
 
 HERE = Path(__file__).parent
@@ -39,19 +40,6 @@ def _run(path: Path, *overrides: str) -> GRPOTrainer:
 
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -85,7 +73,7 @@ def test_staleness_0_reproduces_colocated_bitwise(colocated, async_s0):
         assert got["rollout/staleness_max"] == 0 and got["rollout/version"] == ref["step"] - 1
         for key in ("rollout/wait_s", "train/wait_s", "rollout/staleness_mean"):
             assert key in got
-    assert not _children(os.getpid()), "the worker outlived the run"
+    assert not children(os.getpid()), "the worker outlived the run"
 
 
 def test_model_directory_with_chat_data_reproduces_colocated_at_staleness_0(tmp_path):
@@ -149,7 +137,7 @@ def test_worker_fault_is_named_and_the_run_stops_with_a_checkpoint(tmp_path, mon
     assert "\n" not in message and "rollout worker (pid" in message and says in message, message
     assert info.value.tensor_name == "rollout_worker"
     assert info.value.checkpoint is not None and info.value.checkpoint.name == "step-000001"
-    assert not _children(os.getpid()), "the worker outlived the run"
+    assert not children(os.getpid()), "the worker outlived the run"
     assert not (tmp_path / "run" / "async_weights").exists()
 
 
@@ -159,13 +147,14 @@ def failing_reward(prompt, completion, answer):
 
 
 def test_a_reward_failing_in_the_worker_stops_the_run_naming_the_reward(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    # This module is the reward's: the worker imports it, and with it tests/ (proc_tree).
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     with pytest.raises(TrainingStopped) as info:
         _run(tmp_path, "train.steps=2", "rollout.mode=async", "rewards=[{name: 'test_async_rollout:failing_reward'}]")
     assert info.value.tensor_name == "reward"
     assert "test_async_rollout:failing_reward" in str(info.value) and "in the rollout worker" in str(info.value)
     assert "\n" not in str(info.value) and info.value.checkpoint.name == "step-000000"
-    assert not _children(os.getpid())
+    assert not children(os.getpid())
 
 
 def test_a_batch_older_than_max_staleness_is_dropped_and_regenerated(tmp_path, monkeypatch):
@@ -202,7 +191,7 @@ def test_async_vllm_without_vllm_is_refused_before_the_worker_starts(tmp_path):
     trainer = GRPOTrainer(model, tokenizer, None, examples, cfg, device="cpu")
     with pytest.raises(ValueError, match="rollout.engine=vllm with rollout.mode=async: .*vLLM is not importable"):
         trainer.train(overwrite=True)
-    assert not _children(os.getpid())
+    assert not children(os.getpid())
 
 
 def test_validate_batch_names_what_is_wrong():
@@ -246,7 +235,7 @@ def test_a_stop_signal_stops_trainer_and_worker(tmp_path, sig, code):
     proc = _start(tmp_path, "train.steps=400", "checkpoint.every=1000")
     try:
         _wait_rows(proc, tmp_path, 2)
-        workers = _children(proc.pid)
+        workers = children(proc.pid)
         assert len(workers) == 1
         if sig == signal.SIGINT:
             os.killpg(proc.pid, sig)
@@ -269,7 +258,7 @@ def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path):
     proc = _start(out, *sets, **{FAULT_ENV: "hang@5"})
     try:
         _wait_rows(proc, out, 4)
-        workers = _children(proc.pid)
+        workers = children(proc.pid)
         proc.kill()
         proc.wait()
     finally:

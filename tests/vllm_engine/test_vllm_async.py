@@ -22,6 +22,7 @@ import sys
 import pytest
 import torch
 
+from proc_tree import children
 from vllm_tiny import NO_VLLM, TRAIN_SETS
 
 pytest.importorskip("vllm.entrypoints.llm", reason=NO_VLLM)
@@ -42,21 +43,6 @@ MISMATCH = ("mismatch/abs_diff_mean", "mismatch/abs_diff_max", "mismatch/kl_k3",
 
 def _jsonl(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def _children(pid: int) -> list[int]:
-    from pathlib import Path
-
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 def _train(out, *extra: str):
@@ -94,7 +80,7 @@ def async_s0(tmp_path_factory):
         mp.setattr(AsyncRollout, "_publish", capture_publish)
         mp.setattr(AsyncRollout, "batch", capture_batch)
         trainer = _train(out, "rollout.mode=async", "rollout.engine=vllm", "rollout.max_staleness=0")
-    assert not _children(os.getpid()), "the rollout worker outlived the run"
+    assert not children(os.getpid()), "the rollout worker outlived the run"
     return out, trainer, weights, batches
 
 

@@ -1,0 +1,20 @@
+"""Process-tree helpers for tests that check no process outlives its parent (the async
+rollout worker and the vLLM engine it may start)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (read from /proc; a process gone meanwhile is skipped)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
