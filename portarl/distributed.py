@@ -18,6 +18,7 @@ Design choices the trainer relies on:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from datetime import timedelta
 
@@ -176,6 +177,32 @@ def mean_metrics(ctx: DistContext, metrics: dict) -> dict:
         elif key not in out:
             out[key] = values[0]
     return out
+
+
+def broadcast_json(ctx: DistContext, value, group=None):
+    """Rank 0's JSON-able ``value`` on every rank (the others pass ``None``): its UTF-8
+    JSON as a byte tensor, length first. JSON, not ``broadcast_object_list``'s pickle:
+    nothing unpickled, and floats round-trip exactly. ``group``: a CPU (gloo) group, e.g.
+    one with a longer timeout than the job's collectives."""
+    if not ctx.enabled:
+        return value
+    data = json.dumps(value).encode() if ctx.is_main else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if ctx.is_main else torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=group)
+    return value if ctx.is_main else json.loads(bytes(buf.numpy()).decode())
+
+
+#: The variables torchrun sets for its workers; a process a rank starts (the async rollout
+#: worker) must not see them, or it would take itself for a rank of the job.
+TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def without_torchrun_env(env: dict) -> dict:
+    """``env`` without torchrun's worker variables (``TORCHRUN_ENV``, ``TORCHELASTIC_*``)."""
+    return {k: v for k, v in env.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
 
 
 def barrier(ctx: DistContext) -> None:

@@ -40,47 +40,53 @@ Faults stop the run with a checkpoint and one line naming the worker
 (hung), or replies with a malformed batch. The worker is not restarted: a restart would
 hide a deterministic failure behind a loop. It is stopped and joined on every exit path
 (the context manager :func:`async_rollout`), and dies with the trainer (see the worker).
+
+Under torchrun (FSDP2) there is one worker, started by rank 0, generating the whole step's
+batch. Publishing is collective: every rank gathers the full weights with rank 0
+(:func:`portarl.trainer.rollout_weights.write_rollout_weights`), which writes the file.
+Rank 0 alone talks to the worker; it hands every rank the scored batch, or the error that
+stops the run, as JSON over a Gloo group of its own (:func:`portarl.distributed.broadcast_json`,
+with a timeout long enough for rank 0's own waits: :func:`share_timeout_s`), and each rank
+trains on its slice of whole groups, as in colocated mode. Every rank then raises the same
+error at the same step, so the checkpoint (a collective) is saved by all of them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
-import math
-import os
-import queue
 import shutil
-import subprocess
-import sys
-import threading
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from portarl.reward_runner import RewardError, RewardScores
-from portarl.rollout import RolloutBatch
+from portarl import distributed as pdist
+from portarl.reward_runner import RewardError
+from portarl.trainer.async_client import (STARTUP_MIN_S, WORKER_LOG, RolloutWorkerError, WorkerClient, reward_error,
+                                          slice_reply, validate_batch)
 from portarl.trainer.logfiles import prepare_log
+from portarl.trainer.rollout_weights import write_rollout_weights
 
-log = logging.getLogger("portarl.train")
-
-#: Start-up (imports, model build) may take longer than a batch: the first ``ready`` gets
-#: at least this long.
-STARTUP_MIN_S = 300.0
-WORKER_LOG = "rollout_worker.log"
 BATCH_LOG = "rollout_batches.jsonl"
 
 
-class RolloutWorkerError(RuntimeError):
-    """The rollout worker died, hung or returned garbage; the message names it."""
+class AsyncBatch(NamedTuple):
+    """This rank's share of a scored batch: the prompts from index ``offset`` of the step's."""
+    examples: list
+    rollout: object        # RolloutBatch
+    texts: list
+    seeds: list
+    scores: object         # RewardScores
+    metrics: dict
+    events: list
+    offset: int
 
 
 def check_async_trainer(trainer) -> None:
     """What async mode cannot do (yet), refused before the worker starts."""
-    if trainer.dist.enabled:
-        raise ValueError("rollout.mode=async is not supported with several ranks (torchrun) yet: set "
-                         "rollout.mode=colocated")
     if trainer._rollout is not None:
         raise ValueError("rollout.mode=async builds its own engine in a worker process: do not pass rollout_engine")
     if trainer.config.rollout.engine == "vllm":  # else the worker dies at start-up with it in its log
@@ -94,146 +100,88 @@ def check_async_trainer(trainer) -> None:
                          "rewards (rewards: [{name: module:function}]): pass reward_fns=None")
 
 
+def share_timeout_s(cfg) -> float:
+    """How long a rank other than 0 waits for rank 0's batch. Rank 0 gives up by itself
+    (and sends its error) after its start-up wait plus at most 2 x max_staleness + 3
+    replies (a ``loaded`` per version and a batch per step in flight, one regenerated
+    batch), each within ``rollout.timeout_s``, after writing the weights (bounded like a
+    collective, ``distributed.timeout_s``); this is twice that. A backstop only: a rank 0
+    that dies ends the job through torchrun and the heartbeat."""
+    r = cfg.rollout
+    return 2 * (max(r.timeout_s, STARTUP_MIN_S) + (2 * r.max_staleness + 3) * r.timeout_s + cfg.distributed.timeout_s)
+
+
 def _example_json(ex) -> dict:
     prompt = ex.prompt if isinstance(ex.prompt, str) else list(ex.prompt)
     return {"prompt": prompt, "answer": ex.answer, "columns": ex.columns, "where": ex.where}
 
 
 class AsyncRollout:
-    """The worker process, its reader thread, and the request / weight schedule."""
+    """The pipeline on every rank: the weights each publishes (collective), and on rank 0
+    the worker (:class:`~portarl.trainer.async_client.WorkerClient`) and the request schedule."""
 
     def __init__(self, trainer):
+        from portarl.trainer.precision import DTYPES
+
         check_async_trainer(trainer)
         self.trainer = trainer
         cfg = trainer.config
+        self.dist = trainer.dist
         self.max_staleness = cfg.rollout.max_staleness
-        self.timeout_s = cfg.rollout.timeout_s
+        self.dtype = DTYPES[cfg.precision.dtype]
         self.dir = Path(trainer.output_dir) / "async_weights"
-        shutil.rmtree(self.dir, ignore_errors=True)
-        self.dir.mkdir(parents=True)
         self.index = {id(ex): i for i, ex in enumerate(trainer.examples)}
         self.published: int | None = None   # newest weight version written
+        self.pending: tuple[int, Path] | None = None  # written, not yet announced to the worker
         self.next_request = trainer.step + 1  # batches in flight at a stop are regenerated on resume
         self.batches: dict[int, dict] = {}    # replies that arrived before they were due
-        self.replies: queue.Queue = queue.Queue()
-        self.ready = False
+        self.group = None
+        if self.dist.enabled:  # the batch's way to every rank; created by all ranks, in order
+            import torch.distributed as dist
+
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=share_timeout_s(cfg)))
+        self.client: WorkerClient | None = None
+        self.name = "rollout worker (on rank 0)"
+        if not self.dist.is_main:
+            return
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True)
         spec = {"config": cfg.to_dict(), "device": str(trainer.device), "threads": torch.get_num_threads(),
                 "work_dir": str(self.dir),  # engine vllm: the in-memory tiny model's directory goes here
-                "search_dirs": [os.getcwd()] + [d for d in [getattr(cfg, "source_dir", None)] if d]}
-        spec_path = self.dir / "worker.json"
-        spec_path.write_text(json.dumps(spec))
+                "search_dirs": [str(Path.cwd())] + [d for d in [getattr(cfg, "source_dir", None)] if d]}
         self.batch_log_path = Path(trainer.output_dir) / BATCH_LOG
         prepare_log(self.batch_log_path, trainer.step)
-        self._log = (Path(trainer.output_dir) / WORKER_LOG).open("a")
-        env = {**os.environ, "PORTARL_TRAINER_PID": str(os.getpid())}
-        if cfg.precision.backend is not None:
-            from portarl.backends import BACKEND_ENV
-
-            env[BACKEND_ENV] = cfg.precision.backend
-        self.started = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, "-m", "portarl.rollout.async_worker", str(spec_path)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env=env, start_new_session=True)
-        self.name = f"rollout worker (pid {self.proc.pid}, log {Path(trainer.output_dir) / WORKER_LOG})"
-        self.reader = threading.Thread(target=self._read, name="portarl-rollout-reader", daemon=True)
-        self.reader.start()
-
-    # ----------------------------------------------------------- the process
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.replies.put(line)
-        self.replies.put(None)  # end of output: the worker exited
-
-    def _send(self, message: dict) -> None:
-        try:
-            self.proc.stdin.write(json.dumps(message) + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError, ValueError):
-            raise self._died("while being sent a request") from None
-
-    def _died(self, when: str) -> RolloutWorkerError:
-        try:
-            code = self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            code = None
-        tail = ""
-        try:
-            lines = (Path(self.trainer.output_dir) / WORKER_LOG).read_text().strip().splitlines()
-            tail = f"; its last log line: {lines[-1].strip()!r}" if lines else ""
-        except OSError:
-            pass
-        status = f"exited with code {code}" if code is not None else "closed its output"
-        return RolloutWorkerError(f"the {self.name} {status} {when}{tail}")
-
-    def _receive(self, waiting_for: str, limit: float) -> dict:
-        try:
-            line = self.replies.get(timeout=limit)
-        except queue.Empty:
-            raise RolloutWorkerError(f"the {self.name} sent nothing for {limit:g} s while the trainer waited for "
-                                     f"{waiting_for} (rollout.timeout_s={self.timeout_s:g}): hung or too slow; "
-                                     "raise rollout.timeout_s if it is only slow") from None
-        if line is None:
-            raise self._died(f"while the trainer waited for {waiting_for}")
-        try:
-            reply = json.loads(line)
-            if not isinstance(reply, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as err:
-            raise RolloutWorkerError(f"the {self.name} replied with something that is not a message while the "
-                                     f"trainer waited for {waiting_for}: {err} ({line[:80]!r})") from None
-        if reply.get("op") == "error":
-            if reply.get("kind") == "reward":
-                raise _reward_error(reply["message"])
-            raise RolloutWorkerError(f"the {self.name} failed while the trainer waited for {waiting_for}: "
-                                     f"{reply.get('message')}")
-        return reply
-
-    def _wait_ready(self) -> None:
-        if not self.ready:
-            reply = self._receive("its start-up", max(self.timeout_s, STARTUP_MIN_S))
-            if reply.get("op") != "ready":
-                raise RolloutWorkerError(f"the {self.name} sent {reply.get('op')!r} before 'ready'")
-            self.ready = True
-            log.info("%s ready after %.1f s", self.name, time.perf_counter() - self.started)
+        self.client = WorkerClient(spec, self.dir, trainer.output_dir, cfg.rollout.timeout_s, cfg.precision.backend)
+        self.name = self.client.name
 
     def close(self) -> None:
-        """Stop the worker and join it and the reader thread (every exit path)."""
-        proc = self.proc
-        try:
-            if proc.poll() is None:  # mid-batch or idle: its batches are not needed, nor kept
-                proc.kill()
-            proc.wait()
-        finally:
-            with contextlib.suppress(OSError, ValueError):
-                proc.stdin.close()
-            self.reader.join()
-            proc.stdout.close()
-            self._log.close()
-            shutil.rmtree(self.dir, ignore_errors=True)
+        """Stop the worker and join it (every exit path); remove the published weights."""
+        if self.client is not None:
+            try:
+                self.client.close()
+            finally:
+                shutil.rmtree(self.dir, ignore_errors=True)
 
     # ------------------------------------------------------------ the schedule
     def _publish(self) -> float:
-        """Write the trainer's weights as version ``trainer.step`` (atomically) and send them."""
-        from safetensors.torch import save_model
-
+        """Write the trainer's weights as version ``trainer.step`` (every rank takes part in
+        the gather; rank 0 writes the file, announced to the worker with the next requests)."""
         version = self.trainer.step
         if self.published == version:
             return 0.0
         started = time.perf_counter()
         path = self.dir / f"weights-v{version:06d}.safetensors"
-        tmp = path.with_suffix(".tmp")
-        save_model(self.trainer.model, str(tmp))
-        os.replace(tmp, path)
-        self._send({"op": "weights", "version": version, "path": str(path)})
+        if write_rollout_weights(self.trainer.model, self.dtype, path, self.dist.is_main):
+            self.pending = (version, path)
         self.published = version
         return time.perf_counter() - started
 
     def _request(self, step: int) -> None:
         examples = self.trainer_prompts(step)
-        self._send({"op": "generate", "step": step,
-                    "prompts": [self.trainer._prompt_ids.get(id(ex)) or self.trainer.codec.encode_prompt(ex.prompt)
-                                for ex in examples],
-                    "examples": [_example_json(ex) for ex in examples]})
+        self.client.send({"op": "generate", "step": step,
+                          "prompts": [self.trainer._prompt_ids.get(id(ex)) or self.trainer.codec.encode_prompt(ex.prompt)
+                                      for ex in examples],
+                          "examples": [_example_json(ex) for ex in examples]})
 
     def trainer_prompts(self, step: int):
         from portarl.trainer.rollout_phase import prompts_for_step
@@ -242,7 +190,7 @@ class AsyncRollout:
 
     def _await_batch(self, step: int) -> dict:
         while step not in self.batches:
-            reply = self._receive(f"the batch of step {step}", self.timeout_s)
+            reply = self.client.receive(f"the batch of step {step}")
             if reply.get("op") == "loaded":
                 for old in self.dir.glob("weights-v*.safetensors"):  # the worker holds this version now
                     if int(old.stem.split("-v")[1]) < int(reply["version"]):
@@ -254,29 +202,31 @@ class AsyncRollout:
             self.batches[reply["step"]] = reply
         return self.batches.pop(step)
 
-    def batch(self, step: int):
-        """Batch ``step``, scored: ``(examples, RolloutBatch, texts, seeds, RewardScores, metrics, events)``."""
+    def _collect(self, step: int, publish_s: float) -> dict:
+        """Rank 0: the whole scored batch of ``step``, checked, with its metrics and events."""
+        if self.pending is not None:
+            version, path = self.pending
+            self.client.send({"op": "weights", "version": version, "path": str(path)})
+            self.pending = None
         events = []
-        publish_s = self._publish()
         last = min(step + self.max_staleness, self.trainer.config.train.steps)
         while self.next_request <= last:
             self._request(self.next_request)
             self.next_request += 1
         waited = time.perf_counter()
-        self._wait_ready()
+        self.client.wait_ready()
         reply = self._await_batch(step)
         stale = (step - 1) - int(reply.get("version", -1))
         if stale > self.max_staleness:
-            events.append(("stale_batch_dropped", f"the batch of step {step} came from weights version "
+            events.append(["stale_batch_dropped", f"the batch of step {step} came from weights version "
                            f"{reply.get('version')} (staleness {stale} > rollout.max_staleness {self.max_staleness}): "
-                           "dropped and regenerated with the current weights", {"value": stale}))
+                           "dropped and regenerated with the current weights", {"value": stale}])
             self._request(step)
             reply = self._await_batch(step)
             stale = (step - 1) - int(reply.get("version", -1))
         train_wait = time.perf_counter() - waited
         examples = self.trainer_prompts(step)
-        n = len(examples) * self.trainer.config.rollout.group_size
-        rollout, scores = validate_batch(reply, step, n, self.name)
+        validate_batch(reply, step, len(examples) * self.trainer.config.rollout.group_size, self.name)
         if not 0 <= stale <= self.max_staleness:
             raise RolloutWorkerError(f"the {self.name} returned the batch of step {step} from weights version "
                                      f"{reply['version']} (staleness {stale}, rollout.max_staleness "
@@ -288,52 +238,43 @@ class AsyncRollout:
         with self.batch_log_path.open("a") as f:
             f.write(json.dumps({"step": step, "version": reply["version"],
                                 "prompts": [self.index.get(id(ex)) for ex in examples]}) + "\n")
-        return examples, rollout, reply["texts"], reply["seeds"], scores, metrics, events
+        return {"reply": reply, "metrics": metrics, "events": events}
 
+    def _shared(self, step: int, publish_s: float) -> dict:
+        """Every rank: rank 0's :meth:`_collect`, or the error it raised, raised on every rank."""
+        got, failure = None, None
+        if self.client is not None:
+            try:
+                got = self._collect(step, publish_s)
+            except (RolloutWorkerError, RewardError) as err:
+                failure = err
+                got = {"error": "reward" if isinstance(err, RewardError) else "worker", "message": str(err)}
+            except Exception as err:  # a bug on rank 0: the others must not wait for a batch that is not coming
+                failure = err
+                got = {"error": "rank0", "message": f"{type(err).__name__}: {err}"}
+        got = pdist.broadcast_json(self.dist, got, self.group)
+        if failure is not None:
+            raise failure
+        if "error" in got:
+            if got["error"] == "reward":
+                raise reward_error(got["message"])
+            if got["error"] == "worker":
+                raise RolloutWorkerError(got["message"])
+            raise RuntimeError(f"rank 0 failed while it collected the batch of step {step}: {got['message']}")
+        return got
 
-def _reward_error(message: str) -> RewardError:
-    err = RewardError.__new__(RewardError)
-    RuntimeError.__init__(err, f"{message} (in the rollout worker)")
-    err.reward_name, err.index, err.prompt = None, None, None
-    return err
-
-
-def _rows(reply: dict, key: str, n: int, name: str, step: int) -> list:
-    rows = reply.get(key)
-    if not isinstance(rows, list) or len(rows) != n:
-        got = len(rows) if isinstance(rows, list) else type(rows).__name__
-        raise RolloutWorkerError(f"the {name} returned a malformed batch for step {step}: {key} has {got} rows, "
-                                 f"expected {n}")
-    return rows
-
-
-def validate_batch(reply: dict, step: int, n: int, name: str) -> tuple[RolloutBatch, RewardScores]:
-    """The reply as a RolloutBatch and RewardScores, or RolloutWorkerError naming what is wrong."""
-    def bad(why):
-        return RolloutWorkerError(f"the {name} returned a malformed batch for step {step}: {why}")
-
-    prompts, completions, logprobs, finished, texts, seeds, total = (
-        _rows(reply, k, n, name, step) for k in ("prompt_ids", "completion_ids", "logprobs", "finished", "texts",
-                                                   "seeds", "total"))
-    for i, (c, lp) in enumerate(zip(completions, logprobs)):
-        if not isinstance(c, list) or not isinstance(lp, list) or len(c) != len(lp) or not c:
-            raise bad(f"sample {i} has {len(c) if isinstance(c, list) else '?'} tokens and "
-                      f"{len(lp) if isinstance(lp, list) else '?'} log-probs")
-        if not all(isinstance(t, int) for t in c) or not all(isinstance(v, (int, float)) for v in lp):
-            raise bad(f"sample {i} has a token that is not an integer or a log-prob that is not a number")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in total):
-        raise bad("a reward total is not a number")
-    per_function = reply.get("per_function")
-    if not isinstance(per_function, dict) or any(not isinstance(v, list) or len(v) != n for v in per_function.values()):
-        raise bad("per_function rewards do not have one value per sample")
-    metrics = reply.get("reward_metrics")
-    if not isinstance(metrics, dict) or not all(isinstance(v, (int, float)) for v in metrics.values()):
-        raise bad("reward_metrics is not a mapping of numbers")
-    for key in ("version", "gen_s", "score_s", "idle_s"):
-        if not isinstance(reply.get(key), (int, float)) or not math.isfinite(reply[key]):
-            raise bad(f"{key} is missing or not a number")
-    rollout = RolloutBatch(prompts, completions, logprobs, [bool(f) for f in finished])
-    return rollout, RewardScores(torch.tensor(total, dtype=torch.float32), per_function, metrics)
+    def batch(self, step: int) -> AsyncBatch:
+        """This rank's share of batch ``step``, scored (all of it on one process)."""
+        publish_s = self._publish()
+        got = self._shared(step, publish_s) if self.dist.enabled else self._collect(step, publish_s)
+        everyone = self.trainer_prompts(step)
+        per_rank = len(everyone) // self.dist.world_size
+        offset = self.dist.rank * per_rank
+        g = self.trainer.config.rollout.group_size
+        reply = slice_reply(got["reply"], slice(offset * g, (offset + per_rank) * g)) if self.dist.enabled else got["reply"]
+        rollout, scores = validate_batch(reply, step, per_rank * g, self.name)
+        return AsyncBatch(everyone[offset : offset + per_rank], rollout, reply["texts"], reply["seeds"], scores,
+                          dict(got["metrics"]), [tuple(e) for e in got["events"]], offset)
 
 
 @contextlib.contextmanager
@@ -352,4 +293,5 @@ def async_rollout(trainer):
         pipeline.close()
 
 
-__all__ = ["AsyncRollout", "RolloutWorkerError", "async_rollout", "validate_batch"]
+__all__ = ["AsyncBatch", "AsyncRollout", "RolloutWorkerError", "WORKER_LOG", "async_rollout", "share_timeout_s",
+           "validate_batch"]

@@ -300,9 +300,6 @@ class TrainConfig:
             raise ConfigError("reference.sync needs a KL reference: set loss.kl_coef > 0 (or reference.sync=false)")
         if self.rollout.group_size < 2 and self.loss.advantage_estimator in ("grpo", "rloo"):
             raise ConfigError(f"rollout.group_size must be >= 2 for {self.loss.advantage_estimator} advantages, got {self.rollout.group_size}")
-        if self.rollout.mode == "async":
-            _check(self.model.lora is None, "rollout.mode", "'async' does not support model.lora yet (the worker "
-                   "loads full weights): unset model.lora or use rollout.mode=colocated", self.rollout.mode)
         return self
 
     # ---- dict / YAML round trip ----

@@ -71,11 +71,11 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
 
 
 def async_phase(trainer, step: int) -> RolloutPhase:
-    examples, rollout, texts, seeds, scores, extra, async_events = trainer.async_rollout.batch(step)
-    trainer._local_offset = 0
-    metrics, events = rollout_metrics(trainer, step, rollout, seeds)
-    metrics.update(extra)
-    return RolloutPhase(examples, rollout, texts, metrics, async_events + events, scores=scores)
+    got = trainer.async_rollout.batch(step)  # this rank's whole groups of the step's batch
+    trainer._local_offset = got.offset
+    metrics, events = rollout_metrics(trainer, step, got.rollout, got.seeds)
+    metrics.update(got.metrics)
+    return RolloutPhase(got.examples, got.rollout, got.texts, metrics, got.events + events, scores=got.scores)
 
 
 def identical_cause(seeds: list[int], completions: list[list[int]], logprobs: list[list[float]], g: int,

@@ -35,9 +35,6 @@ def check_distributed_config(cfg: TrainConfig, world: int) -> None:
                           "model.path to its output")
     if cfg.rollout.engine != "hf":
         raise ConfigError("rollout.engine must be 'hf' with several ranks for now")
-    if cfg.rollout.mode != "colocated":
-        raise ConfigError("rollout.mode=async is not supported with several ranks (torchrun) yet: set "
-                          "rollout.mode=colocated")
     if cfg.model.lora is not None:
         raise ConfigError("model.lora: LoRA is not supported with FSDP2 yet; run with one process "
                           "(no torchrun), or unset model.lora")

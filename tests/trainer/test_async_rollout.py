@@ -166,6 +166,56 @@ def test_a_batch_older_than_max_staleness_is_dropped_and_regenerated(tmp_path, m
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[1]["rollout/staleness_max"] <= 1
 
 
+def test_async_with_lora_samples_the_merged_adapter_of_each_version(tmp_path, monkeypatch):
+    """model.lora: the worker's plain model gets W + scaling * B @ A of every published
+    version (portarl.trainer.rollout_weights); its behaviour log-probs are the LoRA model's
+    of that version, which the adapter has moved measurably away from version 0's."""
+    pytest.importorskip("peft")
+    import torch
+
+    from portarl.parity.tolerances import ROLLOUT_FP32_ATOL
+    from portarl.trainer.async_pipeline import AsyncRollout
+    from portarl.trainer.sequences import build_batch, completion_logprobs
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    snapshots, batches = {}, []
+    publish, batch = AsyncRollout._publish, AsyncRollout.batch
+
+    def capture_publish(self):
+        snapshots.setdefault(self.trainer.step, {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()})
+        return publish(self)
+
+    def capture_batch(self, step):
+        got = batch(self, step)
+        batches.append((step, int(got.metrics["rollout/version"]), got.rollout))
+        return got
+
+    monkeypatch.setattr(AsyncRollout, "_publish", capture_publish)
+    monkeypatch.setattr(AsyncRollout, "batch", capture_batch)
+    trainer = _run(tmp_path, "rollout.mode=async", "rollout.max_staleness=0", "model.lora.r=4", "optim.lr=5e-2",
+                   "rewards=[{name: 'trainer_fast:varied_reward'}]")
+    assert [(s, v) for s, v, _ in batches] == [(1, 0), (2, 1), (3, 2)]
+    model, temperature = trainer.model, trainer.config.rollout.temperature
+
+    def max_diff(version, rollout):
+        model.load_state_dict(snapshots[version])
+        b = build_batch(rollout.prompt_ids, rollout.completion_ids, trainer.codec.pad_token_id, "cpu")
+        with torch.no_grad():
+            ours = completion_logprobs(model, b, temperature=temperature)
+        theirs = torch.zeros_like(ours)
+        for i, lps in enumerate(rollout.logprobs):
+            theirs[i, : len(lps)] = torch.tensor(lps)
+        return (ours - theirs).abs()[b.mask].max().item()
+
+    for step, version, rollout in batches:
+        assert max_diff(version, rollout) < ROLLOUT_FP32_ATOL, f"step {step}: not the LoRA model of version {version}"
+        if version > 0:  # the check can fail: without the adapter the log-probs are measurably off
+            assert max_diff(0, rollout) > ROLLOUT_FP32_ATOL, f"step {step}: version 0 indistinguishable"
+    rows = _jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert all(r["mismatch/abs_diff_max"] < ROLLOUT_FP32_ATOL and r["skipped"] == 0 for r in rows)
+    assert not children(os.getpid())
+
+
 def test_config_refuses_what_async_cannot_do():
     TrainConfig.load(None, ["rollout.mode=async", "rollout.engine=vllm"])  # the vLLM worker: tests/vllm_engine
     with pytest.raises(ConfigError, match="rollout.vllm_sleep_mode .*async mode the worker's vLLM generates"):

@@ -1,0 +1,162 @@
+"""rollout.mode=async under torchrun (issue 25), 2 Gloo ranks on the CPU: every rank takes
+part in gathering the FSDP2 shards, rank 0 publishes them to one rollout worker, which
+generates the whole step's batch, and every rank trains on its whole groups. Faults in the
+worker stop every rank at the same step with one (collective) checkpoint, and a resumed
+run regenerates the batches that were in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to check the worker is gone")
+
+from safetensors.torch import load_file, load_model  # noqa: E402
+
+from portarl.trainer.checkpoint import CheckpointManager  # noqa: E402
+from test_fsdp_gloo import ATOL, PARAM_ATOL, RTOL, _env, _params_from, _rows, _train  # noqa: E402
+
+HERE = Path(__file__).parent
+WORKER = HERE / "rollout_weights_worker.py"
+ASYNC = "rollout.mode=async"
+MISMATCH = ("mismatch/abs_diff_mean", "mismatch/abs_diff_max")
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _worker_gone(stderr: str) -> bool:
+    """The rollout worker named in the run's log (``rollout worker (pid N, ...)``) is gone."""
+    pids = {int(p) for p in re.findall(r"rollout worker \(pid (\d+)", stderr)}
+    assert pids, "the run never named its rollout worker"
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            return False
+    return True
+
+
+# ------------------------------------------------------------- the gathered weights
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    root = tmp_path_factory.mktemp("published")
+    one, two = root / "one", root / "two"
+    one.mkdir(), two.mkdir()
+    for cmd in ([sys.executable, str(WORKER), str(one)],
+                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(WORKER), str(two)]):
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return one, two
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_gathered_shards_are_the_unsharded_weights(published, tied, dtype):
+    from fsdp_linear_worker import tiny
+
+    name = f"{'tied' if tied else 'untied'}-{dtype}.safetensors"
+    one, two = (load_file(str(d / name)) for d in published)
+    assert one.keys() == two.keys()
+    for key in one:
+        assert torch.equal(one[key], two[key]), key
+        assert one[key].dtype == (torch.float32 if dtype == "fp32" else torch.bfloat16), key
+    assert ("lm_head.weight" in one) != tied, "a tied head is written once (under the embedding's name)"
+    reference = tiny(tied)
+    expected = {k: v.to(one["model.embed_tokens.weight"].dtype) for k, v in reference.state_dict().items()}
+    fresh = tiny(tied).to(expected["model.embed_tokens.weight"].dtype)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    load_model(fresh, str(published[1] / name), strict=True)  # what the rollout worker does
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
+# ------------------------------------------------------------------- whole runs
+@pytest.fixture(scope="module")
+def async_two(tmp_path_factory):
+    out = tmp_path_factory.mktemp("async2")
+    proc = _train(out, 2, "train.steps=3", ASYNC)
+    return out, proc
+
+
+def test_async_on_two_ranks_trains_with_staleness_wait_and_mismatch_metrics(async_two):
+    out, proc = async_two
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert all(k in r for k in ("train/wait_s", "rollout/wait_s", "rollout/gen_s", *MISMATCH)), sorted(r)
+        assert r["grad_norm"] > 0 and r["skipped"] == 0
+    # max_staleness 1 (the default): the first batch waits for version 0, the next ones overlap
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+    assert [r["rollout/version"] for r in rows] == [0, 0, 1]
+    batches = _jsonl(out / "rollout_batches.jsonl")
+    assert [(b["step"], b["version"]) for b in batches] == [(1, 0), (2, 0), (3, 1)]
+    assert all(len(b["prompts"]) == 4 for b in batches), "one worker generates the whole step's prompts"
+    latest = CheckpointManager(out).latest()
+    assert CheckpointManager.is_sharded(latest) and CheckpointManager.load_state(latest)["step"] == 3
+    assert not (out / "async_weights").exists()
+    assert _worker_gone(proc.stderr)
+
+
+def test_one_async_step_on_two_ranks_matches_one_process(tmp_path):
+    """Step 1 is sampled by version 0 on both (the 2-rank one gathered from the shards):
+    the same completions, hence the same rewards exactly; the update then agrees to the
+    reduction-order tolerance of tests/distributed/test_fsdp_gloo.py."""
+    single, double = tmp_path / "single", tmp_path / "double"
+    for out, ranks in ((single, 1), (double, 2)):
+        proc = _train(out, ranks, "train.steps=1", ASYNC, "rollout.max_staleness=0")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    a, b = _rows(single)[0], _rows(double)[0]
+    assert a["reward/mean"] == b["reward/mean"] and a["reward/std"] == b["reward/std"]
+    assert _jsonl(single / "rollout_batches.jsonl") == _jsonl(double / "rollout_batches.jsonl")
+    for key in ("loss", "pg/loss", "kl/loss", "grad_norm"):
+        assert b[key] == pytest.approx(a[key], rel=RTOL, abs=ATOL), key
+    pa = _params_from(CheckpointManager(single).latest())
+    pb = _params_from(CheckpointManager(double).latest())
+    for key in pa:
+        torch.testing.assert_close(pb[key], pa[key], rtol=0, atol=PARAM_ATOL, msg=key)
+
+
+def test_a_dying_worker_stops_both_ranks_with_one_checkpoint_and_resume_regenerates(tmp_path):
+    proc = _train(tmp_path, 2, "train.steps=3", ASYNC, "checkpoint.every=1000",
+                  env=_env(PORTARL_ROLLOUT_WORKER_FAULT="die@2"))
+    assert proc.returncode != 0, proc.stderr[-4000:]
+    stopped = [e for e in _jsonl(tmp_path / "events.jsonl") if e.get("kind") == "stopped"]
+    assert stopped and "rollout worker (pid" in stopped[0]["message"] and "exited with code 3" in stopped[0]["message"]
+    assert [r["step"] for r in _rows(tmp_path)] == [1]
+    latest = CheckpointManager(tmp_path).latest()
+    assert CheckpointManager.is_sharded(latest) and CheckpointManager.load_state(latest)["step"] == 1
+    assert _worker_gone(proc.stderr)
+    # The batch of step 2 was in flight (requested at step 1): the resumed run generates it anew.
+    proc = _train(tmp_path, 2, "train.steps=3", ASYNC, resume=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3]
+    batches = _jsonl(tmp_path / "rollout_batches.jsonl")
+    assert [b["step"] for b in batches] == [1, 2, 3], "a batch lost or trained twice"
+    assert _worker_gone(proc.stderr)
+
+
+def test_a_reward_failing_in_the_worker_stops_both_ranks_naming_it(tmp_path):
+    proc = _train(tmp_path, 2, "train.steps=3", ASYNC, "checkpoint.every=1000",
+                  "rewards=[{name: 'dist_rewards:fails_in_the_second_batch'}]")
+    assert proc.returncode != 0, proc.stderr[-4000:]
+    assert proc.stderr.count("the grader is down") >= 2, proc.stderr[-4000:]  # both ranks name it
+    assert "in the rollout worker" in proc.stderr
+    assert [r["step"] for r in _rows(tmp_path)] == [1]
+    latest = CheckpointManager(tmp_path).latest()
+    assert CheckpointManager.is_sharded(latest) and CheckpointManager.load_state(latest)["step"] == 1
+    assert _worker_gone(proc.stderr)
