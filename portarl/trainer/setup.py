@@ -33,8 +33,12 @@ def check_distributed_config(cfg: TrainConfig, world: int) -> None:
     if cfg.train.sft_warmup_steps:
         raise ConfigError("train.sft_warmup_steps must be 0 with several ranks: run `portarl sft` once and set "
                           "model.path to its output")
-    if cfg.rollout.engine != "hf":
-        raise ConfigError("rollout.engine must be 'hf' with several ranks for now")
+    if cfg.rollout.engine != "hf" and cfg.rollout.mode != "async":
+        raise ConfigError("rollout.engine must be 'hf' with several ranks in rollout.mode=colocated for now (with "
+                          "rollout.mode=async the one rollout worker runs vLLM)")
+    if cfg.rollout.engine != "hf" and cfg.eval.data is not None:
+        raise ConfigError("eval.data with rollout.engine=vllm and several ranks: evaluation would start a vLLM engine "
+                          "on every rank; unset eval.data and score checkpoints with `portarl eval` afterwards")
     if cfg.model.lora is not None:
         raise ConfigError("model.lora: LoRA is not supported with FSDP2 yet; run with one process "
                           "(no torchrun), or unset model.lora")

@@ -244,7 +244,8 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
     metrics_out["grad_norm"] = host[2]
     judge_spikes(trainer, metrics_out)  # before the update: "skip" / "stop" must leave the weights as they are
     metrics_out.update(guarded_optimizer_step(trainer))
-    trainer.rollout.mark_trainer_updated()
+    if trainer._rollout is not None:  # an engine not built yet has nothing stale (async mode: the worker's engine;
+        trainer._rollout.mark_trainer_updated()  # building one here would start a second vLLM in the trainer)
     trainer.scheduler.step()
     precision.update_scale(overflow=False)
     precision.zero_grad()

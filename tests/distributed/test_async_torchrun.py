@@ -7,7 +7,6 @@ run regenerates the batches that were in flight."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys

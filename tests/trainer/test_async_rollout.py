@@ -109,6 +109,7 @@ def test_async_keeps_per_sample_seeds_and_the_detector_fires_on_a_constant_seed(
     events = _jsonl(tmp_path / "ok" / "run" / "events.jsonl")
     assert not [e for e in events if e["kind"] == "identical_samples"]
     assert trainer.step == 3
+    assert trainer._rollout is None, "async mode built a rollout engine in the trainer (with vllm: a second vLLM)"
 
     monkeypatch.setenv(FAULT_ENV, "constant_seed")
     _run(tmp_path / "bad", "train.steps=2", "rollout.mode=async")
@@ -171,46 +172,20 @@ def test_async_with_lora_samples_the_merged_adapter_of_each_version(tmp_path, mo
     version (portarl.trainer.rollout_weights); its behaviour log-probs are the LoRA model's
     of that version, which the adapter has moved measurably away from version 0's."""
     pytest.importorskip("peft")
-    import torch
-
+    from async_capture import behaviour_gap, capture_async
     from portarl.parity.tolerances import ROLLOUT_FP32_ATOL
-    from portarl.trainer.async_pipeline import AsyncRollout
-    from portarl.trainer.sequences import build_batch, completion_logprobs
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    snapshots, batches = {}, []
-    publish, batch = AsyncRollout._publish, AsyncRollout.batch
-
-    def capture_publish(self):
-        snapshots.setdefault(self.trainer.step, {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()})
-        return publish(self)
-
-    def capture_batch(self, step):
-        got = batch(self, step)
-        batches.append((step, int(got.metrics["rollout/version"]), got.rollout))
-        return got
-
-    monkeypatch.setattr(AsyncRollout, "_publish", capture_publish)
-    monkeypatch.setattr(AsyncRollout, "batch", capture_batch)
+    snapshots, batches = capture_async(monkeypatch)
     trainer = _run(tmp_path, "rollout.mode=async", "rollout.max_staleness=0", "model.lora.r=4", "optim.lr=5e-2",
                    "rewards=[{name: 'trainer_fast:varied_reward'}]")
     assert [(s, v) for s, v, _ in batches] == [(1, 0), (2, 1), (3, 2)]
-    model, temperature = trainer.model, trainer.config.rollout.temperature
-
-    def max_diff(version, rollout):
-        model.load_state_dict(snapshots[version])
-        b = build_batch(rollout.prompt_ids, rollout.completion_ids, trainer.codec.pad_token_id, "cpu")
-        with torch.no_grad():
-            ours = completion_logprobs(model, b, temperature=temperature)
-        theirs = torch.zeros_like(ours)
-        for i, lps in enumerate(rollout.logprobs):
-            theirs[i, : len(lps)] = torch.tensor(lps)
-        return (ours - theirs).abs()[b.mask].max().item()
-
     for step, version, rollout in batches:
-        assert max_diff(version, rollout) < ROLLOUT_FP32_ATOL, f"step {step}: not the LoRA model of version {version}"
+        gap = behaviour_gap(trainer, snapshots[version], rollout)
+        assert gap < ROLLOUT_FP32_ATOL, f"step {step}: not the LoRA model of version {version}"
         if version > 0:  # the check can fail: without the adapter the log-probs are measurably off
-            assert max_diff(0, rollout) > ROLLOUT_FP32_ATOL, f"step {step}: version 0 indistinguishable"
+            gap = behaviour_gap(trainer, snapshots[0], rollout)
+            assert gap > ROLLOUT_FP32_ATOL, f"step {step}: version 0 indistinguishable"
     rows = _jsonl(tmp_path / "run" / "metrics.jsonl")
     assert all(r["mismatch/abs_diff_max"] < ROLLOUT_FP32_ATOL and r["skipped"] == 0 for r in rows)
     assert not children(os.getpid())
@@ -228,6 +203,17 @@ def test_config_refuses_what_async_cannot_do():
         TrainConfig.load(None, ["rollout.mode=async", "rollout.max_staleness=-1"])
     with pytest.raises(ConfigError, match="rollout.timeout_s"):
         TrainConfig.load(None, ["rollout.timeout_s=0"])
+
+
+def test_several_ranks_take_vllm_only_in_async_mode_and_without_evaluation():
+    from portarl.trainer.setup import check_distributed_config
+
+    vllm = ["train.sft_warmup_steps=0", "rollout.engine=vllm"]
+    check_distributed_config(TrainConfig.load(None, [*vllm, "rollout.mode=async"]), 2)  # one worker runs vLLM
+    with pytest.raises(ConfigError, match="rollout.engine must be 'hf' with several ranks in rollout.mode=colocated"):
+        check_distributed_config(TrainConfig.load(None, vllm), 2)
+    with pytest.raises(ConfigError, match="eval.data with rollout.engine=vllm and several ranks"):
+        check_distributed_config(TrainConfig.load(None, [*vllm, "rollout.mode=async", "eval.data=held_out.jsonl"]), 2)
 
 
 def test_async_vllm_without_vllm_is_refused_before_the_worker_starts(tmp_path):

@@ -20,16 +20,15 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
+from async_capture import behaviour_gap, capture_async
 from proc_tree import children
 from vllm_tiny import NO_VLLM, TRAIN_SETS
 
 pytest.importorskip("vllm.entrypoints.llm", reason=NO_VLLM)
 
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL  # noqa: E402
-from portarl.trainer.async_pipeline import WORKER_LOG, AsyncRollout  # noqa: E402
-from portarl.trainer.sequences import build_batch, completion_logprobs  # noqa: E402
+from portarl.trainer.async_pipeline import WORKER_LOG  # noqa: E402
 
 STEPS = 3
 # A learning rate large enough that one optimizer step moves the tiny model's log-probs
@@ -63,22 +62,8 @@ def async_s0(tmp_path_factory):
     """An async vllm run at max_staleness 0, with the weights of every published version and
     every batch the trainer received captured on the trainer's side."""
     out = tmp_path_factory.mktemp("async0")
-    weights, batches = {}, []
-    publish, batch = AsyncRollout._publish, AsyncRollout.batch
-
-    def capture_publish(self):
-        version = self.trainer.step
-        weights.setdefault(version, {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()})
-        return publish(self)
-
-    def capture_batch(self, step):
-        result = batch(self, step)
-        batches.append((step, int(result[5]["rollout/version"]), result[1]))
-        return result
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(AsyncRollout, "_publish", capture_publish)
-        mp.setattr(AsyncRollout, "batch", capture_batch)
+        weights, batches = capture_async(mp)
         trainer = _train(out, "rollout.mode=async", "rollout.engine=vllm", "rollout.max_staleness=0")
     assert not children(os.getpid()), "the rollout worker outlived the run"
     return out, trainer, weights, batches
@@ -102,30 +87,35 @@ def test_async_vllm_trains_from_the_command_line(tmp_path):
     assert [(b["step"], b["version"]) for b in batches] == [(1, 0), (2, 0), (3, 1)]
 
 
+def test_async_vllm_on_two_ranks_trains_from_the_command_line(tmp_path):
+    """torchrun, 2 Gloo ranks: rank 0's one worker runs vLLM for the whole batch (the shards
+    gathered by both ranks), and each rank trains on its groups."""
+    sets = (*SETS, "rollout.mode=async", "train.sft_warmup_steps=0", "train.prompts_per_step=4")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "portarl", "train",
+           "--device", "cpu", "--output-dir", str(tmp_path), *[arg for item in sets for arg in ("--set", item)]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = _jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+    assert all(all(key in r for key in (*ASYNC_KEYS, *MISMATCH)) and r["grad_norm"] > 0 for r in rows)
+    assert (tmp_path / WORKER_LOG).read_text().count("starting vLLM") == 1  # one worker, one engine
+    batches = _jsonl(tmp_path / "rollout_batches.jsonl")
+    assert [(b["step"], b["version"], len(b["prompts"])) for b in batches] == [(1, 0, 4), (2, 0, 4), (3, 1, 4)]
+    assert "starting vLLM" not in proc.stderr, "a rank started a vLLM engine of its own"
+
+
 def test_behaviour_logprobs_are_those_of_the_published_weights(async_s0):
     out, trainer, weights, batches = async_s0
     assert "starting vLLM" in (out / WORKER_LOG).read_text()
     assert [(s, v) for s, v, _ in batches] == [(s, s - 1) for s in range(1, STEPS + 1)]
-    model = trainer.model
-    temperature = trainer.config.rollout.temperature
     g = trainer.config.rollout.group_size
-
-    def max_diff(version, rollout):
-        model.load_state_dict(weights[version])
-        b = build_batch(rollout.prompt_ids, rollout.completion_ids, trainer.codec.pad_token_id, "cpu")
-        with torch.no_grad():
-            ours = completion_logprobs(model, b, temperature=temperature)
-        theirs = torch.zeros_like(ours)
-        for i, lps in enumerate(rollout.logprobs):
-            theirs[i, : len(lps)] = torch.tensor(lps)
-        return (ours - theirs).abs()[b.mask].max().item()
-
     for step, version, rollout in batches:
         groups = [rollout.completion_ids[i : i + g] for i in range(0, len(rollout.completion_ids), g)]
         assert all(len({tuple(c) for c in group}) > 1 for group in groups), f"step {step}: a group of identical samples"
-        assert max_diff(version, rollout) < ROLLOUT_FP32_ATOL, f"step {step}: not the weights of version {version}"
+        assert behaviour_gap(trainer, weights[version], rollout) < ROLLOUT_FP32_ATOL, f"step {step}: not the weights of version {version}"
         if version > 0:  # the check can fail: the first weights give log-probs measurably off
-            assert max_diff(0, rollout) > ROLLOUT_FP32_ATOL, f"step {step}: version 0 indistinguishable"
+            assert behaviour_gap(trainer, weights[0], rollout) > ROLLOUT_FP32_ATOL, f"step {step}: version 0 indistinguishable"
     rows = _jsonl(out / "metrics.jsonl")
     assert all(r["mismatch/abs_diff_max"] < ROLLOUT_FP32_ATOL and r["rollout/staleness_max"] == 0 for r in rows)
 
