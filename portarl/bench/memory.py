@@ -23,7 +23,8 @@ import time
 MARK = "PORTARL_BENCH_MEMORY "
 
 
-def _rss_bytes() -> int:
+def resident_bytes() -> int:
+    """The resident set size now (``VmRSS``), in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -63,7 +64,7 @@ def _worker(config: str | None, sets: list[str], steps: int) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     estimate = estimate_for_config(cfg, devices=world, first_step=steps == 1)
     _warm_up(cfg)
-    baseline = _rss_bytes()
+    baseline = resident_bytes()
     started = time.perf_counter()
     model, tokenizer, examples = build_from_config(cfg)
     trainer = GRPOTrainer(model, tokenizer, None, examples, cfg, device="cpu")

@@ -47,12 +47,14 @@ import subprocess
 import sys
 import tempfile
 import time
+
 from portarl.bench.step_report import CONDITIONS, IMPLS, machine, markdown
 from portarl.bench.step_work import Work, add_arguments, work_from_args
 
 VOCAB_CHARS = "0123456789+-*=?., ()abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNO"  # 61 + 3 specials = 64
 LR = 5e-4
 STEP_KEYS = ("wall_s", "cpu_s", *(f"{p}_{k}_s" for p in ("rollout", "scoring", "update") for k in ("cpu", "wall")))
+MEMORY_KEYS = ("peak_rss_mib", "baseline_rss_mib", "rss_increase_mib")
 
 
 # ---------------------------------------------------------------- shared set-up (both workers)
@@ -315,9 +317,6 @@ def summarize_run(run: dict, warmup: int) -> dict:
     timed_steps = run["steps"][warmup:] or run["steps"][-1:]
     return {**{k: _median([s[k] for s in timed_steps]) for k in STEP_KEYS},
             **{k: run.get(k) for k in MEMORY_KEYS}, "torch_threads": run["torch_threads"], "timed_steps": len(timed_steps)}
-
-
-MEMORY_KEYS = ("peak_rss_mib", "baseline_rss_mib", "rss_increase_mib")
 
 
 def run_bench(*, vs_trl: bool, steps: int, rounds: int, warmup: int, threads: int, work: Work,

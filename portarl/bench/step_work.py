@@ -135,7 +135,7 @@ def work_from_args(args) -> Work:
     return Work(model=model, **picked)
 
 
-def add_arguments(ap, *, worker: bool = False) -> None:
+def add_arguments(ap) -> None:
     """The work's flags, on the ``bench step`` parser or a worker's. On the command line
     every default is None, so :func:`work_from_args` can give the kind of work's own."""
     ap.add_argument("--model", metavar="PATH",
@@ -154,15 +154,10 @@ def add_arguments(ap, *, worker: bool = False) -> None:
 
 
 def rss_mib() -> float:
-    """The resident set size now (``VmRSS``), in MiB: the post-load baseline of a worker."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return float("nan")  # pragma: no cover
+    """The resident set size now, in MiB: the post-load baseline of a worker."""
+    from portarl.bench.memory import resident_bytes
+
+    return resident_bytes() / 2**20
 
 
 def load(work: Work):
