@@ -148,6 +148,10 @@ class WorkerClient:
             self._log.close()
 
 
+#: The reply's per-sample fields, in sample order (a rank's share is a slice of each).
+SAMPLE_FIELDS = ("prompt_ids", "completion_ids", "logprobs", "finished", "texts", "seeds", "total")
+
+
 def _rows(reply: dict, key: str, n: int, name: str, step: int) -> list:
     rows = reply.get(key)
     if not isinstance(rows, list) or len(rows) != n:
@@ -157,21 +161,19 @@ def _rows(reply: dict, key: str, n: int, name: str, step: int) -> list:
     return rows
 
 
-def validate_batch(reply: dict, step: int, n: int, name: str) -> tuple[RolloutBatch, RewardScores]:
-    """The reply as a RolloutBatch and RewardScores, or RolloutWorkerError naming what is wrong."""
+def check_batch(reply: dict, step: int, n: int, name: str) -> None:
+    """Raise RolloutWorkerError naming what is wrong with the reply, a batch of ``n`` samples."""
     def bad(why):
         return RolloutWorkerError(f"the {name} returned a malformed batch for step {step}: {why}")
 
-    prompts, completions, logprobs, finished, texts, seeds, total = (
-        _rows(reply, k, n, name, step) for k in ("prompt_ids", "completion_ids", "logprobs", "finished", "texts",
-                                                   "seeds", "total"))
-    for i, (c, lp) in enumerate(zip(completions, logprobs)):
+    rows = {key: _rows(reply, key, n, name, step) for key in SAMPLE_FIELDS}
+    for i, (c, lp) in enumerate(zip(rows["completion_ids"], rows["logprobs"])):
         if not isinstance(c, list) or not isinstance(lp, list) or len(c) != len(lp) or not c:
             raise bad(f"sample {i} has {len(c) if isinstance(c, list) else '?'} tokens and "
                       f"{len(lp) if isinstance(lp, list) else '?'} log-probs")
         if not all(isinstance(t, int) for t in c) or not all(isinstance(v, (int, float)) for v in lp):
             raise bad(f"sample {i} has a token that is not an integer or a log-prob that is not a number")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in total):
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in rows["total"]):
         raise bad("a reward total is not a number")
     per_function = reply.get("per_function")
     if not isinstance(per_function, dict) or any(not isinstance(v, list) or len(v) != n for v in per_function.values()):
@@ -182,12 +184,20 @@ def validate_batch(reply: dict, step: int, n: int, name: str) -> tuple[RolloutBa
     for key in ("version", "gen_s", "score_s", "idle_s"):
         if not isinstance(reply.get(key), (int, float)) or not math.isfinite(reply[key]):
             raise bad(f"{key} is missing or not a number")
-    rollout = RolloutBatch(prompts, completions, logprobs, [bool(f) for f in finished])
-    return rollout, RewardScores(torch.tensor(total, dtype=torch.float32), per_function, metrics)
 
 
-#: The reply's per-sample fields, in sample order (a rank's share is a slice of each).
-SAMPLE_FIELDS = ("prompt_ids", "completion_ids", "logprobs", "finished", "texts", "seeds", "total")
+def as_batch(reply: dict) -> tuple[RolloutBatch, RewardScores]:
+    """A reply :func:`check_batch` passed (or a slice of one) as a RolloutBatch and RewardScores."""
+    rollout = RolloutBatch(reply["prompt_ids"], reply["completion_ids"], reply["logprobs"],
+                           [bool(f) for f in reply["finished"]])
+    return rollout, RewardScores(torch.tensor(reply["total"], dtype=torch.float32), reply["per_function"],
+                                 reply["reward_metrics"])
+
+
+def validate_batch(reply: dict, step: int, n: int, name: str) -> tuple[RolloutBatch, RewardScores]:
+    """The reply as a RolloutBatch and RewardScores, or RolloutWorkerError naming what is wrong."""
+    check_batch(reply, step, n, name)
+    return as_batch(reply)
 
 
 def slice_reply(reply: dict, rows: slice) -> dict:
@@ -199,5 +209,5 @@ def slice_reply(reply: dict, rows: slice) -> dict:
     return out
 
 
-__all__ = ["RolloutWorkerError", "STARTUP_MIN_S", "WORKER_LOG", "WorkerClient", "reward_error", "slice_reply",
-           "validate_batch"]
+__all__ = ["RolloutWorkerError", "STARTUP_MIN_S", "WORKER_LOG", "WorkerClient", "as_batch", "check_batch",
+           "reward_error", "slice_reply", "validate_batch"]

@@ -65,8 +65,8 @@ import torch
 
 from portarl import distributed as pdist
 from portarl.reward_runner import RewardError
-from portarl.trainer.async_client import (STARTUP_MIN_S, WORKER_LOG, RolloutWorkerError, WorkerClient, reward_error,
-                                          slice_reply, validate_batch)
+from portarl.trainer.async_client import (STARTUP_MIN_S, WORKER_LOG, RolloutWorkerError, WorkerClient, as_batch,
+                                          check_batch, reward_error, slice_reply, validate_batch)
 from portarl.trainer.logfiles import prepare_log
 from portarl.trainer.rollout_weights import write_rollout_weights
 
@@ -202,8 +202,9 @@ class AsyncRollout:
             self.batches[reply["step"]] = reply
         return self.batches.pop(step)
 
-    def _collect(self, step: int, publish_s: float) -> dict:
-        """Rank 0: the whole scored batch of ``step``, checked, with its metrics and events."""
+    def _collect(self, step: int, examples: list, publish_s: float) -> dict:
+        """Rank 0: the whole scored batch of ``step`` (the prompts ``examples``), checked, with
+        its metrics and events."""
         if self.pending is not None:
             version, path = self.pending
             self.client.send({"op": "weights", "version": version, "path": str(path)})
@@ -225,8 +226,7 @@ class AsyncRollout:
             reply = self._await_batch(step)
             stale = (step - 1) - int(reply.get("version", -1))
         train_wait = time.perf_counter() - waited
-        examples = self.trainer_prompts(step)
-        validate_batch(reply, step, len(examples) * self.trainer.config.rollout.group_size, self.name)
+        check_batch(reply, step, len(examples) * self.trainer.config.rollout.group_size, self.name)
         if not 0 <= stale <= self.max_staleness:
             raise RolloutWorkerError(f"the {self.name} returned the batch of step {step} from weights version "
                                      f"{reply['version']} (staleness {stale}, rollout.max_staleness "
@@ -240,12 +240,12 @@ class AsyncRollout:
                                 "prompts": [self.index.get(id(ex)) for ex in examples]}) + "\n")
         return {"reply": reply, "metrics": metrics, "events": events}
 
-    def _shared(self, step: int, publish_s: float) -> dict:
+    def _shared(self, step: int, examples: list, publish_s: float) -> dict:
         """Every rank: rank 0's :meth:`_collect`, or the error it raised, raised on every rank."""
         got, failure = None, None
         if self.client is not None:
             try:
-                got = self._collect(step, publish_s)
+                got = self._collect(step, examples, publish_s)
             except (RolloutWorkerError, RewardError) as err:
                 failure = err
                 got = {"error": "reward" if isinstance(err, RewardError) else "worker", "message": str(err)}
@@ -266,13 +266,13 @@ class AsyncRollout:
     def batch(self, step: int) -> AsyncBatch:
         """This rank's share of batch ``step``, scored (all of it on one process)."""
         publish_s = self._publish()
-        got = self._shared(step, publish_s) if self.dist.enabled else self._collect(step, publish_s)
         everyone = self.trainer_prompts(step)
+        got = self._shared(step, everyone, publish_s) if self.dist.enabled else self._collect(step, everyone, publish_s)
         per_rank = len(everyone) // self.dist.world_size
         offset = self.dist.rank * per_rank
         g = self.trainer.config.rollout.group_size
         reply = slice_reply(got["reply"], slice(offset * g, (offset + per_rank) * g)) if self.dist.enabled else got["reply"]
-        rollout, scores = validate_batch(reply, step, per_rank * g, self.name)
+        rollout, scores = as_batch(reply)  # rank 0 checked the whole batch
         return AsyncBatch(everyone[offset : offset + per_rank], rollout, reply["texts"], reply["seeds"], scores,
                           dict(got["metrics"]), [tuple(e) for e in got["events"]], offset)
 

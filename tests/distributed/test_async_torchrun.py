@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 from safetensors.torch import load_file, load_model  # noqa: E402
 
 from portarl.trainer.checkpoint import CheckpointManager  # noqa: E402
+from proc_tree import alive  # noqa: E402
 from test_fsdp_gloo import ATOL, PARAM_ATOL, RTOL, _env, _params_from, _rows, _train  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -37,14 +38,7 @@ def _worker_gone(stderr: str) -> bool:
     """The rollout worker named in the run's log (``rollout worker (pid N, ...)``) is gone."""
     pids = {int(p) for p in re.findall(r"rollout worker \(pid (\d+)", stderr)}
     assert pids, "the run never named its rollout worker"
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            return False
-    return True
+    return not any(alive(pid) for pid in pids)
 
 
 # ------------------------------------------------------------- the gathered weights

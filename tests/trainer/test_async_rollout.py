@@ -23,7 +23,7 @@ from portarl.trainer.async_pipeline import BATCH_LOG, RolloutWorkerError, valida
 from portarl.rollout.async_worker import FAULT_ENV
 from portarl.trainer.config import ConfigError, TrainConfig
 
-from proc_tree import children
+from proc_tree import alive, children
 from trainer_fast import FAST, fast_config
 
 HERE = Path(__file__).parent
@@ -40,14 +40,6 @@ def _run(path: Path, *overrides: str) -> GRPOTrainer:
 
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +274,7 @@ def test_a_stop_signal_stops_trainer_and_worker(tmp_path, sig, code):
         proc.kill()
     assert proc.returncode == code, err[-3000:]
     assert "checkpoint saved" in err and "Traceback" not in err
-    assert not _alive(workers[0]), "the rollout worker outlived the trainer"
+    assert not alive(workers[0]), "the rollout worker outlived the trainer"
 
 
 def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path):
@@ -300,7 +292,7 @@ def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path):
     finally:
         proc.kill()
     limit = time.monotonic() + 600
-    while _alive(workers[0]):  # PR_SET_PDEATHSIG: the worker dies with the trainer
+    while alive(workers[0]):  # PR_SET_PDEATHSIG: the worker dies with the trainer
         assert time.monotonic() < limit, "the rollout worker outlived a kill -9 of the trainer"
         time.sleep(0.05)
     resumed = _start(out, *sets, resume=True)
