@@ -169,6 +169,7 @@ def eval_checkpoint(checkpoint, data: str, *, n: int | None = None, greedy: bool
     examples, ids = load_eval_set(config, codec, ctx, data)
     engine = HFRollout(model, codec.eos_token_id, codec.pad_token_id, stop_token_ids=codec.stop_token_ids,
                        lean_decode=config.rollout.lean_decode)
-    rewards = RewardRunner([(s.name, s.weight) for s in config.rewards], search_dirs=[str(Path.cwd())])
+    rewards = RewardRunner([(s.name, s.weight) for s in config.rewards], search_dirs=[str(Path.cwd())],
+                           timeout_s=config.train.reward_timeout_s)
     with torch.no_grad():
         return evaluate(engine, model, codec, rewards, examples, ids, config)

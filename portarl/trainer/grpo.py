@@ -38,9 +38,10 @@ from portarl.data import Example, arithmetic_examples, encode_examples, load_exa
 from portarl.device import resolve_device
 from portarl.emulation import resolve_profile
 from portarl.lora import is_lora
-from portarl.reward_runner import RewardError, RewardRunner, agree_on_failure
+from portarl.reward_runner import RewardError, RewardRunner
 from portarl.rollout import SamplingParams
 from portarl.tokenizer import as_codec, chat_template_option
+from portarl.user_code import UserCodeGuard, agree_on_failure
 from portarl.trainer.checkpoint import CheckpointManager
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
@@ -128,6 +129,7 @@ class GRPOTrainer:
         self.kl_ctl = make_kl_controller(self.config.loss)
         self.degenerate = DegenerateDetector(self.codec.eos_token_id, g.degenerate_min_tokens, g.degenerate_rise)
         self.hooks: dict[str, list] = empty_hooks()
+        self.hook_guard = UserCodeGuard(self.config.train.reward_timeout_s, "train.reward_timeout_s")
         self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]  # optimizer order
         self.stop_reason: str | None = None  # set by a guard with action "stop"
         self.partial_update = None  # the guard error that ended an iteration after some optimizer steps
@@ -170,7 +172,7 @@ class GRPOTrainer:
         if reward_fns is None:
             reward_fns = [(spec.name, spec.weight) for spec in self.config.rewards]
         dirs = [os.getcwd()] + [d for d in [getattr(self.config, "source_dir", None)] if d]
-        return RewardRunner(reward_fns, search_dirs=dirs)
+        return RewardRunner(reward_fns, search_dirs=dirs, timeout_s=self.config.train.reward_timeout_s)
 
     def _check_examples(self) -> dict[int, list[int]]:
         """Every prompt encoded now (file:line in the error), answers present where needed,
@@ -210,7 +212,7 @@ class GRPOTrainer:
         return dataclasses.replace(self.config.loss, kl_coef=self.kl_ctl.value)
 
     def _apply_hooks(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
-        return apply_hooks(self.hooks, point, self._hook_step, tensor)
+        return apply_hooks(self.hooks, point, self._hook_step, tensor, self.hook_guard)
 
     # ------------------------------------------------------------- checkpoints
     def _state(self) -> dict:
@@ -236,7 +238,7 @@ class GRPOTrainer:
             scores = self.rewards.score([examples[i // g] for i in range(len(texts))], texts)
         except RewardError as err:
             failure = err
-        failure = agree_on_failure(self.dist, failure)  # one rank's failure stops every rank
+        failure = agree_on_failure(self.dist, failure, RewardError)  # one rank's failure stops every rank
         if failure is not None:
             raise failure
         self._last_reward_values = scores.per_function

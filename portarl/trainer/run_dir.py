@@ -35,6 +35,7 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "events.jsonl", "samples.jsonl", "t
 #: Fields (``section.field``; a trailing dot: the whole section) that ``--resume`` applies.
 MID_RUN_FIELDS = ("train.steps", "train.old_logprobs", "optim.lr", "optim.implementation", "logging.",
                   "checkpoint.every", "checkpoint.keep_last", "device", "eval.", "rollout.timeout_s",
+                  "train.reward_timeout_s",
                   # detector settings only: they never change what the run computes
                   "rollout.identical_warn_frac", "rollout.identical_min_chance")
 

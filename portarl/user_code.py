@@ -1,0 +1,314 @@
+"""The one guarded way into user code: reward functions, the trainer's hooks, and (issue
+37) multi-turn tools and environments.
+
+Why: a user's function is the one part of a run portarl does not control, and what it does
+wrong must stop the run the documented way (a checkpoint of the last finished step, one
+line naming the function, the sample and its prompt, exit 3), never end it silently. A
+reward that called ``sys.exit(0)`` used to end a run with exit 0, no message and no
+checkpoint (``SystemExit`` is not an ``Exception``); one that hung held the run forever,
+and a SIGTERM then waited for a step that never finished.
+
+API (everything a caller needs)::
+
+    from portarl.user_code import UserCodeError, UserCodeGuard
+
+    guard = UserCodeGuard(timeout_s=300.0, setting="train.reward_timeout_s")
+    value = guard.call(fn, args, kwargs, what="reward 'accuracy'", where="sample 3 (prompt '1+1=')")
+    with guard.watching():      # optional: many calls share one watchdog thread
+        values = [guard.call(fn, (x,), what=..., where=...) for x in xs]
+
+- :meth:`UserCodeGuard.call` returns what ``fn`` returns, or raises :class:`UserCodeError`
+  (``what``, ``where``, ``kind``, ``signum``; its message is one line, e.g. ``reward
+  'accuracy' called sys.exit(0) on sample 3 (prompt '1+1=')``) when ``fn``:
+
+  - raises anything, ``BaseException`` included (``SystemExit``, ``KeyboardInterrupt``,
+    ``GeneratorExit``): ``kind`` ``"raised"`` (``"exited"`` for ``SystemExit``); the run's
+    own stop signals (:class:`~portarl.startup_signals.RunInterrupt`: a second Ctrl-C's
+    abort) pass through unchanged, and so does a ``KeyboardInterrupt`` while SIGINT still
+    has Python's default handler (a plain Ctrl-C where no run installed its handlers);
+  - has not returned after ``timeout_s`` seconds: ``kind`` ``"timeout"``; the call is
+    ended by an exception raised inside it (on the main thread: the watchdog sends the
+    thread a signal whose handler raises, so a blocking ``sleep``, ``recv`` or ``wait`` ends
+    too; on another thread: an asynchronous exception, delivered when the thread next runs
+    Python code). A call that swallows that exception (``except BaseException``) and
+    returns late is still a timeout; native code that holds the GIL and never returns
+    cannot be ended from inside the process (SIGKILL, then ``--resume``, loses nothing
+    checkpointed);
+  - is running on the main thread when the run's first SIGINT / SIGTERM arrives (the
+    trainer's handler calls :func:`interrupt_active_call`): ``kind`` ``"interrupted"``,
+    ``signum`` set; the trainer saves a checkpoint of the last finished step and exits
+    ``128 + signal`` as for any stop signal, without waiting for the call.
+
+- ``timeout_s=None`` means no limit. The watchdog is one thread per
+  :meth:`UserCodeGuard.watching` block (a lone :meth:`~UserCodeGuard.call` opens its own),
+  stopped and joined when the block ends, however it ends.
+- Under several ranks, :func:`agree_on_failure` makes one rank's failure every rank's
+  (the stop saves a collective checkpoint).
+
+Rewards go through :class:`portarl.reward_runner.RewardRunner` (its ``guard``), the
+trainer's hooks through :func:`portarl.trainer.hooks.apply_hooks`. The signal that wakes a
+timed-out main thread is SIGURG, whose default action is to ignore it, so a wake-up that
+arrives after the call ended is harmless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import signal
+import threading
+import time
+
+from portarl.startup_signals import RunInterrupt
+
+#: Wakes a timed-out call on the main thread (default action: ignore).
+WAKE_SIGNAL = getattr(signal, "SIGURG", None)
+#: A call that swallowed the exception ending it is woken again this often, until it returns.
+REPOKE_S = 1.0
+
+
+class UserCodeError(RuntimeError):
+    """A call into user code failed; the message (one line) names the function, and where
+    it was called (sample and prompt) when the caller said."""
+
+    def __init__(self, what: str, where: str | None, problem: str, *, kind: str = "raised",
+                 signum: int | None = None):
+        super().__init__(f"{what} {problem}" + (f" on {where}" if where else ""))
+        self.what, self.where, self.problem, self.kind, self.signum = what, where, problem, kind, signum
+
+    @classmethod
+    def elsewhere(cls, message: str, rank: int | None = None):
+        """A copy of a failure raised elsewhere (another rank, the rollout worker), with its
+        message as it was raised there."""
+        err = cls.__new__(cls)
+        RuntimeError.__init__(err, message if rank is None else f"{message} (on rank {rank})")
+        err.what, err.where, err.problem, err.kind, err.signum = None, None, message, "raised", None
+        return err
+
+
+def agree_on_failure(ctx, failure: UserCodeError | None, kind: type = UserCodeError) -> UserCodeError | None:
+    """Under several ranks, user code that fails on one rank must stop every rank: the stop
+    saves a checkpoint, which is collective, so a rank that went on alone would hang its
+    peers until the timeout. One flag reduction per call site; on a failure the first
+    failing rank's message reaches every rank (as ``kind``; rank 0 writes the log)."""
+    from portarl import distributed as pdist
+
+    if not ctx.enabled or not pdist.any_rank(ctx, failure is not None):
+        return failure
+    import torch.distributed as dist
+
+    messages: list = [None] * ctx.world_size
+    dist.all_gather_object(messages, None if failure is None else str(failure))
+    rank = next(r for r, m in enumerate(messages) if m is not None)
+    return failure if failure is not None else kind.elsewhere(messages[rank], rank)
+
+
+class _Unwind(BaseException):
+    """Raised inside user code to end a call (its time limit, or a stop signal). Not an
+    ``Exception``, so the user's ``except Exception`` does not swallow it."""
+
+
+class _Call:
+    __slots__ = ("deadline", "ident", "main", "timed_out", "signum", "done", "outer")
+
+    def __init__(self, timeout_s: float | None):
+        thread = threading.current_thread()
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.ident, self.main = thread.ident, thread is threading.main_thread()
+        self.timed_out, self.signum, self.done = False, None, False
+        self.outer: _Call | None = None  # the main thread's guarded call this one runs inside
+
+
+#: The guarded call running on the main thread, where signal handlers run (None: none).
+_main_call: _Call | None = None
+
+
+def _on_wake(signum, frame) -> None:
+    call = _main_call
+    if call is not None and call.timed_out and not call.done:
+        raise _Unwind()
+
+
+def interrupt_active_call(signum: int) -> None:
+    """For the run's stop-signal handler (main thread): end the guarded call in progress
+    there, if any, now (it fails with ``kind`` ``"interrupted"``). Returns when none is."""
+    call = _main_call
+    if call is not None and not call.done:
+        call.signum = signum
+        raise _Unwind()
+
+
+def call_in_progress() -> bool:
+    """Whether a guarded call is running on the main thread (what a stop signal would end)."""
+    call = _main_call
+    return call is not None and not call.done
+
+
+def _poke(call: _Call) -> None:
+    """Raise :class:`_Unwind` inside the timed-out ``call``'s thread."""
+    if call.main:
+        if WAKE_SIGNAL is not None:
+            signal.pthread_kill(call.ident, WAKE_SIGNAL)
+    else:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(call.ident), ctypes.py_object(_Unwind))
+
+
+class _Watchdog:
+    """One thread that ends the calls whose time is up; :meth:`close` stops and joins it."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._calls: list[_Call] = []
+        self._closed = False
+        self._next: dict[int, float] = {}  # id(call) -> when to wake it (again)
+        self._thread = threading.Thread(target=self._run, name="portarl-user-code-watchdog", daemon=True)
+        self._thread.start()
+
+    def add(self, call: _Call) -> None:
+        with self._cond:
+            self._calls.append(call)
+            self._next[id(call)] = call.deadline
+            self._cond.notify()
+
+    def remove(self, call: _Call) -> None:
+        """Under the lock the watchdog wakes calls with, so no wake-up follows; an
+        asynchronous exception already set for another thread is cleared."""
+        with self._cond:
+            call.done = True
+            if call in self._calls:
+                self._calls.remove(call)
+                self._next.pop(id(call), None)
+            if call.timed_out and not call.main:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(call.ident), None)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                for call in self._calls:
+                    if not call.done and now >= self._next[id(call)]:
+                        call.timed_out = True
+                        _poke(call)
+                        self._next[id(call)] = now + REPOKE_S
+                wake = min(self._next.values(), default=None)
+                self._cond.wait(None if wake is None else max(0.0, wake - time.monotonic()))
+
+
+def _python_ctrl_c(err: BaseException) -> bool:
+    """A KeyboardInterrupt from Python's own SIGINT handler (no run installed one): the
+    user pressed Ctrl-C, which passes through as Python would let it."""
+    return (isinstance(err, KeyboardInterrupt) and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+
+def describe(err: BaseException) -> tuple[str, str]:
+    """``(kind, problem)`` for an exception that escaped user code."""
+    if isinstance(err, SystemExit):
+        return "exited", f"called sys.exit({'' if err.code is None else repr(err.code)})"
+    text = str(err)
+    return "raised", f"raised {type(err).__name__}" + (f": {text}" if text else "")
+
+
+class UserCodeGuard:
+    """Calls into user code with a time limit and every failure named (module docstring).
+    A guard serves one thread at a time: give each thread that calls user code its own."""
+
+    def __init__(self, timeout_s: float | None = None, setting: str = "the time limit",
+                 error: type[UserCodeError] = UserCodeError):
+        """``setting``: the config field holding ``timeout_s`` (named in the timeout
+        message); ``error``: the :class:`UserCodeError` subclass raised (rewards:
+        :class:`~portarl.reward_runner.RewardError`)."""
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"{setting} must be > 0 seconds, got {timeout_s!r}")
+        self.timeout_s, self.setting, self.error = timeout_s, setting, error
+        self._watchdog: _Watchdog | None = None
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def watching(self):
+        """One watchdog thread for every call inside the block (started on entry when there
+        is a time limit; stopped and joined on exit). Re-entrant."""
+        if self.timeout_s is None or self._depth:
+            self._depth += 1
+            try:
+                yield self
+            finally:
+                self._depth -= 1
+            return
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(WAKE_SIGNAL, _on_wake) if main and WAKE_SIGNAL is not None else None
+        self._watchdog = _Watchdog()
+        self._depth = 1
+        try:
+            yield self
+        finally:
+            self._depth = 0
+            watchdog, self._watchdog = self._watchdog, None
+            watchdog.close()
+            if previous is not None:
+                signal.signal(WAKE_SIGNAL, previous)
+
+    def call(self, fn, args: tuple = (), kwargs: dict | None = None, *, what: str, where: str | None = None):
+        """``fn(*args, **kwargs)``, or :class:`UserCodeError` naming ``what`` and ``where``
+        (the arguments as a tuple and a dict, so that any keyword, ``what`` included, reaches ``fn``)."""
+        kwargs = kwargs or {}
+        with self.watching():
+            call = _Call(self.timeout_s)
+            try:
+                try:
+                    self._enter(call)
+                    value = fn(*args, **kwargs)
+                finally:
+                    self._leave(call)
+            except _Unwind:
+                self._leave(call)
+                raise self._ended(call, what, where) from None
+            except RunInterrupt:
+                self._leave(call)
+                raise
+            except BaseException as err:  # noqa: BLE001  (that is the point: SystemExit too)
+                self._leave(call)
+                if _python_ctrl_c(err):
+                    raise
+                if call.timed_out or call.signum is not None:  # it swallowed the unwind, then failed
+                    raise self._ended(call, what, where) from err
+                kind, problem = describe(err)
+                raise self.error(what, where, problem, kind=kind) from err
+            if call.timed_out or call.signum is not None:  # it swallowed the unwind and returned late
+                raise self._ended(call, what, where)
+            return value
+
+    def _enter(self, call: _Call) -> None:
+        global _main_call
+        if call.main:
+            call.outer, _main_call = _main_call, call
+        if call.deadline is not None:
+            self._watchdog.add(call)
+
+    def _leave(self, call: _Call) -> None:
+        """Idempotent: a signal can interrupt it, and the handler calls it again."""
+        global _main_call
+        if call.done:
+            return
+        call.done = True
+        if call.main and _main_call is call:
+            _main_call = call.outer
+        if call.deadline is not None and self._watchdog is not None:
+            self._watchdog.remove(call)
+
+    def _ended(self, call: _Call, what: str, where: str | None) -> UserCodeError:
+        if call.signum is not None:
+            name = signal.Signals(call.signum).name
+            return self.error(what, where, f"was interrupted by {name}", kind="interrupted", signum=call.signum)
+        return self.error(what, where, f"did not return within {self.setting}={self.timeout_s:g} s (hung, or "
+                             f"slower than that: raise {self.setting} if it needs longer)", kind="timeout")
+
+
+__all__ = ["UserCodeError", "UserCodeGuard", "agree_on_failure", "call_in_progress",
+           "interrupt_active_call"]

@@ -1,0 +1,165 @@
+"""The guarded runner for user code (issue 33 items 1 and 2): every BaseException a
+user's function lets out is a named failure (SystemExit and KeyboardInterrupt included),
+a call that outlives its limit is ended from inside, a stop signal ends the call in
+progress, the run's own interrupts pass through, and the watchdog thread never outlives
+its block."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from portarl.startup_signals import RunInterrupt
+from portarl.user_code import UserCodeError, UserCodeGuard, interrupt_active_call
+
+#: How long a "hung" call waits before it gives up by itself: a broken guard fails the test
+#: by returning then; a working one ends the call long before, on any machine load.
+HANG_S = 600.0
+
+
+def _watchdogs() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "portarl-user-code-watchdog"]
+
+
+class CustomBase(BaseException):
+    pass
+
+
+@pytest.fixture
+def run_sigint_handler():
+    """A run's own SIGINT handler (training installs one), so a KeyboardInterrupt out of
+    user code is the code's own doing, not a Ctrl-C."""
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_under_pythons_default_handler_passes_through():
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):
+        UserCodeGuard(60.0).call(lambda: (_ for _ in ()).throw(KeyboardInterrupt), what="reward 'r'")
+
+
+@pytest.mark.parametrize("body, kind, problem", [
+    (lambda: sys.exit(0), "exited", "called sys.exit(0)"),
+    (lambda: sys.exit(1), "exited", "called sys.exit(1)"),
+    (lambda: sys.exit(), "exited", "called sys.exit()"),
+    (lambda: (_ for _ in ()).throw(KeyboardInterrupt), "raised", "raised KeyboardInterrupt"),
+    (lambda: (_ for _ in ()).throw(CustomBase("odd")), "raised", "raised CustomBase: odd"),
+    (lambda: {}["k"], "raised", "raised KeyError: 'k'"),
+])
+def test_every_base_exception_is_a_named_failure(body, kind, problem, run_sigint_handler):
+    guard = UserCodeGuard(timeout_s=60.0, setting="train.reward_timeout_s")
+    with pytest.raises(UserCodeError) as caught:
+        guard.call(body, what="reward 'r'", where="sample 3 (prompt '1+1=')")
+    assert str(caught.value) == f"reward 'r' {problem} on sample 3 (prompt '1+1=')"
+    assert caught.value.kind == kind and caught.value.what == "reward 'r'"
+    assert not _watchdogs()
+
+
+def test_the_runs_own_interrupt_passes_through():
+    err = RunInterrupt("SIGINT")
+    with pytest.raises(RunInterrupt) as caught:
+        UserCodeGuard(60.0).call(lambda: (_ for _ in ()).throw(err), what="reward 'r'")
+    assert caught.value is err
+
+
+def test_arguments_reach_the_function_whatever_their_names():
+    def fn(a, b, what=None, where=None):
+        return (a, b, what, where)
+
+    got = UserCodeGuard(60.0).call(fn, (1, 2), {"what": "w", "where": "x"}, what="reward 'r'")
+    assert got == (1, 2, "w", "x")
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["sleep", "python-loop"])
+def test_a_hung_call_on_the_main_thread_is_ended_and_named(blocking):
+    assert threading.current_thread() is threading.main_thread()
+
+    def hang():
+        end = time.monotonic() + HANG_S
+        if blocking:
+            time.sleep(HANG_S)  # a blocking system call: only a signal ends it
+        while time.monotonic() < end:
+            pass
+        return 1.0
+
+    guard = UserCodeGuard(timeout_s=0.2, setting="train.reward_timeout_s")
+    before = signal.getsignal(signal.SIGURG)
+    with pytest.raises(UserCodeError) as caught:
+        guard.call(hang, what="reward 'slow'", where="sample 0 (prompt 'p')")
+    assert caught.value.kind == "timeout"
+    assert "did not return within train.reward_timeout_s=0.2 s" in str(caught.value)
+    assert signal.getsignal(signal.SIGURG) is before and not _watchdogs()
+
+
+def test_a_call_that_swallows_the_unwind_is_still_a_timeout():
+    def stubborn():
+        end = time.monotonic() + HANG_S
+        while time.monotonic() < end:
+            try:
+                time.sleep(HANG_S)
+            except BaseException:  # a reward with a bare except: it gives up after the first wake-up
+                return 0.0
+        return 1.0
+
+    with pytest.raises(UserCodeError, match="did not return within"):
+        UserCodeGuard(timeout_s=0.2).call(stubborn, what="reward 'r'")
+
+
+def test_a_hung_call_on_another_thread_is_ended_too():
+    result = {}
+
+    def hang():
+        end = time.monotonic() + HANG_S
+        while time.monotonic() < end:
+            time.sleep(0.01)
+        return 1.0
+
+    def worker():
+        try:
+            result["value"] = UserCodeGuard(timeout_s=0.2).call(hang, what="tool 'search'")
+        except UserCodeError as err:
+            result["error"] = err
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert result["error"].kind == "timeout" and "tool 'search' did not return" in str(result["error"])
+
+
+def test_calls_in_one_block_share_one_watchdog_that_is_joined_after():
+    guard = UserCodeGuard(timeout_s=30.0)
+    with guard.watching():
+        assert len(_watchdogs()) == 1
+        assert [guard.call(lambda x: x * 2, (i,), what="reward 'r'") for i in range(3)] == [0, 2, 4]
+        assert len(_watchdogs()) == 1
+    assert not _watchdogs()
+    with pytest.raises(UserCodeError):
+        with guard.watching():
+            guard.call(lambda: sys.exit(2), what="reward 'r'")
+    assert not _watchdogs()
+
+
+def test_a_stop_signal_ends_the_call_in_progress():
+    """What the trainer's SIGINT / SIGTERM handler does (trainer/signals.py)."""
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: interrupt_active_call(signal.SIGTERM))
+
+    def hang():
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(HANG_S)
+        return 1.0
+
+    try:
+        with pytest.raises(UserCodeError) as caught:
+            UserCodeGuard(timeout_s=None).call(hang, what="reward 'r'", where="sample 1 (prompt 'p')")
+        assert caught.value.kind == "interrupted" and caught.value.signum == signal.SIGTERM
+        assert str(caught.value) == "reward 'r' was interrupted by SIGTERM on sample 1 (prompt 'p')"
+        os.kill(os.getpid(), signal.SIGUSR1)  # no call in progress: the handler does nothing
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
