@@ -31,7 +31,7 @@ import torch
 
 from portarl.data import Example
 from portarl.rewards import resolve_reward
-from portarl.user_code import UserCodeError, UserCodeGuard
+from portarl.user_code import UserCodeError, UserCodeGuard, arity_problem
 
 #: ``train.reward_timeout_s``'s default: see :class:`portarl.trainer.config.TrainSection`.
 DEFAULT_TIMEOUT_S = 300.0
@@ -71,14 +71,17 @@ class RewardFunction:
             sig = inspect.signature(self.fn)
         except (TypeError, ValueError):
             return
-        try:
-            if self.batched:
+        if self.batched:
+            try:
                 sig.bind_partial([], [])  # columns are checked when it is called
-            else:
-                sig.bind("prompt", "completion", "answer")
-        except TypeError as err:
-            form = "fn(prompts, completions, **columns)" if self.batched else "fn(prompt, completion, answer)"
-            raise reward_failure(self.name, None, None, f"has the wrong signature for {form}: {err}") from None
+            except TypeError as err:
+                raise reward_failure(self.name, None, None, "has the wrong signature for fn(prompts, completions, "
+                                     f"**columns): {err}") from None
+            return
+        problem = arity_problem(self.fn, ("prompt", "completion", "answer"), "prompt, completion, answer")
+        if problem is not None:
+            raise reward_failure(self.name, None, None, f"has the wrong signature for fn(prompt, completion, answer): "
+                                 f"it {problem}")
 
 
 @dataclass

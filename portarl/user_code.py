@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
 import signal
 import threading
 import time
@@ -101,6 +102,34 @@ def agree_on_failure(ctx, failure: UserCodeError | None, kind: type = UserCodeEr
     dist.all_gather_object(messages, None if failure is None else str(failure))
     rank = next(r for r, m in enumerate(messages) if m is not None)
     return failure if failure is not None else kind.elsewhere(messages[rank], rank)
+
+
+def arity_problem(fn, args: tuple, names: str) -> str | None:
+    """Why ``fn`` cannot be called with ``args`` positionally, counted the way a user reads
+    it ("takes 2 arguments (prompt, completion), portarl passes 3: (prompt, completion,
+    answer)"), or None when it can (or has no signature to check). ``names``: what portarl
+    passes, as the docs write it."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(*args)
+        return None
+    except TypeError:
+        pass
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    kw_required = [p.name for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
+    if len(required) == len(positional):
+        takes = f"{len(positional)} argument{'s' if len(positional) != 1 else ''}"
+    else:
+        takes = f"{len(required)} to {len(positional)} arguments"
+    takes += f" ({', '.join(p.name for p in positional)})" if positional else ""
+    if kw_required:
+        takes += f" and the keyword-only {', '.join(kw_required)} (which portarl does not pass)"
+    return f"takes {takes}, portarl passes {len(args)}: ({names})"
 
 
 class _Unwind(BaseException):
@@ -310,5 +339,5 @@ class UserCodeGuard:
                              f"slower than that: raise {self.setting} if it needs longer)", kind="timeout")
 
 
-__all__ = ["UserCodeError", "UserCodeGuard", "agree_on_failure", "call_in_progress",
+__all__ = ["UserCodeError", "UserCodeGuard", "agree_on_failure", "arity_problem", "call_in_progress",
            "interrupt_active_call"]

@@ -1,4 +1,4 @@
-"""The guarded runner for user code (issue 33 items 1 and 2): every BaseException a
+"""The guarded runner for user code (issue 33 items 1, 2 and 13): every BaseException a
 user's function lets out is a named failure (SystemExit and KeyboardInterrupt included),
 a call that outlives its limit is ended from inside, a stop signal ends the call in
 progress, the run's own interrupts pass through, and the watchdog thread never outlives
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from portarl.startup_signals import RunInterrupt
-from portarl.user_code import UserCodeError, UserCodeGuard, interrupt_active_call
+from portarl.user_code import UserCodeError, UserCodeGuard, arity_problem, interrupt_active_call
 
 #: How long a "hung" call waits before it gives up by itself: a broken guard fails the test
 #: by returning then; a working one ends the call long before, on any machine load.
@@ -163,3 +163,15 @@ def test_a_stop_signal_ends_the_call_in_progress():
         os.kill(os.getpid(), signal.SIGUSR1)  # no call in progress: the handler does nothing
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_arity_problem_counts_what_the_function_takes_and_what_portarl_passes():
+    names = "prompt, completion, answer"
+    args = ("p", "c", "a")
+    assert arity_problem(lambda prompt, completion, answer: 0, args, names) is None
+    assert arity_problem(lambda *a: 0, args, names) is None
+    assert arity_problem(lambda prompt, completion: 0, args, names) == \
+        "takes 2 arguments (prompt, completion), portarl passes 3: (prompt, completion, answer)"
+    assert arity_problem(lambda a, b, c, d, e=1: 0, args, names) == \
+        "takes 4 to 5 arguments (a, b, c, d, e), portarl passes 3: (prompt, completion, answer)"
+    assert "keyword-only k" in arity_problem(lambda a, b, c, *, k: 0, args, names)

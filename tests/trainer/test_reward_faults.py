@@ -152,3 +152,12 @@ def test_a_hook_failing_after_an_optimizer_step_of_its_iteration_saves_nothing(m
                                               r"partly applied, so it is not saved; last checkpoint: .*step-000001"):
         trainer.train()
     assert CheckpointManager(trainer.output_dir).latest().name == "step-000001"
+
+
+def test_a_reward_with_the_wrong_signature_says_what_it_takes_and_what_portarl_passes(tmp_path):
+    done = _run(tmp_path, "two_args")
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines == ["portarl train: reward 'faulty_rewards:two_args' has the wrong signature for fn(prompt, "
+                     "completion, answer): it takes 2 arguments (prompt, completion), portarl passes 3: (prompt, "
+                     "completion, answer)"], done.stderr
