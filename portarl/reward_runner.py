@@ -5,7 +5,9 @@ the reward, the sample and its prompt, never become a silent 0, a silent exit or
 traceback from deep inside the trainer. Every call goes through a
 :class:`~portarl.user_code.UserCodeGuard` (``RewardRunner.guard``: any ``BaseException``,
 ``sys.exit()`` included, and a call that outlives ``train.reward_timeout_s`` become a
-:class:`RewardError`), and every value is checked (a number, finite). The trainer saves a
+:class:`RewardError`), and every value is checked: a number, and finite (a NaN or inf is
+named with its sample at its first occurrence, instead of skipping steps until the
+guards' streak stops the run, or a short run ends with exit 0). The trainer saves a
 checkpoint of the last good step before it stops (see ``GRPOTrainer``).
 
 Forms (decided once, from the signature):
@@ -140,7 +142,10 @@ class RewardRunner:
             kind = "None" if value is None else type(value).__name__
             raise reward_failure(rf.name, i, ex.prompt_text, f"returned {kind} ({value!r:.60}), expected a number"
                                  + (" or None" if allow_none else ""))
-        return float(value)
+        number = float(value)
+        if not math.isfinite(number):  # it would poison the group's advantages: named at its first occurrence
+            raise reward_failure(rf.name, i, ex.prompt_text, f"returned {number}, expected a finite number")
+        return number
 
     def _per_sample(self, rf: RewardFunction, examples, completions) -> list:
         out = []
@@ -180,7 +185,3 @@ class RewardRunner:
             raise reward_failure(rf.name, None, None, f"returned {len(values)} values for {len(prompts)} samples")
         return [self._number(rf, v, i, ex, allow_none=True) for i, (v, ex) in enumerate(zip(values, examples))]
 
-
-def finite_or_none(value) -> float | None:
-    """A JSON-safe value for samples.jsonl."""
-    return None if value is None or not math.isfinite(value) else float(value)

@@ -161,3 +161,14 @@ def test_a_reward_with_the_wrong_signature_says_what_it_takes_and_what_portarl_p
     assert lines == ["portarl train: reward 'faulty_rewards:two_args' has the wrong signature for fn(prompt, "
                      "completion, answer): it takes 2 arguments (prompt, completion), portarl passes 3: (prompt, "
                      "completion, answer)"], done.stderr
+
+
+@pytest.mark.parametrize("steps, good_calls, failing_step", [(1, 5, 1), (3, STEP_CALLS + 5, 2)])
+def test_a_nan_reward_is_named_at_its_first_occurrence_even_in_a_short_run(tmp_path, steps, good_calls, failing_step):
+    """A short run used to skip every step (a non-finite reward skips the step) and exit 0."""
+    done = _run(tmp_path, "nan", f"train.steps={steps}", FAULT_AFTER=str(good_calls))
+    assert done.returncode == 3, done.stderr[-3000:]
+    [line] = _portarl_lines(done.stderr)
+    assert line.startswith(f"portarl train: stopping at step {failing_step}: reward 'faulty_rewards:nan' returned nan, "
+                           "expected a finite number on sample 5 (prompt '"), line
+    assert f"Checkpoint of step {failing_step - 1}:" in line
