@@ -162,15 +162,17 @@ def prepare(args, command: str) -> Prepared:
         except LoraUnavailable as err:
             raise UsageError(str(err)) from None
     from portarl.device import DeviceUnavailableError, resolve_device
-    from portarl.trainer.run_dir import RunDirError, check_output_dir, check_resume_config
+    from portarl.trainer.run_dir import RunDirError, check_output_dir, check_resume_config, create_output_dir
 
     try:
         if command == "train":
             check_output_dir(config.output_dir, resume=args.resume, overwrite=args.overwrite)
+            create_output_dir(config.output_dir)
             if args.resume:  # refused changes before the model is built (the trainer checks again)
                 check_resume_config(config.output_dir, config)
         else:
             check_output_dir(config.output_dir)  # a file is refused; an earlier run there is fine
+            create_output_dir(config.output_dir)
             sft_out = Path(config.output_dir) / "sft-model"
             if sft_out.exists() and not args.overwrite:
                 raise UsageError(f"{sft_out} already exists: pass --overwrite to replace it, or choose another "

@@ -80,6 +80,20 @@ def check_output_dir(output_dir: str | Path, *, resume: bool = False, overwrite:
                           "continue it, --overwrite to delete it and start over, or choose another --output-dir")
 
 
+def create_output_dir(output_dir: str | Path) -> Path:
+    """Create ``output_dir`` (and its parents) now, before anything is built: a directory
+    that cannot be created (``/sys/x``, a path under a file, no permission) is one line,
+    not a traceback from the trainer."""
+    directory = Path(output_dir)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename and str(err.filename) != str(directory) else ""
+        raise RunDirError(f"cannot create the output directory {directory}: {err.strerror or err}{where}; choose "
+                          "another --output-dir") from None
+    return directory
+
+
 def clear_run(output_dir: str | Path) -> list[Path]:
     """Remove what a run wrote (:data:`RUN_FILES`) from ``output_dir``; returns what was removed."""
     directory = Path(output_dir)

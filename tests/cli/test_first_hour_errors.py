@@ -69,6 +69,8 @@ CASES = {
     "logging-progress-maybe": (["--set", "logging.progress=maybe"], "logging.progress must be true or false"),
     "yaml-syntax-error": (["--config", "{bad_yaml}"], "YAML syntax error at line 3, column 6"),
     "output-dir-is-a-file": (["--output-dir", "{a_file}"], "is a file, not a directory"),
+    "output-dir-under-a-file": (["--output-dir", "{a_file}/out"], "cannot create the output directory"),
+    "output-dir-in-sysfs": (["--output-dir", "/sys/portarl-out"], "cannot create the output directory /sys/portarl-out"),
     "model-without-tokenizer": (["--set", "model.path={no-tokenizer}"], "has no tokenizer files"),
     "model-with-only-config": (["--set", "model.path={only-config}"], "has no weights"),
     "absent-device": (["--device", "npu"], "npu"),
