@@ -147,6 +147,7 @@ class Prepared:
     model: object
     tokenizer: object
     examples: list
+    locked: bool = False  # this process took the output directory's run lock (released by the caller)
 
 
 def prepare(args, command: str) -> Prepared:
@@ -161,13 +162,34 @@ def prepare(args, command: str) -> Prepared:
             require_peft()
         except LoraUnavailable as err:
             raise UsageError(str(err)) from None
-    from portarl.device import DeviceUnavailableError, resolve_device
+    locked = claim_output_dir(args, command, config)
+    try:
+        return _build(command, config, locked)
+    except BaseException:
+        if locked:
+            from portarl.trainer import run_lock
+
+            run_lock.release(config.output_dir)
+        raise
+
+
+def claim_output_dir(args, command: str, config) -> bool:
+    """Check, create and (``train``, rank 0) lock the output directory, then the checks that
+    read it; returns whether this call took the lock (:mod:`portarl.trainer.run_lock`),
+    taken before anything in the directory is read or deleted."""
+    from portarl.trainer import run_lock
     from portarl.trainer.run_dir import RunDirError, check_output_dir, check_resume_config, create_output_dir
 
+    locked = False
     try:
         if command == "train":
+            if not Path(config.output_dir).is_file():  # (a file: refused just below)
+                create_output_dir(config.output_dir)
+                if run_lock.is_lock_holder():
+                    run_lock.acquire(config.output_dir)
+                    locked = True
+            # After the lock: a live run is named by it, not taken for a finished one.
             check_output_dir(config.output_dir, resume=args.resume, overwrite=args.overwrite)
-            create_output_dir(config.output_dir)
             if args.resume:  # refused changes before the model is built (the trainer checks again)
                 check_resume_config(config.output_dir, config)
         else:
@@ -178,7 +200,16 @@ def prepare(args, command: str) -> Prepared:
                 raise UsageError(f"{sft_out} already exists: pass --overwrite to replace it, or choose another "
                                  "--output-dir")
     except RunDirError as err:
+        if locked:
+            run_lock.release(config.output_dir)
         raise UsageError(str(err)) from None
+    return locked
+
+
+def _build(command: str, config, locked: bool) -> Prepared:
+    """The device, model, tokenizer and data (after every check of the output directory)."""
+    from portarl.device import DeviceUnavailableError, resolve_device
+
     try:
         device = resolve_device(config.device)
     except (DeviceUnavailableError, ValueError) as err:
@@ -201,7 +232,7 @@ def prepare(args, command: str) -> Prepared:
         raise UsageError(f"{err}") from None
     if len(tokenizer) == 0:
         raise UsageError(f"the tokenizer in {config.model.path} is empty")
-    return Prepared(config, device, model, tokenizer, examples)
+    return Prepared(config, device, model, tokenizer, examples, locked)
 
 
 def _setup_logging() -> None:
@@ -220,11 +251,16 @@ def cmd_train(args) -> int:
     from portarl import distributed as pdist
 
     agreed = False  # an exception on this rank: leave alone, never wait for the others
+    output_dir, locked = ready.config.output_dir, ready.locked
     try:
         code, agreed = _train(args, ready)
     finally:
         ready = None  # the model (FSDP2-sharded: it holds the process group) goes with the trainer
         pdist.shutdown(agreed=agreed)
+        if locked:
+            from portarl.trainer import run_lock
+
+            run_lock.release(output_dir)
     return code
 
 

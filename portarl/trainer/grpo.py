@@ -50,7 +50,7 @@ from portarl.trainer.heap import release_freed_memory
 from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
 from portarl.trainer.async_pipeline import async_rollout
 from portarl.trainer.rollout_phase import run_rollout
-from portarl.trainer import persistence, run_dir
+from portarl.trainer import persistence, run_dir, run_lock
 from portarl.trainer.progress import progress_bar
 from portarl.trainer.runlog import RunLogger, plot_curves, read_metrics, summarize
 from portarl.trainer.evaluation import Evaluator
@@ -347,6 +347,10 @@ class GRPOTrainer:
         """Train to ``train.steps``. A directory holding another run is refused unless
         ``resume`` (continue it; mid-run settings applied, others refused) or ``overwrite``
         (delete it first): see :mod:`portarl.trainer.run_dir`."""
+        with run_lock.held(self.output_dir, self.dist.is_main):  # one run per directory (a no-op under the CLI's)
+            return self._train(resume, overwrite)
+
+    def _train(self, resume: bool, overwrite: bool) -> TrainResult:
         cfg = self.config
         changes = run_dir.prepare_run(self, resume=resume, overwrite=overwrite)
         if resume:
