@@ -63,7 +63,10 @@ def add_run_arguments(p, command: str) -> None:
         p.add_argument("--steps", type=int, help="GRPO steps (overrides train.steps)")
         p.add_argument("--resume", action="store_true",
                        help="continue from the latest complete checkpoint (steps, lr, logging and checkpoint "
-                            "settings may change; other changes are refused)")
+                            "settings may change; other changes are refused); refused when there is none")
+        p.add_argument("--resume-or-start", action="store_true",
+                       help="--resume when the output directory has a checkpoint, else start a new run (for a job "
+                            "script that a scheduler may run again)")
     else:
         p.add_argument("--steps", type=int, help="SFT steps (default: train.sft_warmup_steps, or 100 when that is 0)")
 
@@ -178,19 +181,25 @@ def claim_output_dir(args, command: str, config) -> bool:
     read it; returns whether this call took the lock (:mod:`portarl.trainer.run_lock`),
     taken before anything in the directory is read or deleted."""
     from portarl.trainer import run_lock
-    from portarl.trainer.run_dir import RunDirError, check_output_dir, check_resume_config, create_output_dir
+    from portarl.trainer.checkpoint import CheckpointManager
+    from portarl.trainer.run_dir import RunDirError, check_output_dir, check_resume_config, create_output_dir, no_checkpoint
 
     locked = False
     try:
         if command == "train":
+            resume = args.resume or args.resume_or_start
+            if args.resume and not args.resume_or_start and not Path(config.output_dir).is_dir():
+                raise no_checkpoint(config.output_dir)  # before a mistyped directory is created
             if not Path(config.output_dir).is_file():  # (a file: refused just below)
                 create_output_dir(config.output_dir)
                 if run_lock.is_lock_holder():
                     run_lock.acquire(config.output_dir)
                     locked = True
             # After the lock: a live run is named by it, not taken for a finished one.
-            check_output_dir(config.output_dir, resume=args.resume, overwrite=args.overwrite)
-            if args.resume:  # refused changes before the model is built (the trainer checks again)
+            check_output_dir(config.output_dir, resume=resume, overwrite=args.overwrite)
+            if args.resume and not args.resume_or_start and not CheckpointManager(config.output_dir).complete():
+                raise no_checkpoint(config.output_dir)
+            if resume:  # refused changes before the model is built (the trainer checks again)
                 check_resume_config(config.output_dir, config)
         else:
             check_output_dir(config.output_dir)  # a file is refused; an earlier run there is fine
@@ -286,7 +295,8 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
 
     log_train_plan(config, ready.tokenizer, ready.examples, ready.device)
     try:
-        result = trainer.train(resume=args.resume, overwrite=args.overwrite)
+        result = trainer.train(resume=args.resume or args.resume_or_start, overwrite=args.overwrite,
+                               start_if_none=args.resume_or_start)
     except RunDirError as err:
         log(f"portarl train: {err}")
         return 2, False

@@ -343,18 +343,19 @@ class GRPOTrainer:
             self._rollout.close()
             self._rollout = None
 
-    def train(self, resume: bool = False, overwrite: bool = False) -> TrainResult:
+    def train(self, resume: bool = False, overwrite: bool = False, start_if_none: bool = False) -> TrainResult:
         """Train to ``train.steps``. A directory holding another run is refused unless
-        ``resume`` (continue it; mid-run settings applied, others refused) or ``overwrite``
-        (delete it first): see :mod:`portarl.trainer.run_dir`."""
+        ``resume`` (continue it; mid-run settings applied, others refused; no checkpoint
+        there is refused too, unless ``start_if_none``) or ``overwrite`` (delete it first):
+        see :mod:`portarl.trainer.run_dir`."""
         with run_lock.held(self.output_dir, self.dist.is_main):  # one run per directory (a no-op under the CLI's)
-            return self._train(resume, overwrite)
+            return self._train(resume, overwrite, start_if_none)
 
-    def _train(self, resume: bool, overwrite: bool) -> TrainResult:
+    def _train(self, resume: bool, overwrite: bool, start_if_none: bool) -> TrainResult:
         cfg = self.config
         changes = run_dir.prepare_run(self, resume=resume, overwrite=overwrite)
         if resume:
-            self.resume()
+            persistence.resume(self, start_if_none)
             run_dir.check_steps_ahead(self.step, cfg.train.steps, self.output_dir)
             run_dir.apply_resumed_changes(self, changes)
         else:

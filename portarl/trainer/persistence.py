@@ -14,6 +14,7 @@ from pathlib import Path
 from portarl import distributed as pdist
 from portarl.trainer.checkpoint import CheckpointError, rng_state, set_rng_state
 from portarl.trainer.checkpoint import step_of as state_step
+from portarl.trainer.run_dir import no_checkpoint
 from portarl.trainer.setup import make_precision
 from portarl.trainer.step_guard import checkpoint_refusal
 
@@ -60,8 +61,9 @@ def save_checkpoint(trainer) -> Path | None:
     log.info("checkpoint saved: %s", path)
     return path
 
-def resume(trainer) -> int:
-    """Load the latest complete checkpoint; returns its step (0 when there is none)."""
+def resume(trainer, start_if_none: bool = False) -> int:
+    """Load the latest complete checkpoint; returns its step. None there: a
+    :class:`~portarl.trainer.run_dir.RunDirError`, or step 0 with ``start_if_none``."""
     if trainer.dist.enabled:
         pdist.barrier(trainer.dist)
     for removed in (trainer.checkpoints.clean_partial() if trainer.dist.is_main else []):
@@ -75,7 +77,9 @@ def resume(trainer) -> int:
             raise CheckpointError(f"ranks chose different checkpoints to resume from in {trainer.checkpoints.root} "
                                   f"(rank {trainer.dist.rank}: step {chosen}); is the directory shared by every rank?")
     if found is None:
-        log.info("no checkpoint in %s: starting from scratch", trainer.checkpoints.root)
+        if not start_if_none:
+            raise no_checkpoint(trainer.output_dir)
+        log.info("no checkpoint in %s: starting a new run (--resume-or-start)", trainer.checkpoints.root)
         return 0
     latest, state = found
     if trainer.checkpoints.is_sharded(latest):

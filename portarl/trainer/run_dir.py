@@ -215,6 +215,14 @@ def prepare_run(trainer, *, resume: bool, overwrite: bool) -> list[tuple[str, ob
     return []
 
 
+def no_checkpoint(output_dir) -> RunDirError:
+    """``--resume`` where there is no checkpoint: a mistyped --output-dir must not silently
+    start a new run from scratch."""
+    return RunDirError(f"--resume: no checkpoint in {Path(output_dir) / 'checkpoints'} to continue from (is --output-dir "
+                       "right?): start a new run without --resume, or pass --resume-or-start to continue when there is "
+                       "a checkpoint and start a new run when there is none")
+
+
 def check_steps_ahead(done: int, steps: int, output_dir) -> None:
     """``--resume`` with ``train.steps`` below the steps already done would end at once and
     record the smaller number in config.yaml: refused, with both numbers."""

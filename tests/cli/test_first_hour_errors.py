@@ -156,3 +156,22 @@ def test_version_and_help_do_not_import_torch():
     assert version.returncode == 0 and version.stdout.strip() == f"portarl {portarl.__version__}"
     helped = _portarl("train", "--help")
     assert helped.returncode == 0 and "--overwrite" in helped.stdout and "--resume" in helped.stdout
+
+
+def test_resume_where_there_is_no_checkpoint_is_refused_unless_a_new_run_is_asked_for(tmp_path):
+    """A mistyped --output-dir with --resume used to start a new run from scratch (issue 33
+    item 12); a job script that may run again says --resume-or-start."""
+    missing = tmp_path / "typo"
+    proc = _portarl("train", "--device", "cpu", "--output-dir", str(missing), "--resume", *_sets())
+    _assert_one_line_error(proc, f"--resume: no checkpoint in {missing}/checkpoints", "--resume-or-start")
+    assert not missing.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = _portarl("train", "--device", "cpu", "--output-dir", str(empty), "--resume", *_sets())
+    _assert_one_line_error(proc, f"--resume: no checkpoint in {empty}/checkpoints")
+    assert not (empty / "metrics.jsonl").exists()
+    for _ in range(2):  # a new run, then its continuation
+        done = _portarl("train", "--device", "cpu", "--output-dir", str(empty), "--resume-or-start", "--steps", "1",
+                        *_sets())
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr and (empty / "checkpoints" / "step-000001" / "COMPLETE").exists()
