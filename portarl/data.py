@@ -8,7 +8,8 @@ kept as is and handed to batched rewards ``fn(prompts, completions, **columns)``
 
 Values are never coerced behind the user's back: a JSONL ``null`` or ``[4]`` prompt would
 otherwise train on the text "None" / "[4]". Errors name the file and line (JSONL) or row
-(Parquet) and the field.
+(Parquet) and the field: bytes that are not UTF-8 too (JSONL is read as UTF-8 whatever the
+locale).
 """
 
 from __future__ import annotations
@@ -73,14 +74,23 @@ def parse_answer(value, where: str, field: str) -> str:
     raise ValueError(f"{where}: field {field!r} must be a string or a number, got {_describe(value)}")
 
 
+def _decoded(raw: bytes, where: str, first: bool) -> str:
+    try:
+        return raw.decode("utf-8-sig" if first else "utf-8")  # a byte-order mark is allowed at the start
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte {err.start + 1} of the line); "
+                         "save the file as UTF-8") from None
+
+
 def load_examples(path: str | Path, *, prompt_field: str = "prompt", answer_field: str = "answer") -> list[Example]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data file {path} does not exist")
     if path.suffix == ".jsonl":
         rows = []
-        with path.open() as f:
-            for lineno, line in enumerate(f, 1):
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                line = _decoded(raw, f"{path}:{lineno}", lineno == 1)
                 if not line.strip():
                     continue
                 try:

@@ -74,6 +74,7 @@ CASES = {
     "model-without-tokenizer": (["--set", "model.path={no-tokenizer}"], "has no tokenizer files"),
     "model-with-only-config": (["--set", "model.path={only-config}"], "has no weights"),
     "absent-device": (["--device", "npu"], "npu"),
+    "data-not-utf8": (["--set", "data.path={latin1}"], "{latin1}:2: not valid UTF-8 (byte 0xe9 at byte 16 of the line)"),
 }
 
 
@@ -82,9 +83,15 @@ def _case_args(case, tmp_path, model_dirs) -> tuple[list[str], str, Path]:
     bad_yaml.write_text("train:\n  steps: [3\noptim:\n  lr: 1e-3\n")
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")
-    fill = {"bad_yaml": str(bad_yaml), "a_file": str(a_file), **{k: str(v) for k, v in model_dirs.items()}}
+    latin1 = tmp_path / "latin1.jsonl"  # "é" as Latin-1 on line 2
+    latin1.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9 1+2=", "answer": "3"}\n')
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n'
+                     '{"prompt": " \\n\\t ", "answer": "0"}\n')
+    fill = {"bad_yaml": str(bad_yaml), "a_file": str(a_file), "latin1": str(latin1), "blank": str(blank),
+            **{k: str(v) for k, v in model_dirs.items()}}
     args, needle = CASES[case]
-    args = [a.format(**fill) for a in args]
+    args, needle = [a.format(**fill) for a in args], needle.format(**fill)
     out = tmp_path / "out"
     if "--output-dir" not in args:
         args += ["--output-dir", str(out)]

@@ -42,6 +42,15 @@ def test_data_errors_name_the_place(tmp_path, make_trainer):
         load_examples(tmp_path / "d.csv")
 
 
+def test_non_utf8_data_names_file_and_line(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_bytes('\ufeff{"prompt": "1+1=", "answer": "2"}\n'.encode() + b'{"prompt": "\xff", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: not valid UTF-8 \(byte 0xff at byte 13 of the line\)"):
+        load_examples(data)
+    data.write_bytes('\ufeff{"prompt": "1+1=", "answer": "2"}\n'.encode())  # a byte-order mark is fine
+    assert load_examples(data)[0].prompt == "1+1="
+
+
 def test_training_on_a_jsonl_file(make_trainer, tmp_path):
     write_jsonl([Example("2+2=", "4"), Example("3+3=", "6")] * 4, tmp_path / "train.jsonl")
     trainer = make_trainer(f"data.path={tmp_path / 'train.jsonl'}", "train.steps=1")
