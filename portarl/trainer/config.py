@@ -79,6 +79,9 @@ class DataConfig:
     chat_template: str = "auto"
     #: A system message put before every prompt (needs a chat template).
     system_prompt: str | None = None
+    #: A row whose prompt is empty or only whitespace: "error" (refused, naming file:line)
+    #: or "skip" (left out; the count and the first rows are logged).
+    empty_prompts: str = "error"
 
     def validate(self):
         _positive_int(self, "data", "synthetic_size", "max_operand")
@@ -87,6 +90,8 @@ class DataConfig:
         _check(self.system_prompt is None or isinstance(self.system_prompt, str), "data.system_prompt",
                "must be a string or null", self.system_prompt)
         _check(bool(self.operators) and set(self.operators) <= set("+-*"), "data.operators", "must use + - *", self.operators)
+        _check(self.empty_prompts in ("error", "skip"), "data.empty_prompts", "must be 'error' or 'skip'",
+               self.empty_prompts)
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from portarl.data import encode_examples, load_examples
+from portarl.data import encode_examples, load_examples_for
 from portarl.rollout import SamplingParams
 from portarl.rollout.base import seed_of
 
@@ -46,7 +46,7 @@ def load_eval_set(config, codec, context_length: int | None, path: str | None = 
     if not Path(path).exists():
         raise FileNotFoundError(f"eval.data: {path} does not exist; point eval.data (or --data) at a JSONL / Parquet "
                                 "file of prompts and answers")
-    examples = load_examples(path, prompt_field=config.data.prompt_field, answer_field=config.data.answer_field)
+    examples = load_examples_for(config.data, path)
     if config.eval.max_prompts:
         examples = examples[: config.eval.max_prompts]
     if not examples:

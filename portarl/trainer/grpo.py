@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from portarl import distributed as pdist
-from portarl.data import Example, arithmetic_examples, encode_examples, load_examples
+from portarl.data import Example, arithmetic_examples, encode_examples, load_examples_for
 from portarl.device import resolve_device
 from portarl.emulation import resolve_profile
 from portarl.lora import is_lora
@@ -397,5 +397,5 @@ def build_from_config(config: TrainConfig):
     if d.path is None:
         examples = arithmetic_examples(d.synthetic_size, seed=config.train.seed, max_operand=d.max_operand, ops=d.operators)
     else:
-        examples = load_examples(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)
+        examples = load_examples_for(d)
     return model, tokenizer, examples

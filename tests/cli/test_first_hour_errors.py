@@ -75,6 +75,7 @@ CASES = {
     "model-with-only-config": (["--set", "model.path={only-config}"], "has no weights"),
     "absent-device": (["--device", "npu"], "npu"),
     "data-not-utf8": (["--set", "data.path={latin1}"], "{latin1}:2: not valid UTF-8 (byte 0xe9 at byte 16 of the line)"),
+    "data-empty-prompt": (["--set", "data.path={blank}"], "{blank}:3: field 'prompt' is empty or only whitespace"),
 }
 
 
