@@ -61,6 +61,21 @@ def save_checkpoint(trainer) -> Path | None:
     log.info("checkpoint saved: %s", path)
     return path
 
+def _weights_loader(trainer):
+    """Loads a verified checkpoint's weights (and, sharded, the optimizer) into the trainer;
+    a read error skips the checkpoint (:meth:`CheckpointManager.load_newest_verified`), and
+    the next one's weights replace whatever was partly loaded."""
+
+    def load(directory: Path, state: dict) -> None:
+        if trainer.checkpoints.is_sharded(directory):
+            trainer.checkpoints.load_sharded(directory, trainer.model, trainer.optimizer, verify=False)  # just verified
+            state["optimizer"] = trainer.optimizer.state_dict()
+        else:
+            trainer.checkpoints.load_weights(trainer.model, directory, verify=False)
+
+    return load
+
+
 def resume(trainer, start_if_none: bool = False) -> int:
     """Load the latest complete checkpoint; returns its step. None there: a
     :class:`~portarl.trainer.run_dir.RunDirError`, or step 0 with ``start_if_none``."""
@@ -68,9 +83,9 @@ def resume(trainer, start_if_none: bool = False) -> int:
         pdist.barrier(trainer.dist)
     for removed in (trainer.checkpoints.clean_partial() if trainer.dist.is_main else []):
         log.warning("removed an incomplete checkpoint left by an interrupted write: %s", removed)
-    # Newest checkpoint that verifies against its manifest (damaged ones are skipped,
-    # named and moved aside by rank 0); every rank must pick the same one.
-    found = trainer.checkpoints.load_newest_verified(quarantine=trainer.dist.is_main)
+    # Newest checkpoint that verifies against its manifest and whose every file reads
+    # (damaged ones are skipped, named and moved aside by rank 0); every rank must pick the same one.
+    found = trainer.checkpoints.load_newest_verified(quarantine=trainer.dist.is_main, load=_weights_loader(trainer))
     if trainer.dist.enabled:
         chosen = -1 if found is None else state_step(found[0])
         if pdist.first_code(trainer.dist, chosen) != -pdist.first_code(trainer.dist, -chosen):
@@ -82,11 +97,6 @@ def resume(trainer, start_if_none: bool = False) -> int:
         log.info("no checkpoint in %s: starting a new run (--resume-or-start)", trainer.checkpoints.root)
         return 0
     latest, state = found
-    if trainer.checkpoints.is_sharded(latest):
-        trainer.checkpoints.load_sharded(latest, trainer.model, trainer.optimizer, verify=False)  # just verified
-        state["optimizer"] = trainer.optimizer.state_dict()
-    else:
-        trainer.checkpoints.load_weights(trainer.model, latest, verify=False)
     trainer.precision = make_precision(trainer.model, trainer.config, trainer.dist)
     trainer.precision.load_state_dict(state["precision"])
     if trainer.precision.use_master:

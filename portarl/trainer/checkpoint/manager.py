@@ -179,11 +179,15 @@ class CheckpointManager:
             log.warning("could not move the damaged checkpoint %s aside: %s", directory, err)
             return None
 
-    def load_newest_verified(self, *, quarantine: bool = True) -> tuple[Path, dict] | None:
+    def load_newest_verified(self, *, quarantine: bool = True, load=None) -> tuple[Path, dict] | None:
         """The newest checkpoint that verifies and whose state reads, with that state.
 
-        Each one skipped is logged with the file at fault; when none is usable the error
-        lists every checkpoint and why. ``None`` when there are no checkpoints at all."""
+        ``load(directory, state)``: the rest of loading (the weights), under the same rule:
+        a read error there (:class:`CheckpointError`: ``model.safetensors`` that matches
+        its manifest but cannot be parsed, an adapter, DCP shards) skips that checkpoint
+        too, so every file of a checkpoint falls back alike. Each one skipped is logged with
+        the file at fault and moved aside; when none is usable the error lists every
+        checkpoint and why. ``None`` when there are no checkpoints at all."""
         candidates = list(reversed(self.complete()))
         if not candidates:
             return None
@@ -192,6 +196,8 @@ class CheckpointManager:
             try:
                 mf.verify(directory)
                 state = safe_state.load_state(directory)
+                if load is not None:
+                    load(directory, state)
             except (CheckpointError, safe_state.UnsafeStateError) as err:
                 failures.append(str(err))
                 moved = self.quarantine(directory) if quarantine else None
@@ -228,7 +234,11 @@ class CheckpointManager:
 
         meta = directory / "dcp" / ".metadata"  # checked here first: DCP would wrap our error in its own
         load_metadata_safely(meta.read_bytes(), str(meta))
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(directory / "dcp")), planner=SafeLoadPlanner())
+        try:  # a shard that cannot be read fails on every rank (DCP gathers the ranks' errors)
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(directory / "dcp")), planner=SafeLoadPlanner())
+        except dcp.CheckpointException as err:
+            raise CheckpointError(f"checkpoint {directory}: the DCP shards cannot be read ({err})", directory,
+                                  "dcp") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     @staticmethod
