@@ -282,6 +282,8 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
     from portarl.trainer.checkpoint import CheckpointError
     from portarl.trainer.run_dir import RunDirError
     from portarl.trainer.signals import AbortNow, StopRequested, abort_message, exit_code
+    from portarl.trainer.write_failure import EXIT_CODE as WRITE_EXIT
+    from portarl.trainer.write_failure import WriteFailed, as_write_failure, intact_checkpoint, resume_command
 
     config = ready.config
     try:
@@ -306,6 +308,13 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
     except CheckpointError as err:
         log(f"portarl train: {err}")
         return 2, False
+    except (WriteFailed, OSError) as err:  # disk full, a file-size limit, no permission: see write_failure
+        failure = err if isinstance(err, WriteFailed) else as_write_failure(err, config.output_dir)
+        if failure is None:
+            raise
+        log(f"portarl train: {failure}; {intact_checkpoint(trainer)}; make room (or fix the permissions), then "
+            f"continue with: {resume_command(getattr(args, 'argv', ['train']))}")
+        return WRITE_EXIT, False
     except StopRequested as err:  # agreed by every rank at the end of a step
         log(f"portarl train: {err}; continue with --resume")
         return exit_code(err.signum), True

@@ -52,7 +52,8 @@ from portarl.trainer.async_pipeline import async_rollout
 from portarl.trainer.rollout_phase import run_rollout
 from portarl.trainer import persistence, run_dir, run_lock
 from portarl.trainer.progress import progress_bar
-from portarl.trainer.runlog import RunLogger, plot_curves, read_metrics, summarize
+from portarl.trainer.runlog import RunLogger, finish_run
+from portarl.trainer.write_failure import writing
 from portarl.trainer.evaluation import Evaluator
 from portarl.trainer.reference import maybe_sync_reference, refuse_reference_sync
 from portarl.trainer.scoring import score
@@ -361,7 +362,8 @@ class GRPOTrainer:
         else:
             self.checkpoints.clean_partial()
         if self.dist.is_main:
-            cfg.save(self.output_dir / "config.yaml")
+            with writing(self.output_dir / "config.yaml"):
+                cfg.save(self.output_dir / "config.yaml")
             logger = RunLogger(self.output_dir, total_steps=cfg.train.steps, resume_step=self.step,
                                tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress)
         else:  # only rank 0 writes logs
@@ -378,12 +380,7 @@ class GRPOTrainer:
             logger.close()
         if not self.dist.is_main:
             return TrainResult(self.step, last_ckpt, "")
-        rows = read_metrics(self.output_dir / "metrics.jsonl")
-        summary = summarize(rows)
-        (self.output_dir / "summary.txt").write_text(summary + "\n")
-        if cfg.logging.plot:
-            plot_curves(rows, self.output_dir / "curves.png")
-        return TrainResult(self.step, last_ckpt, summary)
+        return TrainResult(self.step, last_ckpt, finish_run(self.output_dir, cfg.logging.plot))
 
 
 def build_from_config(config: TrainConfig):
