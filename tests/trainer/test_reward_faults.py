@@ -72,8 +72,11 @@ def test_a_reward_that_exits_stops_with_a_checkpoint_and_exit_3(tmp_path, reward
     assert [json.loads(r)["step"] for r in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
-def test_a_hanging_reward_is_named_after_its_time_limit(tmp_path):
-    done = _run(tmp_path, "hangs", "train.reward_timeout_s=2", FAULT_AFTER=str(STEP_CALLS))
+@pytest.mark.parametrize("mode", ["colocated", "async"])
+def test_a_hanging_reward_is_named_after_its_time_limit(tmp_path, mode):
+    """In async mode the worker process scores, under the same guard: the reward is named
+    before the trainer's rollout.timeout_s would call the worker hung."""
+    done = _run(tmp_path, "hangs", "train.reward_timeout_s=2", f"rollout.mode={mode}", FAULT_AFTER=str(STEP_CALLS))
     assert done.returncode == 3, done.stderr[-3000:]
     [line] = _portarl_lines(done.stderr)
     assert ("reward 'faulty_rewards:hangs' did not return within train.reward_timeout_s=2 s" in line
