@@ -137,8 +137,8 @@ class TrainSection:
     #: Seconds one call into user code (a reward function, per sample or per batch; a
     #: trainer hook) may take before the run stops with a checkpoint and a line naming the
     #: function, the sample and its prompt (exit 3), in colocated and async mode alike.
-    #: 300: the built-in rewards take about a millisecond per batch (docs/checkpoints.md),
-    #: so only a hang or a remote judge reaches it; below distributed.timeout_s, so that
+    #: 300: the built-in rewards take milliseconds per batch (measured in docs/checkpoints.md),
+    #: so only a hang or a slow remote judge reaches it; below distributed.timeout_s, so that
     #: under torchrun the hang is named before the other ranks' collective times out.
     reward_timeout_s: float = DEFAULT_TIMEOUT_S
 
