@@ -39,11 +39,20 @@ API (everything a caller needs)::
     ``signum`` set; the trainer saves a checkpoint of the last finished step and exits
     ``128 + signal`` as for any stop signal, without waiting for the call.
 
-- ``timeout_s=None`` means no limit. The watchdog is one thread per
-  :meth:`UserCodeGuard.watching` block (a lone :meth:`~UserCodeGuard.call` opens its own),
-  stopped and joined when the block ends, however it ends.
-- Under several ranks, :func:`agree_on_failure` makes one rank's failure every rank's
-  (the stop saves a collective checkpoint).
+- ``UserCodeGuard(timeout_s, setting, error)``: ``timeout_s=None`` means no limit;
+  ``setting`` is the config field named in the timeout message; ``error`` the
+  :class:`UserCodeError` subclass raised (rewards: ``RewardError``). The watchdog is one
+  thread per :meth:`UserCodeGuard.watching` block (a lone :meth:`~UserCodeGuard.call` opens
+  its own), stopped and joined when the block ends, however it ends. A guard serves one
+  thread at a time: give each thread that calls user code its own.
+- A :class:`UserCodeError` that leaves ``GRPOTrainer.train_step`` stops the run the
+  documented way (:func:`portarl.trainer.loop.stop_on_user_code`: a checkpoint of the last
+  finished step, or none when an optimizer step of the iteration was already applied;
+  exit 3, or ``128 + signal`` when a stop signal ended the call); a caller needs no
+  handler of its own. Under several ranks, call :func:`agree_on_failure` where every rank
+  passes (one rank's failure becomes every rank's: the stop's checkpoint is collective).
+- :func:`arity_problem` says, before the first call, how many arguments a function takes
+  and how many portarl passes.
 
 Rewards go through :class:`portarl.reward_runner.RewardRunner` (its ``guard``), the
 trainer's hooks through :func:`portarl.trainer.hooks.apply_hooks`. The signal that wakes a
@@ -240,7 +249,7 @@ def describe(err: BaseException) -> tuple[str, str]:
     """``(kind, problem)`` for an exception that escaped user code."""
     if isinstance(err, SystemExit):
         return "exited", f"called sys.exit({'' if err.code is None else repr(err.code)})"
-    text = str(err)
+    text = " ".join(str(err).split())  # one line, whatever the message's layout
     return "raised", f"raised {type(err).__name__}" + (f": {text}" if text else "")
 
 
