@@ -188,7 +188,7 @@ def claim_output_dir(args, command: str, config) -> bool:
     try:
         if command == "train":
             resume = args.resume or args.resume_or_start
-            if args.resume and not args.resume_or_start and not Path(config.output_dir).is_dir():
+            if args.resume and not args.resume_or_start and not Path(config.output_dir).exists():
                 raise no_checkpoint(config.output_dir)  # before a mistyped directory is created
             if not Path(config.output_dir).is_file():  # (a file: refused just below)
                 create_output_dir(config.output_dir)
