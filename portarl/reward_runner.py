@@ -107,6 +107,16 @@ class RewardRunner:
             rf.check_signature()
             self.functions.append(rf)
 
+    def close(self) -> None:
+        """Stop and join the guard's watchdog thread (a later score starts a new one)."""
+        self.guard.close()
+
+    def __enter__(self) -> "RewardRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def needs_answer(self) -> list[str]:
         return [f.name for f in self.functions if not f.batched]
@@ -115,7 +125,7 @@ class RewardRunner:
         """``examples[i]`` is sample i's row (repeated G times per group)."""
         n = len(completions)
         per_function = {}
-        with self.guard.watching():  # one watchdog thread for the batch's calls
+        with self.guard.watching():  # the main thread's wake-up handler, once for the batch
             for rf in self.functions:
                 values = (self._batched if rf.batched else self._per_sample)(rf, examples, completions)
                 per_function[rf.name] = values

@@ -41,9 +41,10 @@ API (everything a caller needs)::
 
 - ``UserCodeGuard(timeout_s, setting, error)``: ``timeout_s=None`` means no limit;
   ``setting`` is the config field named in the timeout message; ``error`` the
-  :class:`UserCodeError` subclass raised (rewards: ``RewardError``). The watchdog is one
-  thread per :meth:`UserCodeGuard.watching` block (a lone :meth:`~UserCodeGuard.call` opens
-  its own), stopped and joined when the block ends, however it ends. A guard serves one
+  :class:`UserCodeError` subclass raised (rewards: ``RewardError``). Its watchdog is one
+  thread, started at the first call with a limit and stopped and joined by
+  :meth:`~UserCodeGuard.close` (``with UserCodeGuard(...) as guard:`` closes it too; so
+  does garbage collection); a call costs it no lock and no wake-up. A guard serves one
   thread at a time: give each thread that calls user code its own.
 - A :class:`UserCodeError` that leaves ``GRPOTrainer.train_step`` stops the run the
   documented way (:func:`portarl.trainer.loop.stop_on_user_code`: a checkpoint of the last
@@ -68,6 +69,7 @@ import inspect
 import signal
 import threading
 import time
+import weakref
 
 from portarl.startup_signals import RunInterrupt
 
@@ -147,14 +149,15 @@ class _Unwind(BaseException):
 
 
 class _Call:
-    __slots__ = ("deadline", "ident", "main", "timed_out", "signum", "done", "outer")
+    __slots__ = ("deadline", "ident", "main", "timed_out", "signum", "done", "outer", "outer_watched")
 
     def __init__(self, timeout_s: float | None):
-        thread = threading.current_thread()
-        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self.ident, self.main = thread.ident, thread is threading.main_thread()
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s  # the watchdog moves it on
+        self.ident = threading.get_ident()
+        self.main = self.ident == threading.main_thread().ident
         self.timed_out, self.signum, self.done = False, None, False
         self.outer: _Call | None = None  # the main thread's guarded call this one runs inside
+        self.outer_watched: _Call | None = None  # the guard's call this one runs inside
 
 
 #: The guarded call running on the main thread, where signal handlers run (None: none).
@@ -192,50 +195,48 @@ def _poke(call: _Call) -> None:
 
 
 class _Watchdog:
-    """One thread that ends the calls whose time is up; :meth:`close` stops and joins it."""
+    """The thread that ends a guard's call whose time is up. The caller sets ``current``
+    without a word to the thread (a call costs no lock and no wake-up): with nothing to
+    watch the thread sleeps ``timeout_s``, and a call that starts meanwhile ends no earlier
+    than that. :meth:`close` stops and joins it."""
 
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._calls: list[_Call] = []
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.current: _Call | None = None
+        self.lock = threading.Condition()
         self._closed = False
-        self._next: dict[int, float] = {}  # id(call) -> when to wake it (again)
         self._thread = threading.Thread(target=self._run, name="portarl-user-code-watchdog", daemon=True)
         self._thread.start()
 
-    def add(self, call: _Call) -> None:
-        with self._cond:
-            self._calls.append(call)
-            self._next[id(call)] = call.deadline
-            self._cond.notify()
-
-    def remove(self, call: _Call) -> None:
-        """Under the lock the watchdog wakes calls with, so no wake-up follows; an
-        asynchronous exception already set for another thread is cleared."""
-        with self._cond:
-            call.done = True
-            if call in self._calls:
-                self._calls.remove(call)
-                self._next.pop(id(call), None)
-            if call.timed_out and not call.main:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(call.ident), None)
+    def notify(self) -> None:
+        """An outer call is current again: its deadline may come before the one slept for."""
+        with self.lock:
+            self.lock.notify()
 
     def close(self) -> None:
-        with self._cond:
+        with self.lock:
             self._closed = True
-            self._cond.notify()
-        self._thread.join()
+            self.lock.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _run(self) -> None:
-        with self._cond:
+        with self.lock:
             while not self._closed:
-                now = time.monotonic()
-                for call in self._calls:
-                    if not call.done and now >= self._next[id(call)]:
-                        call.timed_out = True
-                        _poke(call)
-                        self._next[id(call)] = now + REPOKE_S
-                wake = min(self._next.values(), default=None)
-                self._cond.wait(None if wake is None else max(0.0, wake - time.monotonic()))
+                call = self.current
+                if call is None or call.done:
+                    self.lock.wait(self.timeout_s)
+                    continue
+                wait = call.deadline - time.monotonic()
+                if wait > 0:
+                    self.lock.wait(wait)
+                    continue
+                # Under the lock, and only while the call runs: its thread clears a late
+                # asynchronous exception under the same lock (UserCodeGuard._leave).
+                call.timed_out = True
+                if not call.done:
+                    _poke(call)
+                call.deadline = time.monotonic() + REPOKE_S
 
 
 def _python_ctrl_c(err: BaseException) -> bool:
@@ -255,7 +256,9 @@ def describe(err: BaseException) -> tuple[str, str]:
 
 class UserCodeGuard:
     """Calls into user code with a time limit and every failure named (module docstring).
-    A guard serves one thread at a time: give each thread that calls user code its own."""
+    A guard serves one thread at a time: give each thread that calls user code its own.
+    Its watchdog thread starts at the first call with a time limit; :meth:`close` (or the
+    guard's ``with`` block, or its garbage collection) stops and joins it."""
 
     def __init__(self, timeout_s: float | None = None, setting: str = "the time limit",
                  error: type[UserCodeError] = UserCodeError):
@@ -266,79 +269,109 @@ class UserCodeGuard:
             raise ValueError(f"{setting} must be > 0 seconds, got {timeout_s!r}")
         self.timeout_s, self.setting, self.error = timeout_s, setting, error
         self._watchdog: _Watchdog | None = None
+        self._stop_watchdog = None
         self._depth = 0
+
+    def __enter__(self) -> "UserCodeGuard":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop and join the watchdog thread; a later call starts a new one."""
+        if self._stop_watchdog is not None:
+            self._stop_watchdog()  # weakref.finalize: runs once, then detached
+            self._watchdog = self._stop_watchdog = None
+
+    def _started_watchdog(self) -> _Watchdog:
+        if self._watchdog is None:
+            self._watchdog = _Watchdog(self.timeout_s)
+            self._stop_watchdog = weakref.finalize(self, self._watchdog.close)
+        return self._watchdog
 
     @contextlib.contextmanager
     def watching(self):
-        """One watchdog thread for every call inside the block (started on entry when there
-        is a time limit; stopped and joined on exit). Re-entrant."""
-        if self.timeout_s is None or self._depth:
+        """A block of calls (one per sample, say): the handler that lets the watchdog end a
+        main-thread call is installed once for the block, and the previous one put back
+        after. Re-entrant; :meth:`call` opens one for itself."""
+        if self._depth:
             self._depth += 1
             try:
                 yield self
             finally:
                 self._depth -= 1
             return
-        main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(WAKE_SIGNAL, _on_wake) if main and WAKE_SIGNAL is not None else None
-        self._watchdog = _Watchdog()
+        install = (self.timeout_s is not None and WAKE_SIGNAL is not None
+                   and threading.current_thread() is threading.main_thread())
+        previous = signal.signal(WAKE_SIGNAL, _on_wake) if install else None
         self._depth = 1
         try:
             yield self
         finally:
             self._depth = 0
-            watchdog, self._watchdog = self._watchdog, None
-            watchdog.close()
-            if previous is not None:
+            if install:
                 signal.signal(WAKE_SIGNAL, previous)
 
     def call(self, fn, args: tuple = (), kwargs: dict | None = None, *, what: str, where: str | None = None):
         """``fn(*args, **kwargs)``, or :class:`UserCodeError` naming ``what`` and ``where``
         (the arguments as a tuple and a dict, so that any keyword, ``what`` included, reaches ``fn``)."""
+        if not self._depth:  # a lone call: its own block
+            with self.watching():
+                return self.call(fn, args, kwargs, what=what, where=where)
         kwargs = kwargs or {}
-        with self.watching():
-            call = _Call(self.timeout_s)
+        call = _Call(self.timeout_s)
+        watchdog = self._started_watchdog() if self.timeout_s is not None else None
+        try:
             try:
-                try:
-                    self._enter(call)
-                    value = fn(*args, **kwargs)
-                finally:
-                    self._leave(call)
-            except _Unwind:
-                self._leave(call)
-                raise self._ended(call, what, where) from None
-            except RunInterrupt:
-                self._leave(call)
+                self._enter(call, watchdog)
+                value = fn(*args, **kwargs)
+            finally:
+                self._leave(call, watchdog)
+        except _Unwind:
+            self._leave(call, watchdog)
+            raise self._ended(call, what, where) from None
+        except RunInterrupt:
+            self._leave(call, watchdog)
+            raise
+        except BaseException as err:  # noqa: BLE001  (that is the point: SystemExit too)
+            self._leave(call, watchdog)
+            if _python_ctrl_c(err):
                 raise
-            except BaseException as err:  # noqa: BLE001  (that is the point: SystemExit too)
-                self._leave(call)
-                if _python_ctrl_c(err):
-                    raise
-                if call.timed_out or call.signum is not None:  # it swallowed the unwind, then failed
-                    raise self._ended(call, what, where) from err
-                kind, problem = describe(err)
-                raise self.error(what, where, problem, kind=kind) from err
-            if call.timed_out or call.signum is not None:  # it swallowed the unwind and returned late
-                raise self._ended(call, what, where)
-            return value
+            if call.timed_out or call.signum is not None:  # it swallowed the unwind, then failed
+                raise self._ended(call, what, where) from err
+            kind, problem = describe(err)
+            raise self.error(what, where, problem, kind=kind) from err
+        if call.timed_out or call.signum is not None:  # it swallowed the unwind and returned late
+            raise self._ended(call, what, where)
+        return value
 
-    def _enter(self, call: _Call) -> None:
+    @staticmethod
+    def _enter(call: _Call, watchdog: _Watchdog | None) -> None:
         global _main_call
         if call.main:
             call.outer, _main_call = _main_call, call
-        if call.deadline is not None:
-            self._watchdog.add(call)
+        if watchdog is not None:
+            call.outer_watched, watchdog.current = watchdog.current, call
 
-    def _leave(self, call: _Call) -> None:
+    @staticmethod
+    def _leave(call: _Call, watchdog: _Watchdog | None) -> None:
         """Idempotent: a signal can interrupt it, and the handler calls it again."""
         global _main_call
         if call.done:
             return
-        call.done = True
+        call.done = True  # before timed_out is read: see _Watchdog._run
         if call.main and _main_call is call:
             _main_call = call.outer
-        if call.deadline is not None and self._watchdog is not None:
-            self._watchdog.remove(call)
+        if watchdog is None:
+            return
+        if watchdog.current is call:
+            watchdog.current = call.outer_watched
+            if call.outer_watched is not None:
+                watchdog.notify()
+        if call.timed_out and not call.main:
+            with watchdog.lock:  # an asynchronous exception set after the call returned: dropped
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(call.ident), None)
 
     def _ended(self, call: _Call, what: str, where: str | None) -> UserCodeError:
         if call.signum is not None:

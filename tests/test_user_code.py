@@ -22,8 +22,16 @@ from portarl.user_code import UserCodeError, UserCodeGuard, arity_problem, inter
 HANG_S = 600.0
 
 
-def _watchdogs() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "portarl-user-code-watchdog"]
+def _all_watchdogs() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "portarl-user-code-watchdog"}
+
+
+@pytest.fixture(autouse=True)
+def _watchdogs():
+    """The watchdog threads started since the test began (a guard that an earlier test's
+    traceback still holds keeps its own until collected)."""
+    before = _all_watchdogs()
+    return lambda: sorted(_all_watchdogs() - before, key=id)
 
 
 class CustomBase(BaseException):
@@ -53,12 +61,13 @@ def test_ctrl_c_under_pythons_default_handler_passes_through():
     (lambda: (_ for _ in ()).throw(CustomBase("odd")), "raised", "raised CustomBase: odd"),
     (lambda: {}["k"], "raised", "raised KeyError: 'k'"),
 ])
-def test_every_base_exception_is_a_named_failure(body, kind, problem, run_sigint_handler):
+def test_every_base_exception_is_a_named_failure(body, kind, problem, run_sigint_handler, _watchdogs):
     guard = UserCodeGuard(timeout_s=60.0, setting="train.reward_timeout_s")
     with pytest.raises(UserCodeError) as caught:
         guard.call(body, what="reward 'r'", where="sample 3 (prompt '1+1=')")
     assert str(caught.value) == f"reward 'r' {problem} on sample 3 (prompt '1+1=')"
     assert caught.value.kind == kind and caught.value.what == "reward 'r'"
+    guard.close()
     assert not _watchdogs()
 
 
@@ -78,7 +87,7 @@ def test_arguments_reach_the_function_whatever_their_names():
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["sleep", "python-loop"])
-def test_a_hung_call_on_the_main_thread_is_ended_and_named(blocking):
+def test_a_hung_call_on_the_main_thread_is_ended_and_named(blocking, _watchdogs):
     assert threading.current_thread() is threading.main_thread()
 
     def hang():
@@ -95,7 +104,9 @@ def test_a_hung_call_on_the_main_thread_is_ended_and_named(blocking):
         guard.call(hang, what="reward 'slow'", where="sample 0 (prompt 'p')")
     assert caught.value.kind == "timeout"
     assert "did not return within train.reward_timeout_s=0.2 s" in str(caught.value)
-    assert signal.getsignal(signal.SIGURG) is before and not _watchdogs()
+    assert signal.getsignal(signal.SIGURG) is before
+    guard.close()
+    assert not _watchdogs()
 
 
 def test_a_call_that_swallows_the_unwind_is_still_a_timeout():
@@ -133,16 +144,21 @@ def test_a_hung_call_on_another_thread_is_ended_too():
     assert result["error"].kind == "timeout" and "tool 'search' did not return" in str(result["error"])
 
 
-def test_calls_in_one_block_share_one_watchdog_that_is_joined_after():
-    guard = UserCodeGuard(timeout_s=30.0)
-    with guard.watching():
+def test_one_watchdog_serves_every_call_and_close_joins_it(_watchdogs):
+    with UserCodeGuard(timeout_s=30.0) as guard:
+        with guard.watching():
+            assert [guard.call(lambda x: x * 2, (i,), what="reward 'r'") for i in range(3)] == [0, 2, 4]
+        with pytest.raises(UserCodeError):
+            guard.call(lambda: sys.exit(2), what="reward 'r'")
         assert len(_watchdogs()) == 1
-        assert [guard.call(lambda x: x * 2, (i,), what="reward 'r'") for i in range(3)] == [0, 2, 4]
+        guard.close()
+        assert not _watchdogs()
+        assert guard.call(lambda: 5, what="reward 'r'") == 5  # a new one after close
         assert len(_watchdogs()) == 1
     assert not _watchdogs()
-    with pytest.raises(UserCodeError):
-        with guard.watching():
-            guard.call(lambda: sys.exit(2), what="reward 'r'")
+    guard = UserCodeGuard(timeout_s=30.0)
+    guard.call(lambda: 1, what="reward 'r'")
+    del guard  # garbage collected: its watchdog is stopped and joined too
     assert not _watchdogs()
 
 

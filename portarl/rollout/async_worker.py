@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             out.write(json.dumps(worker.handle(request)) + "\n")
             out.flush()
     finally:
+        worker.rewards.close()  # the reward watchdog's thread
         worker.engine.close()  # vllm: its engine core and process-wide state; hf: nothing
     return 0
 

@@ -171,5 +171,5 @@ def eval_checkpoint(checkpoint, data: str, *, n: int | None = None, greedy: bool
                        lean_decode=config.rollout.lean_decode)
     rewards = RewardRunner([(s.name, s.weight) for s in config.rewards], search_dirs=[str(Path.cwd())],
                            timeout_s=config.train.reward_timeout_s)
-    with torch.no_grad():
+    with rewards, torch.no_grad():  # the reward watchdog's thread is joined on the way out
         return evaluate(engine, model, codec, rewards, examples, ids, config)

@@ -338,8 +338,11 @@ class GRPOTrainer:
         return anywhere
 
     def close(self) -> None:
-        """Release the rollout engine (vLLM: its processes and device memory). The trainer
-        can train again afterwards; a vllm engine then starts anew."""
+        """Release the rollout engine (vLLM: its processes and device memory) and stop the
+        user-code watchdogs. The trainer can train again afterwards; a vllm engine then
+        starts anew."""
+        self.rewards.close()
+        self.hook_guard.close()
         if self._rollout is not None:
             self._rollout.close()
             self._rollout = None
