@@ -137,7 +137,8 @@ class Worker:
         self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template),
                               system_prompt=d.system_prompt)
         self.engine = build_engine(cfg, self.model, tokenizer, self.codec, spec["work_dir"])
-        self.rewards = RewardRunner([(r.name, r.weight) for r in cfg.rewards], search_dirs=spec["search_dirs"])
+        self.rewards = RewardRunner([(r.name, r.weight) for r in cfg.rewards], search_dirs=spec["search_dirs"],
+                                    timeout_s=cfg.train.reward_timeout_s)
         r = cfg.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens)
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             out.write(json.dumps(worker.handle(request)) + "\n")
             out.flush()
     finally:
+        worker.rewards.close()  # the reward watchdog's thread
         worker.engine.close()  # vllm: its engine core and process-wide state; hf: nothing
     return 0
 
