@@ -92,19 +92,43 @@ def synchronize() -> None:
         torch.npu.synchronize()
 
 
+def masked_logit(n_cols: int) -> float:
+    """The finite fp32 value fed to the operator in place of a -inf logit (a masked vocabulary).
+
+    Why not -inf: the operator's label-smoothing term sums a row's log-probs, and on some
+    implementations it is computed even at ``label_smoothing=0``, so a -inf entry gives
+    0 * inf = NaN for the whole row (unknown on Ascend; cheap to make impossible). Why not
+    the lowest finite fp32 either: two such log-probs already sum to -inf. fp32's lowest
+    finite value divided by ``2 * n_cols`` keeps the row's sum finite, and is still so far
+    below any real logit that its probability is exactly 0, as exp(-inf) is.
+    """
+    return torch.finfo(torch.float32).min / (2 * max(1, n_cols))
+
+
 def cross_entropy_loss(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row ``(loss, log_prob)`` from ``npu_cross_entropy_loss(reduction="none")``.
 
-    ``ignore_index=-1`` (negative) ignores nothing: callers mask padded rows themselves and
-    keep their targets in range. Only ``loss`` carries a gradient.
+    ``logits`` fp32 [N, C] (portarl feeds fp32 chunks: fp32 results). ``ignore_index=-1``
+    (negative) ignores nothing: callers mask padded rows themselves and keep their targets
+    in range. Only ``loss`` carries a gradient.
+
+    -inf logits never reach the operator: they go in as :func:`masked_logit` (probability
+    exactly 0 and no gradient, as for -inf), and a row whose target sits on a -inf logit
+    gets ``loss = +inf`` (logp = -inf, the op contract) instead of the clamp's finite
+    number; in ``log_prob`` masked entries hold a large negative finite value (exp() is 0).
+    NaN and +inf pass through unchanged.
     """
     module = _load()
     if module is None:
         raise RuntimeError(_import_error)
+    if logits.dtype != torch.float32:
+        raise ValueError(f"cross_entropy_loss: logits must be float32 (got {logits.dtype}); portarl feeds fp32 chunks")
+    finite = logits.clamp(min=masked_logit(logits.shape[-1]))
     loss, log_prob, _zloss, _lse = module.npu_cross_entropy_loss(
-        logits, target, reduction="none", ignore_index=-1
+        finite, target, reduction="none", ignore_index=-1
     )
-    return loss, log_prob
+    on_masked = torch.isneginf(logits.detach().gather(-1, target.unsqueeze(-1)).squeeze(-1))
+    return torch.where(on_masked, float("inf"), loss), log_prob
 
 
 def environment() -> dict[str, str | None]:
