@@ -103,3 +103,37 @@ def test_get_backend_by_name_and_by_device():
 def test_portarl_backend_env_forces_reference(monkeypatch):
     monkeypatch.setenv("PORTARL_BACKEND", "reference")
     assert portarl.get_backend("cpu").name == "reference"
+
+
+def test_torch_npu_on_a_cuda_torch_is_one_line(monkeypatch, fresh_npu_import):
+    """torch_npu refuses a torch built for CUDA with a RuntimeError (two lines, an error code):
+    the reason is one line naming the fix, never a traceback."""
+    real = importlib.import_module
+
+    def cuda_torch(name, *args):
+        if name == "torch_npu":
+            raise RuntimeError("Two accelerators cannot be used at the same time in PyTorch: npu and cuda. You can "
+                               "install the cpu version of PyTorch to use your npu device, or use the cuda device "
+                               "with 'export TORCH_DEVICE_BACKEND_AUTOLOAD=0'.\n[ERROR] 2026-11-25-16:00:00 "
+                               "(PID:1, Device:-1, RankID:-1) ERR00007 PTA feature not supported")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", cuda_torch)
+    reason = torch_npu_api.unavailable_reason()
+    assert reason is not None and "\n" not in reason
+    assert "CPU build" in reason and "portarl[npu]" in reason and "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in reason
+    with pytest.raises(DeviceUnavailableError, match="torch_npu cannot load into this torch"):
+        portarl.resolve_device("npu")
+
+
+def test_other_runtime_errors_of_torch_npu_are_one_line(monkeypatch, fresh_npu_import):
+    real = importlib.import_module
+
+    def broken(name, *args):
+        if name == "torch_npu":
+            raise RuntimeError("Failed to load the backend extension: torch_npu\nmore detail")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    reason = torch_npu_api.unavailable_reason()
+    assert reason is not None and "\n" not in reason and "Failed to load the backend extension" in reason

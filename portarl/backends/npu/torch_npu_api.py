@@ -55,7 +55,25 @@ def _load() -> ModuleType | None:
             )
     except (ImportError, OSError) as err:
         _import_error = f"torch_npu failed to import ({err}): the CANN environment is not sourced; {_SET_ENV_HINT}"
+    except RuntimeError as err:
+        _import_error = _runtime_error_reason(err)
     return _module
+
+
+def _runtime_error_reason(err: RuntimeError) -> str:
+    """One line for a RuntimeError raised by ``import torch_npu``.
+
+    torch_npu (2.13, ``torch_npu/__init__.py``) refuses a torch built for another
+    accelerator with "Two accelerators cannot be used at the same time in PyTorch: npu and
+    cuda. ..." plus an error-code line; the fix is the CPU build of torch that torch-npu pins.
+    """
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "Two accelerators" in first:
+        built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "another accelerator"
+        return (f"torch_npu cannot load into this torch {torch.__version__} (built for {built}): it needs the CPU "
+                "build of the torch release its torch-npu pins; install that torch (`pip install 'portarl[npu]'`), "
+                "or set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to use the other device without torch_npu")
+    return f"torch_npu failed to import (RuntimeError: {first}); {_SET_ENV_HINT}"
 
 
 def unavailable_reason() -> str | None:
