@@ -50,3 +50,17 @@ def test_compile_check_outcomes():
     assert ascend_worker.outcome(None) == "npubin"
     assert ascend_worker.outcome(cann_missing) == "linalg"
     assert ascend_worker.outcome(RuntimeError("triton-adapter-opt: failed to legalize tt.sort")) == "failed"
+
+
+def test_training_can_ask_for_the_triton_backend():
+    """``--set precision.backend=triton`` (with ``--device npu``) routes every op there; off an
+    NPU the run is refused with the reason, before any step."""
+    pytest.importorskip("transformers")
+    from portarl import ops
+    from portarl.backends import BackendUnavailableError
+    from portarl.trainer import TrainConfig
+    from portarl.trainer.setup import forced_backend
+
+    assert TrainConfig.load(None, ["precision.backend=triton"]).precision.backend == "triton"
+    with forced_backend("triton"), pytest.raises(BackendUnavailableError, match="'cuda' backend"):
+        ops.logprobs(torch.randn(2, 5), torch.tensor([0, 1]))
