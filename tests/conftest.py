@@ -114,6 +114,7 @@ def hardware_target(request):
 def standin():
     """Run the npu backend over the CPU stand-in (label: npu_standin, not hardware parity)."""
     npu_standin.calls.clear()
+    npu_standin.options.clear()
     with torch_npu_api.use_module(npu_standin, serves_device_type="cpu"):
         yield npu_standin
 

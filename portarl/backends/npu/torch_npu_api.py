@@ -149,6 +149,39 @@ def cross_entropy_loss(logits: torch.Tensor, target: torch.Tensor) -> tuple[torc
     return torch.where(on_masked, float("inf"), loss), log_prob
 
 
+#: torch_npu's option names behind the precision switches portarl records and holds, with
+#: the value torch_npu reports when the option was never set. Read and written the way
+#: torch_npu's own properties do (``torch_npu/npu/npu_config.py``: ``_npu_getOption`` /
+#: ``_npu_setOption``); ``torch.npu.config.allow_internal_format`` has a setter but no
+#: getter in torch_npu 2.13, so the option is the only way to read it.
+PRECISION_OPTIONS = {
+    "npu.allow_internal_format": ("ALLOW_INTERNAL_FORMAT", False),  # NZ weight format; vllm-ascend sets it
+    "npu.matmul.allow_hf32": ("ALLOW_MATMUL_HF32", False),
+    "npu.conv.allow_hf32": ("ALLOW_CONV_HF32", True),
+}
+
+
+def precision_switches() -> dict[str, bool]:
+    """The NPU precision switches of this process (:data:`PRECISION_OPTIONS`); empty off an NPU."""
+    module = _load()
+    if module is None or device_type != "npu":
+        return {}
+    out = {}
+    for name, (option, default) in PRECISION_OPTIONS.items():
+        raw = module._C._npu_getOption(option)
+        text = raw.decode() if isinstance(raw, bytes) else (raw or "")
+        out[name] = default if text == "" else text == "enable"
+    return out
+
+
+def set_precision_switch(name: str, value: bool) -> None:
+    """Set one of :data:`PRECISION_OPTIONS` (as ``torch.npu.config`` / ``torch.npu.matmul`` do)."""
+    module = _load()
+    if module is None:
+        raise RuntimeError(_import_error)
+    module._C._npu_setOption({PRECISION_OPTIONS[name][0]: "enable" if value else "disable"})
+
+
 def environment() -> dict[str, str | None]:
     """torch_npu, CANN and driver versions and the device name, for parity reports."""
     module = _load()
