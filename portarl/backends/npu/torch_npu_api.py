@@ -149,6 +149,31 @@ def cross_entropy_loss(logits: torch.Tensor, target: torch.Tensor) -> tuple[torc
     return torch.where(on_masked, float("inf"), loss), log_prob
 
 
+def fused_adamw_reason() -> str | None:
+    """None when ``torch.optim.AdamW(fused=True)`` can run on the NPU, else why not.
+
+    torch accepts its out-of-tree accelerator for fused AdamW (``torch.utils._foreach_utils.
+    _get_fused_kernels_supported_devices`` lists the privateuse1 backend, ``npu`` once
+    torch_npu renamed it), and the step calls ``aten::_fused_adamw_``. Checked in the
+    shipped op schemas (``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml``, read
+    from the PyPI wheels without CANN): torch-npu 2.13.0 and 2.10.0.post4 register
+    ``_fused_adamw_`` (float lr; not its ``.tensor_lr`` overload, which portarl's float
+    learning rates never call). At run time the dispatcher says whether this torch_npu
+    registered the kernel for the NPU (PrivateUse1).
+    """
+    module = _load()
+    if module is None:
+        return _import_error
+    if device_type != "npu":
+        return None  # a stand-in serving CPU tensors: torch's own CPU kernel runs
+    if torch._C._get_privateuse1_backend_name() != "npu":
+        return "torch_npu did not register the npu device with torch"
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_adamw_", "PrivateUse1"):
+        return (f"torch_npu {getattr(module, '__version__', '?')} registers no _fused_adamw_ kernel for the NPU "
+                "(its op schemas list none)")
+    return None
+
+
 #: torch_npu's option names behind the precision switches portarl records and holds, with
 #: the value torch_npu reports when the option was never set. Read and written the way
 #: torch_npu's own properties do (``torch_npu/npu/npu_config.py``: ``_npu_getOption`` /
