@@ -32,7 +32,7 @@ for ahead-of-time compilation checks (sm_80 / sm_90, no spills).
 import triton
 import triton.language as tl
 
-from portarl.kernels._rowmath import row_grad_inputs, row_lse_entropy, softmax_grad
+from portarl.kernels._rowmath import row_grad_inputs, row_lse_entropy, softmax_grad, store_row
 
 #: Tiles of linear_tile_kernel: constants (batch invariance), small enough not to spill.
 BLOCK_M = 32
@@ -103,16 +103,10 @@ def tile_logprobs_forward_kernel(
         label = tl.load(labels_ptr + row)
         row_ptr = z_ptr + row * n_cols
         if label == ignore_index:
-            tl.store(logp_ptr + row, 0.0)
-            tl.store(lse_ptr + row, 0.0)
-            if WITH_ENTROPY:
-                tl.store(entropy_ptr + row, 0.0)
+            store_row(row, 0.0, 0.0, 0.0, logp_ptr, lse_ptr, entropy_ptr, WITH_ENTROPY)
         else:
             lse, entropy = row_lse_entropy(row_ptr, 1, n_cols, 1.0, BLOCK_V, WITH_ENTROPY)
-            tl.store(logp_ptr + row, tl.load(row_ptr + label) - lse)
-            tl.store(lse_ptr + row, lse)
-            if WITH_ENTROPY:
-                tl.store(entropy_ptr + row, entropy)
+            store_row(row, tl.load(row_ptr + label) - lse, lse, entropy, logp_ptr, lse_ptr, entropy_ptr, WITH_ENTROPY)
 
 
 @triton.jit

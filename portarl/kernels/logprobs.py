@@ -39,7 +39,7 @@ sum p * z directly would cancel two numbers of size |z|).
 import triton
 import triton.language as tl
 
-from portarl.kernels._rowmath import row_grad_inputs, row_lse_entropy, softmax_grad
+from portarl.kernels._rowmath import row_grad_inputs, row_lse_entropy, softmax_grad, store_row
 from portarl.kernels.rounding import cast_for_store
 
 #: Largest forward tile of a row held at once (columns).
@@ -97,17 +97,11 @@ def logprobs_forward_kernel(
         label = tl.load(labels_ptr + row)
         row_ptr = logits_ptr + tl.load(row_offsets_ptr + row)
         if label == ignore_index:
-            tl.store(logp_ptr + row, 0.0)
-            tl.store(lse_ptr + row, 0.0)
-            if WITH_ENTROPY:
-                tl.store(entropy_ptr + row, 0.0)
+            store_row(row, 0.0, 0.0, 0.0, logp_ptr, lse_ptr, entropy_ptr, WITH_ENTROPY)
         else:
             lse, entropy = row_lse_entropy(row_ptr, col_stride, n_cols, inv_temperature, BLOCK_V, WITH_ENTROPY)
             z_label = tl.load(row_ptr + label * col_stride).to(tl.float32) * inv_temperature
-            tl.store(logp_ptr + row, z_label - lse)
-            tl.store(lse_ptr + row, lse)
-            if WITH_ENTROPY:
-                tl.store(entropy_ptr + row, entropy)
+            store_row(row, z_label - lse, lse, entropy, logp_ptr, lse_ptr, entropy_ptr, WITH_ENTROPY)
 
 
 @triton.jit
