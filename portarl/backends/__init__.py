@@ -4,6 +4,8 @@
 - ``cuda``: Triton kernels (:mod:`portarl.kernels`); CUDA tensors, or CPU tensors under
   ``TRITON_INTERPRET=1``.
 - ``npu``: torch_npu operators, every call in :mod:`portarl.backends.npu.torch_npu_api`.
+- ``triton``: the ``cuda`` backend's Triton kernels on an Ascend NPU through triton-ascend
+  (:mod:`portarl.backends.triton_ascend`).
 """
 
 from __future__ import annotations

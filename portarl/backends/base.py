@@ -16,7 +16,7 @@ class BackendUnavailableError(RuntimeError):
 
 
 class Backend(abc.ABC):
-    #: Registry name: "reference", "cuda" or "npu".
+    #: Registry name: "reference", "cuda", "npu" or "triton" (the Triton kernels on an NPU).
     name: str
 
     @abc.abstractmethod

@@ -14,6 +14,7 @@ _MODULES = {
     "reference": "portarl.backends.reference",
     "cuda": "portarl.backends.cuda",
     "npu": "portarl.backends.npu",
+    "triton": "portarl.backends.triton_ascend",  # the Triton kernels on an NPU (triton-ascend)
 }
 BACKEND_NAMES = tuple(_MODULES)
 _instances: dict[str, Backend] = {}

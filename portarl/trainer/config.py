@@ -308,6 +308,10 @@ class TrainConfig:
                self.train.mini_batches)
         _check(self.shaping.overlong_buffer <= self.rollout.max_new_tokens, "shaping.overlong_buffer",
                f"must be at most rollout.max_new_tokens ({self.rollout.max_new_tokens})", self.shaping.overlong_buffer)
+        if self.rollout.engine == "vllm" and self.device.strip().lower().startswith("npu"):
+            from portarl.rollout.vllm_ascend import refuse_rollout_dtype
+
+            refuse_rollout_dtype(self.precision.dtype, ConfigError)
         if self.reference.sync and self.model.lora is not None:
             raise ConfigError(REFERENCE_SYNC_LORA)
         if self.reference.sync and self.loss.kl_coef == 0:

@@ -29,7 +29,8 @@ class PrecisionConfig:
     #: Numerics: "portarl" (the fp32 contract), or an EMULATION profile of an Ascend stack
     #: ("npu-emulated", "npu-emulated-hf32"; see portarl.emulation), or a list of switches.
     numerics: Any = "portarl"
-    #: Force one ops backend ("reference", "cuda", "npu"); None: by device.
+    #: Force one ops backend ("reference", "cuda", "npu", "triton": the Triton kernels on an
+    #: NPU through triton-ascend); None: by device.
     backend: str | None = None
 
     @property
@@ -44,8 +45,10 @@ class PrecisionConfig:
             resolve_profile(self.numerics)
         except ValueError as err:
             raise ConfigError(f"precision.numerics: {err}") from None
-        _check(self.backend in (None, "reference", "cuda", "npu"), "precision.backend",
-               "must be reference, cuda, npu or null", self.backend)
+        from portarl.backends.registry import BACKEND_NAMES
+
+        _check(self.backend in (None, *BACKEND_NAMES), "precision.backend",
+               f"must be {', '.join(BACKEND_NAMES)} or null", self.backend)
         _check(self.dtype in ("fp32", "bf16", "fp16"), "precision.dtype", "must be fp32, bf16 or fp16", self.dtype)
         _check(self.logits in ("fp32", "model"), "precision.logits", "must be 'fp32' or 'model'", self.logits)
         _check(self.master_weights_fp32 in ("auto", True, False) and (self.master_weights_fp32 is not None),

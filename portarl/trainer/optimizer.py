@@ -8,9 +8,13 @@ update (equal within fp32 rounding; ``tests/trainer/test_optimizer_impl.py``).
 
 ``auto`` picks ``fused`` on CUDA and on the CPU (torch's CPU kernel: 0.25 ms against
 foreach's 0.8 ms per step for the 26 tensors of ``portarl bench step``'s model, where
-foreach is still a loop over tensors) and ``foreach`` elsewhere. On Ascend NPUs the fused
-path is torch_npu's own optimizer class (``torch_npu.optim.NpuFusedAdamW``), not
-``torch.optim.AdamW(fused=True)``, so ``fused`` is refused there; foreach is supported.
+foreach is still a loop over tensors) and ``foreach`` elsewhere. On Ascend NPUs ``fused``
+is ``torch.optim.AdamW(fused=True)`` on torch_npu's ``_fused_adamw_`` kernel: torch lists
+the npu (privateuse1) backend among the fused devices, and torch-npu 2.13.0 / 2.10.0.post4
+register the op in their shipped schemas (read from the wheels); it is allowed where the
+running torch_npu registered the kernel and refused with the reason otherwise
+(:func:`portarl.backends.npu.torch_npu_api.fused_adamw_reason`). ``auto`` stays
+``foreach`` on the NPU until fused is measured there (docs/hardware-ci.md).
 (torch itself defaults to foreach on CUDA and to the per-parameter loop on CPU.) fp32
 master weights are ordinary fp32 tensors; FSDP2's DTensor parameters take foreach under
 ``auto``.
@@ -38,10 +42,16 @@ def resolve_implementation(name: str, device: torch.device, sharded: bool = Fals
         raise ValueError(f"optim.implementation={name!r} must be one of {', '.join(IMPLEMENTATIONS)}")
     if name == "auto":
         return "fused" if device.type in ("cuda", "cpu") and not sharded else "foreach"
-    if name == "fused":
+    if name == "fused" and device.type == "npu":
+        from portarl.backends.npu import torch_npu_api
+
+        reason = torch_npu_api.fused_adamw_reason()
+        if reason is not None:
+            raise ValueError(f"optim.implementation=fused: {reason}; use optim.implementation=auto or foreach")
+    elif name == "fused":
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-        if device.type not in _get_fused_kernels_supported_devices() or device.type == "npu":
+        if device.type not in _get_fused_kernels_supported_devices():
             raise ValueError(f"optim.implementation=fused: torch has no fused AdamW for device {device.type!r}; "
                              "use optim.implementation=auto or foreach")
     return name

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from portarl.backends.cuda import grid
 from portarl.kernels import kl_backward_kernel, kl_forward_kernel, round_bf16_in_interpreter
 from portarl.kernels.kl import LAUNCH
 
@@ -38,7 +39,7 @@ class TritonKL(torch.autograd.Function):
             float(max_value) if max_value is not None else 0.0,
         )
         if n:
-            kl_forward_kernel[(triton.cdiv(n, BLOCK),)](logp_c, ref_c, mask_c, out, n, *clamps, **params)
+            kl_forward_kernel[grid.programs(triton.cdiv(n, BLOCK))](logp_c, ref_c, mask_c, out, n, *clamps, **params)
         ctx.save_for_backward(logp_c, ref_c, mask_c)
         ctx.params, ctx.clamps = params, clamps
         ctx.dtypes = (logp.dtype, ref_logp.dtype)
@@ -51,7 +52,7 @@ class TritonKL(torch.autograd.Function):
         grad_ref = torch.empty(ref_c.shape, dtype=ctx.dtypes[1], device=ref_c.device)
         n = logp_c.numel()
         if n:
-            kl_backward_kernel[(triton.cdiv(n, BLOCK),)](
+            kl_backward_kernel[grid.programs(triton.cdiv(n, BLOCK))](
                 logp_c, ref_c, mask_c, grad_out.contiguous(), grad_logp, grad_ref, n, *ctx.clamps, **ctx.params,
                 ROUND_BF16_LOGP=round_bf16_in_interpreter(grad_logp.dtype),
                 ROUND_BF16_REF=round_bf16_in_interpreter(grad_ref.dtype),

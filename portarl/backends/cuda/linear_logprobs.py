@@ -15,6 +15,7 @@ import torch
 import triton
 
 from portarl.backends._linear_chunks import ChunkMath, backward_chunks, forward_chunks
+from portarl.backends.cuda import grid
 from portarl.kernels import INTERPRETED
 from portarl.kernels.linear_logprobs import (
     BLOCK_K,
@@ -33,8 +34,7 @@ def matmul_into(c, a, b, *, bias=None, scale=1.0, accumulate=False):
     """fp32 ``c`` [M, N] (+)= (a [M, K] @ b [K, N] + bias) * scale; any strides."""
     m, k = a.shape
     n = b.shape[1]
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    linear_tile_kernel[grid](
+    linear_tile_kernel[grid.programs(triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N))](
         a, b, bias if bias is not None else b, c,
         m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
@@ -75,9 +75,9 @@ class TritonLinearLogprobs(torch.autograd.Function):
         config = row_config(vocab)
 
         def row_forward(r0, r1, z):
-            tile_logprobs_forward_kernel[(r1 - r0,)](
+            tile_logprobs_forward_kernel[grid.programs(r1 - r0)](
                 z, labels[r0:r1], logp[r0:r1], (entropy if with_entropy else lse)[r0:r1], lse[r0:r1],
-                vocab, ignore_index, WITH_ENTROPY=with_entropy, **config,
+                r1 - r0, vocab, ignore_index, WITH_ENTROPY=with_entropy, **config,
             )
 
         forward_chunks(TritonChunkMath(), hidden, weight, bias, inv_t, row_forward)
@@ -94,9 +94,9 @@ class TritonLinearLogprobs(torch.autograd.Function):
         config = row_config(weight.shape[0])
 
         def row_backward(r0, r1, z):  # in place: the tile becomes its gradient
-            tile_logprobs_backward_kernel[(r1 - r0,)](
+            tile_logprobs_backward_kernel[grid.programs(r1 - r0)](
                 z, labels[r0:r1], lse[r0:r1], (entropy if use_h else lse)[r0:r1], g_logp[r0:r1], g_ent[r0:r1],
-                weight.shape[0], ctx.inv_t, ctx.ignore_index, WITH_ENTROPY=use_h, **config,
+                r1 - r0, weight.shape[0], ctx.inv_t, ctx.ignore_index, WITH_ENTROPY=use_h, **config,
             )
             return z
 

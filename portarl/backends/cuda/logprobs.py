@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from portarl.backends.cuda import grid
 from portarl.backends.rows import row_offsets
 from portarl.kernels import round_bf16_in_interpreter
 from portarl.kernels.logprobs import (
@@ -57,9 +58,9 @@ def forward_rows(logits, labels, inv_temperature: float, ignore_index: int, with
     entropy = torch.empty_like(logp) if with_entropy else None
     config = forward_config(n_cols)
     if n_rows:
-        logprobs_forward_kernel[(n_rows,)](
+        logprobs_forward_kernel[grid.programs(n_rows)](
             logits, offsets, logits.stride(-1), labels, logp, entropy if with_entropy else lse, lse,
-            n_cols, inv_temperature, ignore_index, WITH_ENTROPY=with_entropy, **config,
+            n_rows, n_cols, inv_temperature, ignore_index, WITH_ENTROPY=with_entropy, **config,
         )
     return logp, lse, entropy
 
@@ -70,7 +71,7 @@ def backward_rows(logits, labels, lse, entropy, g_logp, g_entropy, inv_temperatu
 
     ``inplace=True`` overwrites ``logits`` with the gradient and returns it; ``logits`` must
     not overlap itself (no expanded / broadcast views). Otherwise a new contiguous buffer.
-    2-D grid: (rows, column blocks of ``backward_config(V)["BLOCK_V"]``).
+    One item per (row, column block of ``backward_config(V)["BLOCK_V"]``), on a persistent grid.
     """
     n_cols = logits.shape[-1]
     n_rows = labels.numel()
@@ -85,13 +86,13 @@ def backward_rows(logits, labels, lse, entropy, g_logp, g_entropy, inv_temperatu
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     config = backward_config(n_cols)
     if n_rows and n_cols:
-        logprobs_grad_kernel[(n_rows, triton.cdiv(n_cols, config["BLOCK_V"]))](
+        logprobs_grad_kernel[grid.programs(n_rows * triton.cdiv(n_cols, config["BLOCK_V"]))](
             logits, offsets, logits.stride(-1), labels, lse,
             entropy if use_entropy else lse,
             g_logp,
             g_entropy.float().contiguous() if use_entropy else g_logp,
             lse if inplace else grad,  # in place: a dummy, the kernel writes through logits_ptr
-            n_cols, inv_temperature, ignore_index,
+            n_rows, n_cols, inv_temperature, ignore_index,
             WITH_ENTROPY=use_entropy, IN_PLACE=inplace, ROUND_BF16=round_bf16_in_interpreter(grad.dtype), **config,
         )
     return grad

@@ -55,7 +55,25 @@ def _load() -> ModuleType | None:
             )
     except (ImportError, OSError) as err:
         _import_error = f"torch_npu failed to import ({err}): the CANN environment is not sourced; {_SET_ENV_HINT}"
+    except RuntimeError as err:
+        _import_error = _runtime_error_reason(err)
     return _module
+
+
+def _runtime_error_reason(err: RuntimeError) -> str:
+    """One line for a RuntimeError raised by ``import torch_npu``.
+
+    torch_npu (2.13, ``torch_npu/__init__.py``) refuses a torch built for another
+    accelerator with "Two accelerators cannot be used at the same time in PyTorch: npu and
+    cuda. ..." plus an error-code line; the fix is the CPU build of torch that torch-npu pins.
+    """
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "Two accelerators" in first:
+        built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "another accelerator"
+        return (f"torch_npu cannot load into this torch {torch.__version__} (built for {built}): it needs the CPU "
+                "build of the torch release its torch-npu pins; install that torch (`pip install 'portarl[npu]'`), "
+                "or set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to use the other device without torch_npu")
+    return f"torch_npu failed to import (RuntimeError: {first}); {_SET_ENV_HINT}"
 
 
 def unavailable_reason() -> str | None:
@@ -92,19 +110,101 @@ def synchronize() -> None:
         torch.npu.synchronize()
 
 
+def masked_logit(n_cols: int) -> float:
+    """The finite fp32 value fed to the operator in place of a -inf logit (a masked vocabulary).
+
+    Why not -inf: the operator's label-smoothing term sums a row's log-probs, and on some
+    implementations it is computed even at ``label_smoothing=0``, so a -inf entry gives
+    0 * inf = NaN for the whole row (unknown on Ascend; cheap to make impossible). Why not
+    the lowest finite fp32 either: two such log-probs already sum to -inf. fp32's lowest
+    finite value divided by ``2 * n_cols`` keeps the row's sum finite, and is still so far
+    below any real logit that its probability is exactly 0, as exp(-inf) is.
+    """
+    return torch.finfo(torch.float32).min / (2 * max(1, n_cols))
+
+
 def cross_entropy_loss(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row ``(loss, log_prob)`` from ``npu_cross_entropy_loss(reduction="none")``.
 
-    ``ignore_index=-1`` (negative) ignores nothing: callers mask padded rows themselves and
-    keep their targets in range. Only ``loss`` carries a gradient.
+    ``logits`` fp32 [N, C] (portarl feeds fp32 chunks: fp32 results). ``ignore_index=-1``
+    (negative) ignores nothing: callers mask padded rows themselves and keep their targets
+    in range. Only ``loss`` carries a gradient.
+
+    -inf logits never reach the operator: they go in as :func:`masked_logit` (probability
+    exactly 0 and no gradient, as for -inf), and a row whose target sits on a -inf logit
+    gets ``loss = +inf`` (logp = -inf, the op contract) instead of the clamp's finite
+    number; in ``log_prob`` masked entries hold a large negative finite value (exp() is 0).
+    NaN and +inf pass through unchanged.
     """
     module = _load()
     if module is None:
         raise RuntimeError(_import_error)
+    if logits.dtype != torch.float32:
+        raise ValueError(f"cross_entropy_loss: logits must be float32 (got {logits.dtype}); portarl feeds fp32 chunks")
+    finite = logits.clamp(min=masked_logit(logits.shape[-1]))
     loss, log_prob, _zloss, _lse = module.npu_cross_entropy_loss(
-        logits, target, reduction="none", ignore_index=-1
+        finite, target, reduction="none", ignore_index=-1
     )
-    return loss, log_prob
+    on_masked = torch.isneginf(logits.detach().gather(-1, target.unsqueeze(-1)).squeeze(-1))
+    return torch.where(on_masked, float("inf"), loss), log_prob
+
+
+def fused_adamw_reason() -> str | None:
+    """None when ``torch.optim.AdamW(fused=True)`` can run on the NPU, else why not.
+
+    torch accepts its out-of-tree accelerator for fused AdamW (``torch.utils._foreach_utils.
+    _get_fused_kernels_supported_devices`` lists the privateuse1 backend, ``npu`` once
+    torch_npu renamed it), and the step calls ``aten::_fused_adamw_``. Checked in the
+    shipped op schemas (``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml``, read
+    from the PyPI wheels without CANN): torch-npu 2.13.0 and 2.10.0.post4 register
+    ``_fused_adamw_`` (float lr; not its ``.tensor_lr`` overload, which portarl's float
+    learning rates never call). At run time the dispatcher says whether this torch_npu
+    registered the kernel for the NPU (PrivateUse1).
+    """
+    module = _load()
+    if module is None:
+        return _import_error
+    if device_type != "npu":
+        return None  # a stand-in serving CPU tensors: torch's own CPU kernel runs
+    if torch._C._get_privateuse1_backend_name() != "npu":
+        return "torch_npu did not register the npu device with torch"
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_adamw_", "PrivateUse1"):
+        return (f"torch_npu {getattr(module, '__version__', '?')} registers no _fused_adamw_ kernel for the NPU "
+                "(its op schemas list none)")
+    return None
+
+
+#: torch_npu's option names behind the precision switches portarl records and holds, with
+#: the value torch_npu reports when the option was never set. Read and written the way
+#: torch_npu's own properties do (``torch_npu/npu/npu_config.py``: ``_npu_getOption`` /
+#: ``_npu_setOption``); ``torch.npu.config.allow_internal_format`` has a setter but no
+#: getter in torch_npu 2.13, so the option is the only way to read it.
+PRECISION_OPTIONS = {
+    "npu.allow_internal_format": ("ALLOW_INTERNAL_FORMAT", False),  # NZ weight format; vllm-ascend sets it
+    "npu.matmul.allow_hf32": ("ALLOW_MATMUL_HF32", False),
+    "npu.conv.allow_hf32": ("ALLOW_CONV_HF32", True),
+}
+
+
+def precision_switches() -> dict[str, bool]:
+    """The NPU precision switches of this process (:data:`PRECISION_OPTIONS`); empty off an NPU."""
+    module = _load()
+    if module is None or device_type != "npu":
+        return {}
+    out = {}
+    for name, (option, default) in PRECISION_OPTIONS.items():
+        raw = module._C._npu_getOption(option)
+        text = raw.decode() if isinstance(raw, bytes) else (raw or "")
+        out[name] = default if text == "" else text == "enable"
+    return out
+
+
+def set_precision_switch(name: str, value: bool) -> None:
+    """Set one of :data:`PRECISION_OPTIONS` (as ``torch.npu.config`` / ``torch.npu.matmul`` do)."""
+    module = _load()
+    if module is None:
+        raise RuntimeError(_import_error)
+    module._C._npu_setOption({PRECISION_OPTIONS[name][0]: "enable" if value else "disable"})
 
 
 def environment() -> dict[str, str | None]:

@@ -86,12 +86,20 @@ def plot_tokens(analysis: dict, path: Path) -> Path | None:
     return path
 
 
+def _switches(e: dict) -> str:
+    """The run's numerics switches that were on, and any an engine changed that were set back."""
+    on = [name for name, value in (e.get("precision_switches") or {}).items() if value is True]
+    restored = [f"{r['switch']} (set to {r['changed_to']} by {r['by']})" for r in e.get("precision_switches_restored") or []]
+    text = ", ".join(on) or ("none on" if "precision_switches" in e else "-")
+    return text + (f"; set back: {', '.join(restored)}" if restored else "")
+
+
 def _env_row(run: dict) -> str:
     e = run.get("environment") or {}
     driver = e.get("nvidia_driver") or e.get("npu_driver") or "-"
     return (f"| {run['label']} | {e.get('device_name', run['device_name'])} | {e.get('torch', '-')} | "
             f"{e.get('triton') or '-'} | {e.get('torch_npu') or '-'} | {e.get('cann') or '-'} | {driver} | "
-            f"{run.get('source') or '-'} |")
+            f"{_switches(e)} | {run.get('source') or '-'} |")
 
 
 def write_report(analysis: dict, out_dir: Path, figure: Path | None, token_figure: Path | None, steps: int) -> Path:
@@ -155,8 +163,9 @@ def write_report(analysis: dict, out_dir: Path, figure: Path | None, token_figur
                              f"{t['k3_kl']:.3e} | {t['entropy_mean_abs_diff']:.3e} | {t['grad_norm_diff']:.3e} |")
         if token_figure is not None:
             lines += ["", f"![token-level divergence]({token_figure.name})"]
-    lines += ["", "## Environment per run", "", "| run | device | torch | triton | torch_npu | CANN | driver | directory |",
-              "|---|---|---|---|---|---|---|---|"] + [_env_row(r) for r in runs]
+    lines += ["", "## Environment per run", "",
+              "| run | device | torch | triton | torch_npu | CANN | driver | precision switches | directory |",
+              "|---|---|---|---|---|---|---|---|---|"] + [_env_row(r) for r in runs]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
