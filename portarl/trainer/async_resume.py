@@ -25,8 +25,6 @@ from __future__ import annotations
 import logging
 
 from portarl import distributed as pdist
-from portarl.reward_runner import RewardError
-from portarl.trainer.async_client import RolloutWorkerError
 
 #: The trainer-state key (``trainer_state.json``) holding the batches in flight.
 STATE_KEY = "async_in_flight"
@@ -45,8 +43,8 @@ def _wait_in_flight(pipeline) -> list[dict] | None:
             pipeline.batches[step] = reply = pipeline._await_batch(step)
             saved.append({"step": step, "prompts": [pipeline.index.get(id(ex)) for ex in pipeline.trainer_prompts(step)],
                           "reply": reply})
-    except (RolloutWorkerError, RewardError) as err:  # raised again at the step that needs the batch
-        pipeline.failure = err
+    except Exception as err:  # raised again at the step that needs the batch (under torchrun the other
+        pipeline.failure = err  # ranks are in the broadcast below: they must not wait for a batch that is not coming)
         log.warning("the checkpoint of step %d does not hold the batches in flight (%s): a resume from it "
                     "regenerates them with its weights", pipeline.trainer.step, err)
         return None
