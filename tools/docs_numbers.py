@@ -79,8 +79,11 @@ def job_plan(ctx: Context) -> dict[str, str]:
     return {"plan": text.strip("\n"), "plan_peak": peak.group(1) if peak else "?"}
 
 
-def _locate(ctx: Context, rec: Path, step: int, name: str, extra: tuple[str, ...] = ()) -> dict:
-    a, b = f"fp32-step{step}", f"emu-step{step}"
+def _locate(ctx: Context, rec: Path, step: int, name: str, extra: tuple[str, ...] = (),
+            sides: tuple[str, str] = ("fp32-step{step}", "emu-step{step}")) -> dict:
+    """Dump ``step`` of ``rec`` in fp32 and in the bf16 NPU emulation, locate, read the report
+    (written to ``LOCATE/name`` with --write); ``sides``: the dump directories the README names."""
+    a, b = (side.format(step=step) for side in sides)
     ctx.portarl("bench", "stability", "dump", "--from", str(rec), "--step", str(step), "--out", a, *extra)
     ctx.portarl("bench", "stability", "dump", "--from", str(rec), "--step", str(step), "--out", b, *extra,
                 "--run", "cpu:bf16:npu-emulated")
@@ -105,7 +108,7 @@ def job_smollm2_locate(ctx: Context) -> dict[str, str]:
             "--set", "train.micro_batch_size=4", "--set", "loss.kl_coef=0.001"]
     ctx.portarl("bench", "stability", "--config", str(ROOT / "examples/smollm2-arith.yaml"), "--runs", "cpu:fp32",
                 "--steps", "2", "--replay-rollouts", "--out", "rec", *sets)
-    report = _locate(ctx, ctx.work / "rec", 2, "smollm2-step2", ("--rows", "2", "--budget-mb", "2048"))
+    report = _locate(ctx, ctx.work / "rec", 2, "smollm2-step2", ("--rows", "2", "--budget-mb", "2048"), ("fp32", "emu"))
     return locate_figures(report, "smollm2")
 
 
