@@ -29,9 +29,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 # a short supervised warm-up first. Metrics, TensorBoard logs, curves.png, checkpoints: runs/demo.
 # DEMO_SETS sizes it to about half a minute on 2 idle CPU cores (the default config runs 300 steps
 # at lr 5e-4); --overwrite replaces the previous demo run. DEMO_THREADS: torch's CPU threads. The
-# demo model gives the same numbers on 1, 2 and 4 threads (tests/trainer/test_thread_count.py),
-# but other torch kernels can sum in a thread-dependent order, so the count the README's figures
-# were measured with is pinned; the last lines print this run's figures beside the README's.
+# demo gives the same numbers on 1, 2 and 4 threads (tests/trainer/test_thread_count.py holds the
+# demo model to the same bits on 1, 2 and 3), but other torch kernels can sum in a thread-dependent
+# order, so the count the README's figures were measured with is pinned; the last lines print
+# this run's figures beside the README's.
 DEMO_THREADS ?= 1
 DEMO_SETS ?= --set train.steps=60 --set optim.lr=1e-3
 demo: $(VENV)/.installed

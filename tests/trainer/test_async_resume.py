@@ -102,3 +102,26 @@ def test_async_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, uninter
     a, b = load_file(uninterrupted / final), load_file(out / final)
     assert a.keys() == b.keys()
     assert [name for name in a if not torch.equal(a[name], b[name])] == [], "final weights differ"
+
+
+def test_a_checkpoint_of_a_failed_pipeline_holds_no_batches_in_flight_and_its_resume_says_so(tmp_path):
+    """The worker dies: the run stops with a checkpoint that waits for nothing (no batch is
+    coming) and stores none; a resume from it generates the next batch with the checkpoint's
+    weights (staleness 0 for that step only), says so in its log, and runs to the end."""
+    out = tmp_path / "failed"
+    proc = _start(out, *SETS, **{FAULT_ENV: "die@4"})
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 3, err[-3000:]
+    checkpoint = CheckpointManager(out).latest()
+    stopped_at = CheckpointManager.load_state(checkpoint)["step"]
+    assert 1 <= stopped_at < 4 and CheckpointManager.load_state(checkpoint)["async_in_flight"] is None
+
+    proc = _start(out, *SETS, resume=True)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"resumed async rollout from step {stopped_at} without batches in flight" in err
+    rows = _jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    want = [0] + [1] * 5
+    want[stopped_at] = 0  # the first resumed step: sampled by the checkpoint's own weights
+    assert [r["rollout/staleness_max"] for r in rows] == want
