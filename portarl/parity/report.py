@@ -18,7 +18,7 @@ from typing import Iterable
 
 import torch
 
-from portarl.parity.sweep import Record, native_backend
+from portarl.parity.sweep import Record, native_backend, report_label
 
 SCHEMA = "portarl.parity/1"
 
@@ -156,8 +156,10 @@ def _device_diff(a: Record, b: Record) -> tuple[float, bool]:
 
 
 def compare_reports(a: dict, b: dict, backend_a: str | None = None, backend_b: str | None = None) -> list[Comparison]:
-    ba = backend_a or a["primary_backend"]
-    bb = backend_b or b["primary_backend"]
+    """``backend_a`` / ``backend_b``: a backend name (``cuda`` in a CPU report means its
+    ``cuda-interpreted`` rows) or a row label; default each report's primary backend."""
+    ba = report_label(backend_a, a["device"]) if backend_a else a["primary_backend"]
+    bb = report_label(backend_b, b["device"]) if backend_b else b["primary_backend"]
     ra = {r.key: r for r in records_of(a) if r.backend == ba}
     rb = {r.key: r for r in records_of(b) if r.backend == bb}
     if not ra:

@@ -58,6 +58,14 @@ def native_backend(device: torch.device) -> str:
     return {"cuda": "cuda", "npu": "npu"}.get(device.type, "reference")
 
 
+def report_label(backend: str, device: torch.device | str) -> str:
+    """The name a backend's rows carry in a report: ``cuda-interpreted`` for the Triton
+    kernels run by the interpreter on a CPU (their numbers are the kernels' arithmetic, not
+    a GPU's, and their timings mean little), else the backend's own name."""
+    on_cpu = str(device).split(":")[0] == "cpu"  # a string: a report's device may be one torch cannot name here (npu)
+    return "cuda-interpreted" if backend == "cuda" and on_cpu else backend
+
+
 def backends_for(device: torch.device) -> list[str]:
     """Backends that can run on ``device``, the device's own first."""
     names = [native_backend(device)] + [n for n in BACKEND_NAMES if n != native_backend(device)]
@@ -239,6 +247,8 @@ def run_sweep(
     for i, (label, job) in enumerate(jobs, 1):
         started = time.perf_counter()
         out = job()
+        for record in out:
+            record.backend = report_label(record.backend, device)
         records.extend(out)
         if progress is not None:
             status = "ok" if all(r.passed for r in out) else "FAIL"

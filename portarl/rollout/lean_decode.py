@@ -11,7 +11,9 @@ else, and the cache is written in place.
 Faithful by construction: it calls the model's own modules (embeddings, RMSNorms, q/k/v/o
 projections, so LoRA adapters injected by peft apply; the rotary embedding module, so every
 RoPE scaling variant; the MLP) in the order of the Hugging Face forward, with the same
-rotary arithmetic and ``scaled_dot_product_attention`` with the same scale and padding mask.
+rotary arithmetic and ``scaled_dot_product_attention`` with the same scale and padding mask
+(on the CPU in fp32 that attention written out, :func:`one_row_attention`, so that a run's
+samples do not depend on the thread count).
 ``tests/trainer/test_lean_decode.py`` holds its logits to the Hugging Face forward for each
 supported architecture, and the engine's samples to those of the Hugging Face path.
 
@@ -69,6 +71,25 @@ def _gqa_supported(device: torch.device) -> bool:
     return device.type in ("cpu", "cuda") and tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
+def one_row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Attention of one query row per sequence, written out: ``softmax(q k^T * scale)`` over
+    the ``valid`` positions (``[B, 1, 1, T]`` bool), times the values; query head h reads
+    key / value head ``h // (heads / kv_heads)``, as Hugging Face's ``repeat_kv`` pairs them.
+
+    Why (the CPU in fp32): torch's CPU ``scaled_dot_product_attention`` for a single query
+    row sums in an order that depends on the thread count (torch 2.13, from 8 cached
+    positions on; its prefill over whole rows does not), so one seeded run sampled other
+    tokens on 1 and on 2 threads. Two matrix products and a softmax give the same bits for
+    any thread count (``tests/trainer/test_thread_count.py``), within the kernel's own error
+    of a float64 reference."""
+    b, heads, _, dim = q.shape
+    kv = keys.shape[1]
+    scores = torch.matmul(q.reshape(b, kv, heads // kv, dim), keys.transpose(-1, -2)) * scale
+    weights = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
+    return torch.matmul(weights, values).reshape(b, heads, 1, dim)
+
+
 class LeanDecoder:
     """Decodes after a Hugging Face prefill: ``past`` (its KV cache, one row per sequence),
     ``mask`` (the prefill's [B, W] attention mask), room for ``steps`` more tokens."""
@@ -88,6 +109,9 @@ class LeanDecoder:
         self.valid[:, 0, 0, :width] = mask.bool()
         self.t = width
         self.gqa = _gqa_supported(mask.device)
+        # fp32 on the CPU: attention that sums in the same order for any thread count
+        # (one_row_attention); elsewhere torch's kernel (bf16 / fp16 scores would round).
+        self.written_out = mask.device.type == "cpu" and layers[0][0].dtype == torch.float32
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] after feeding ``tokens`` [B, 1] at ``positions`` [B, 1]."""
@@ -112,17 +136,23 @@ class LeanDecoder:
             self.keys[i][:, :, t] = k[:, :, 0]
             self.values[i][:, :, t] = v[:, :, 0]
             keys, values = self.keys[i][:, :, : t + 1], self.values[i][:, :, : t + 1]
-            groups = q.shape[1] // keys.shape[1]
-            extra = {}
-            if groups > 1 and self.gqa:
-                extra["enable_gqa"] = True
-            elif groups > 1:
-                keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, **extra)
+            if self.written_out:
+                out = one_row_attention(q, keys, values, mask, attn.scaling)
+            else:
+                out = self._sdpa(q, keys, values, mask, attn.scaling)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(b, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         self.t = t + 1
         return self.head(inner.norm(x))[:, -1]
+
+    def _sdpa(self, q, keys, values, mask, scale):
+        groups = q.shape[1] // keys.shape[1]
+        extra = {}
+        if groups > 1 and self.gqa:
+            extra["enable_gqa"] = True
+        elif groups > 1:
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, **extra)
 
 
 def _layer_kv(past, i: int) -> tuple[torch.Tensor, torch.Tensor]:

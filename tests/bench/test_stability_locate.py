@@ -209,6 +209,9 @@ def test_emulated_bf16_against_fp32_at_the_start_weights_is_rounding_only(record
     assert verdict.startswith("first amplification: none beyond rounding; first non-finite: none"), verdict
     rows = json.loads((tmp_path / "r" / "locate.json").read_text())["rows"]
     assert {r["module"] for r in rows} >= {"model.embed_tokens", DOWN, "portarl.logprobs", "portarl.kl", "portarl.loss"}
+    # One forward per module: the recorded start model is a directory, where checkpointing
+    # is on by default, and a recomputed layer used to appear twice (issue 33 item 13).
+    assert [(r["module"], r["call"]) for r in rows if r["call"]] == []
     judged = [r for r in rows if r["judged"]]
     assert max(r["out_err"] / r["expected"] for r in judged) < 0.5  # a 2x margin under the flag everywhere
     assert max(r["out_err"] for r in judged) > 1e-3  # bf16 differences are there, and explained

@@ -12,6 +12,11 @@ with portarl's own ops recorded: ``portarl.logprobs`` and ``portarl.entropy`` (i
 decoder's last hidden states and the output embedding), ``portarl.kl`` (the per-token KL
 to the reference, computed as the loss computes it) and ``portarl.loss``. No optimizer
 step is taken at S.
+
+Activation checkpointing is off in the dump (``train.gradient_checkpointing=false``, also for
+the replayed updates, whose numbers it does not change): a checkpointed layer runs its
+forward again in the backward, and the dump would record every such layer twice (a
+``(call 1)`` row per recomputed module); a dump records one forward per module.
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ def dump_recorded_step(directory: str | Path, step: int, out: str | Path, *, run
     with tempfile.TemporaryDirectory(prefix="portarl-dump-") as scratch:
         overrides = [f"model.path={source / START_MODEL}", f"train.steps={step}", f"train.seed={manifest['seed']}",
                      *spec.overrides(), f"output_dir={scratch}", "train.old_logprobs=recompute",
-                     "logging.progress=false", "logging.tensorboard=false", "logging.plot=false"]
+                     "train.gradient_checkpointing=false", "logging.progress=false", "logging.tensorboard=false", "logging.plot=false"]
         config = TrainConfig.load(source / CONFIG, overrides)
         model, tokenizer, examples = build_from_config(config)
         trainer = GRPOTrainer(model, tokenizer, None, examples, config, device=config.device)
