@@ -190,7 +190,7 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
     for rows, part in micro_batches(trainer, batch):  # fixed slices, or a token budget (micro_batches.py)
         out = logprobs(trainer, trainer.model, part, with_entropy=want_entropy)
         logp, entropy = out if want_entropy else (out, None)
-        if old_logp is None:  # on-policy: the rollout sampled these weights (scoring.old_logprobs_recompute_reason)
+        if old_logp is None:  # the current policy is the old (proximal) one: scoring.old_logprobs_recompute_reason
             old = trainer._apply_hooks("old_logp", logp.detach())
             old_bad = old_bad + (~torch.isfinite(old) & part.mask).sum()
             on_policy.append((part, old))
