@@ -229,6 +229,10 @@ def add_parser(commands) -> None:
     sp.add_argument("--warmup", type=int, default=1, help="first steps of each run left out of the medians")
     sp.add_argument("--rounds", type=int, default=5, help="rounds; each runs every side once, order alternated")
     sp.add_argument("--threads", type=int, default=1, help="torch / OMP / MKL threads in every run")
+    sp.add_argument("--async", dest="with_async", action="store_true",
+                    help="with --model: also portarl in rollout.mode=async, its trainer and rollout worker sharing "
+                         "--threads (half each: the same cores as the other sides); reports samples/s and reward "
+                         "per sample beside the others'")
     sp.add_argument("--schedule", choices=["steps", "sides"],
                     help="with --vs trl: steps: both sides started together, taking their steps in turn (default "
                          "without --model); sides: one side after the other, so their memory never adds up (default "

@@ -174,7 +174,10 @@ def test_bench_step_model_checkpointing_off_is_applied(model_dir, tmp_path):
     (["--micro-batch-size", "7"], "--micro-batch-size 7 does not divide the 64 samples"),
     (["--group-size", "1"], "--group-size must be >= 2"),
     (["--max-new-tokens", "100"], "the tiny model holds 128 positions"),
-    (["--schedule", "sides"], "--schedule sides orders the two sides of --vs trl"),
+    (["--schedule", "sides"], "--schedule sides orders the sides of --vs trl / --async"),
+    (["--async"], "--async needs --model PATH"),
+    (["--reward", "math_exact", "--data", "{tmp}/none.jsonl"], "--data needs --model"),
+    (["--temperature", "0"], "--temperature must be > 0"),
 ])
 def test_bench_step_refuses_bad_work(argv, message, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
@@ -220,3 +223,34 @@ def test_bench_step_vs_trl_on_a_gguf_file(tmp_path):
     assert data["work"]["beta"] == 0.01 and data["work"]["model_path"] == str(path)
     for side in ("portarl", "trl"):
         assert data["summary"][side]["cpu_s"] > 0 and data["rounds"][0][side]["gradient_checkpointing"] is True
+
+
+def test_bench_step_async_side_on_a_model_directory(model_dir, tmp_path):
+    """--async: portarl in rollout.mode=async beside colocated, on the same two threads (one
+    each for its trainer and worker), the prompts and answers of a JSONL file and the
+    math_exact reward; samples/s and reward per sample for both; the async side's CPU is its
+    trainer's plus its worker's."""
+    data_file = tmp_path / "data.jsonl"
+    data_file.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a}+1="}], "answer": str(a + 1)})
+                                 + "\n" for a in range(8)))
+    out = tmp_path / "step.json"
+    argv = ["bench", "step", "--async", "--model", str(model_dir), "--steps", "3", "--warmup", "1", "--rounds", "1",
+            "--threads", "2", *SMALL_WORK, "--beta", "0", "--reward", "math_exact", "--data", str(data_file),
+            "--temperature", "0.7", "--out", str(out)]
+    for bad, says in ((["--threads", "1"], "use --threads 2"), (["--warmup", "0"], "--async needs --warmup 1")):
+        assert main([*argv, *bad]) == 2
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["work"]["reward"].startswith("math_exact") and data["work"]["data"] == str(data_file)
+    assert data["work"]["temperature"] == 0.7
+    row = data["rounds"][0]
+    assert row["portarl"]["torch_threads"] == 2 and row["portarl-async"]["torch_threads"] == 1
+    for side in ("portarl", "portarl-async"):
+        summary = data["summary"][side]
+        assert summary["samples_per_s"] == pytest.approx(16 / summary["wall_s"])
+        assert 0 <= summary["reward_mean"] <= 1
+    for step in row["portarl-async"]["steps"]:
+        assert step["worker_cpu_s"] > 0 and step["cpu_s"] == pytest.approx(step["trainer_cpu_s"] + step["worker_cpu_s"])
+    assert "--async" in data["command"] and "--schedule sides" in data["command"]
+    md = out.with_suffix(".md").read_text()
+    assert "| portarl-async |" in md and "samples/s" in md and "reward per sample" in md
