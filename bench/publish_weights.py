@@ -33,7 +33,11 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=2, help="max_staleness + 1 (default 2: the default staleness 1)")
     ap.add_argument("--dir", default=None, help="where the files go (default: a temporary directory under the cwd)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--reuse", action="store_true", help="no new run: the report again from --out's JSON")
     args = ap.parse_args()
+    if args.reuse:
+        report(json.loads(Path(args.out).read_text()), args.out)
+        return
     torch.set_num_threads(1)
     from safetensors.torch import load_file
 
@@ -77,21 +81,32 @@ def main() -> None:
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()[0], "times": times,
               "command": f"python bench/publish_weights.py --model {args.model} --versions {args.versions} "
                          f"--slots {args.slots} --out {args.out}"}
-    med = {w: (statistics.median(t[0] for t in ts[1:]), statistics.median(t[1] for t in ts[1:]))
-           for w, ts in times.items()}  # the first version of each creates its files: left out
-    result["median_after_first"] = med
+    report(result, args.out)
+
+
+def report(result: dict, out: str) -> None:
+    """The medians (leaving out the first ``slots`` versions: they create their files either
+    way) and the markdown table beside ``out``."""
+    times, slots = result["times"], result["slots"]
+    med = {w: (statistics.median(t[0] for t in ts[slots:]), statistics.median(t[1] for t in ts[slots:]))
+           for w, ts in times.items()}
+    mean = {w: (statistics.fmean(t[0] for t in ts[slots:]), statistics.fmean(t[1] for t in ts[slots:]))
+            for w, ts in times.items()}
+    result["median_after_creation"], result["mean_after_creation"] = med, mean
     lines = ["# Publishing the async trainer's weights: a file per version vs in-place slots", "",
-             f"Command: `{result['command']}`  ", f"Weights: {size_mb:.0f} MB (fp32). 1-min load average "
-             f"{load_start:.2f} at the start, {result['load_avg_end']:.2f} at the end (2 cores shared with other jobs).",
-             "", "| way | median wall s | median process CPU s | every version (wall / CPU s) |", "|---|---|---|---|"]
+             f"Command: `{result['command']}`  ", f"Weights: {result['size_mb']:.0f} MB (fp32). 1-min load average "
+             f"{result['load_avg_start']:.2f} at the start, {result['load_avg_end']:.2f} at the end (2 cores shared with "
+             "other jobs).",
+             "", "| way | median wall s | median process CPU s | mean wall / CPU s | every version (wall / CPU s) |",
+             "|---|---|---|---|---|"]
     for way in ("before", "after"):
-        lines.append(f"| {way} | {med[way][0]:.3f} | {med[way][1]:.3f} | "
+        lines.append(f"| {way} | {med[way][0]:.3f} | {med[way][1]:.3f} | {mean[way][0]:.3f} / {mean[way][1]:.3f} | "
                      + ", ".join(f"{w:.2f} / {c:.2f}" for w, c in times[way]) + " |")
     lines += ["", "before: `save_file` of a new file per version (then rename, the previous one deleted); after: "
-              f"{args.slots} slot files overwritten in place (`WeightSlots`). Medians leave out version 0 (it creates the "
-              "files either way)."]
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    Path(args.out).with_suffix(".md").write_text("\n".join(lines) + "\n")
+              f"{slots} slot files overwritten in place (`WeightSlots`). Medians leave out the first {slots} versions "
+              "(the slots' files are created by them); means over the same versions."]
+    Path(out).write_text(json.dumps(result, indent=1))
+    Path(out).with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
