@@ -94,3 +94,50 @@ def test_a_small_models_step_does_not_trim(make_trainer, monkeypatch):
     monkeypatch.setattr(heap.release_freed_memory, "__defaults__", (0,))
     trainer.train_step()
     assert len(calls) == 3, calls
+
+
+def test_gradients_first_gives_the_same_gradients_and_drops_untouched_ones():
+    """The step's gradients exist (zeros) before the forward; the backward adds into them
+    and gives bitwise the gradients autograd would have allocated itself; a parameter no
+    backward reached is back to None (an optimizer skips it, as before)."""
+    import torch
+
+    from portarl.trainer.heap import GradientsFirst
+
+    torch.manual_seed(0)
+    used, unused = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    x = torch.randn(5, 4)
+    params = [*used.parameters(), *unused.parameters()]
+    for micro_batches in (1, 2):
+        want = []
+        for p in params:
+            p.grad = None
+        for chunk in x.chunk(micro_batches):
+            used(chunk).pow(2).sum().backward()
+        want = [None if p.grad is None else p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        grads = GradientsFirst(params)
+        assert all(p.grad is not None and not p.grad.any() for p in params)
+        for chunk in x.chunk(micro_batches):
+            used(chunk).pow(2).sum().backward()
+        grads.drop_untouched()
+        for p, w in zip(params, want):
+            assert (p.grad is None) == (w is None)
+            if w is not None:
+                assert torch.equal(p.grad, w)
+        assert all(p.grad is None for p in unused.parameters())
+
+
+def test_gradients_first_leaves_sharded_parameters_to_fsdp():
+    import torch
+
+    from portarl.trainer.heap import GradientsFirst
+
+    class Sharded(torch.nn.Parameter):  # stands in for FSDP2's DTensor parameters
+        def full_tensor(self):
+            return self
+
+    p = Sharded(torch.ones(2))
+    GradientsFirst([p]).drop_untouched()
+    assert p.grad is None
