@@ -42,7 +42,6 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("colocated", "async")
 #: The runs: (name, rollout.mode, threads per process as a multiple of --threads).
 RUNS = (("colocated", "colocated", 1), ("async", "async", 1), ("colocated_same_cores", "colocated", 2))
 QUIET = ["logging.progress=false", "logging.tensorboard=false", "logging.plot=false", "logging.samples_every=0",
