@@ -89,10 +89,10 @@ def tokenizer():
     return out
 
 
-def model(seed: int = 0):
+def model(seed: int = 0, layers: int = 2, hidden_size: int = 64):
     from portarl.models import tiny_qwen2
 
-    return tiny_qwen2(64, seed=seed)
+    return tiny_qwen2(64, seed=seed, layers=layers, hidden_size=hidden_size, intermediate_size=3 * hidden_size)
 
 
 def prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:

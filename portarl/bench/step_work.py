@@ -47,7 +47,7 @@ TINY_DEFAULTS = {"prompts_per_step": 8, "group_size": 8, "max_new_tokens": 8, "m
                  "gradient_checkpointing": False, "beta": 0.0}
 MODEL_DEFAULTS = {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 64, "micro_batch_size": 64,
                   "gradient_checkpointing": True, "beta": 0.001}
-TINY_DESCRIPTION = "Qwen2ForCausalLM from a config: vocab 64, hidden 64, 2 layers, 4 heads / 2 kv, mlp 192, fp32"
+TINY_DESCRIPTION = "Qwen2ForCausalLM from a config: vocab 64, hidden {hidden}, {layers} layers, 4 heads / 2 kv, mlp {mlp}, fp32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,9 @@ class Work:
     data: str | None = None
     temperature: float = 1.0
     lr: float = 5e-4
+    #: the tiny model's shape (``--tiny-layers``, ``--tiny-hidden``; its MLP is 3 x hidden).
+    tiny_layers: int = 2
+    tiny_hidden: int = 64
 
     @property
     def samples(self) -> int:
@@ -98,6 +101,12 @@ class Work:
                 raise ValueError("--data needs --model: the tiny model's character tokenizer has no chat template")
             if not Path(self.data).is_file():
                 raise ValueError(f"--data {self.data}: no such file")
+        if (self.tiny_layers, self.tiny_hidden) != (2, 64):
+            if self.model is not None:
+                raise ValueError("--tiny-layers / --tiny-hidden shape the tiny model: leave them out with --model")
+            if self.tiny_layers < 1 or self.tiny_hidden < 4 or self.tiny_hidden % 4:
+                raise ValueError(f"--tiny-layers {self.tiny_layers} --tiny-hidden {self.tiny_hidden}: use >= 1 layer and "
+                                 "a hidden size that is a positive multiple of 4 (its 4 attention heads)")
         if self.samples % self.micro_batch_size:
             divisors = [d for d in range(1, self.samples + 1) if self.samples % d == 0]
             raise ValueError(f"--micro-batch-size {self.micro_batch_size} does not divide the {self.samples} samples of a "
@@ -122,11 +131,14 @@ class Work:
             out += ["--lr", repr(self.lr)]
         if self.data is not None:
             out += ["--data", self.data]
+        if (self.tiny_layers, self.tiny_hidden) != (2, 64):
+            out += ["--tiny-layers", str(self.tiny_layers), "--tiny-hidden", str(self.tiny_hidden)]
         return out + (["--model", self.model] if self.model is not None else [])
 
     def describe(self) -> dict:
         """The work as the JSON result records it."""
-        return {"model": TINY_DESCRIPTION if self.model is None else
+        tiny = TINY_DESCRIPTION.format(hidden=self.tiny_hidden, layers=self.tiny_layers, mlp=3 * self.tiny_hidden)
+        return {"model": tiny if self.model is None else
                 f"{self.model} (portarl.models.load_local, fp32; chat template applied to conversational prompts)",
                 "model_path": self.model, "prompts_per_step": self.prompts_per_step, "group_size": self.group_size,
                 "max_new_tokens": self.max_new_tokens, "micro_batch_size": self.micro_batch_size,
@@ -159,6 +171,9 @@ def work_from_args(args) -> Work:
     temperature, lr = getattr(args, "temperature", None), getattr(args, "lr", None)
     picked = {"lr": 5e-4 if lr is None else lr, "reward": getattr(args, "reward", None) or "digits", "data": getattr(args, "data", None),
               "temperature": 1.0 if temperature is None else temperature}
+    for key, default in (("tiny_layers", 2), ("tiny_hidden", 64)):
+        value = getattr(args, key, None)
+        picked[key] = default if value is None else value
     for key, default in defaults.items():
         value = getattr(args, key, None)
         if key == "gradient_checkpointing" and isinstance(value, str):
@@ -191,6 +206,8 @@ def add_arguments(ap) -> None:
                     "examples/data/arith_train.jsonl) instead of the synthetic arithmetic")
     ap.add_argument("--temperature", type=float, help="sampling temperature on every side (default 1)")
     ap.add_argument("--lr", type=float, help="learning rate on every side (AdamW, constant; default 5e-4)")
+    ap.add_argument("--tiny-layers", type=int, help="the tiny model's decoder layers (default 2)")
+    ap.add_argument("--tiny-hidden", type=int, help="the tiny model's hidden size (default 64; MLP 3 x it)")
 
 
 def rss_mib() -> float:
@@ -206,7 +223,7 @@ def load(work: Work):
     if work.model is None:
         from portarl.bench.step import model, tokenizer
 
-        return model(), tokenizer()
+        return model(layers=work.tiny_layers, hidden_size=work.tiny_hidden), tokenizer()
     import torch
 
     from portarl.models import load_local

@@ -178,11 +178,41 @@ def test_bench_step_model_checkpointing_off_is_applied(model_dir, tmp_path):
     (["--async"], "--async needs --model PATH"),
     (["--reward", "math_exact", "--data", "{tmp}/none.jsonl"], "--data needs --model"),
     (["--temperature", "0"], "--temperature must be > 0"),
+    (["--tiny-hidden", "66"], "a hidden size that is a positive multiple of 4"),
+    (["--tiny-layers", "0"], "use >= 1 layer"),
+    (["--model", "m.gguf", "--tiny-layers", "4"], "leave them out with --model"),
 ])
 def test_bench_step_refuses_bad_work(argv, message, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main(["bench", "step", *TINY, *argv]) == 2
     assert message.replace("{tmp}", str(tmp_path)) in capsys.readouterr().err
+
+
+def test_bench_step_tiny_shape_reaches_both_sides(tmp_path):
+    """--tiny-layers / --tiny-hidden: the worker's model has that shape, and the record says so."""
+    from types import SimpleNamespace
+
+    from portarl.bench import step_work
+
+    work = step_work.work_from_args(SimpleNamespace(tiny_layers=4, tiny_hidden=128))
+    assert step_work.work_from_args(bench_step_args(work.argv())) == work  # a worker reads the same work back
+    model = step_work.load(work)[0].config
+    assert (model.num_hidden_layers, model.hidden_size, model.intermediate_size) == (4, 128, 384)
+    assert "hidden 128, 4 layers" in work.describe()["model"] and "--tiny-hidden 128" in " ".join(work.argv())
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", *TINY, "--tiny-layers", "3", "--tiny-hidden", "32", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert "hidden 32, 3 layers" in data["work"]["model"] and "--tiny-layers 3 --tiny-hidden 32" in data["command"]
+
+
+def bench_step_args(argv):
+    import argparse
+
+    from portarl.bench.step_work import add_arguments
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    return ap.parse_args(argv)
 
 
 def test_tiny_defaults_are_unchanged():
