@@ -229,6 +229,10 @@ def add_parser(commands) -> None:
     sp.add_argument("--warmup", type=int, default=1, help="first steps of each run left out of the medians")
     sp.add_argument("--rounds", type=int, default=5, help="rounds; each runs every side once, order alternated")
     sp.add_argument("--threads", type=int, default=1, help="torch / OMP / MKL threads in every run")
+    sp.add_argument("--async", dest="with_async", action="store_true",
+                    help="with --model: also portarl in rollout.mode=async, its trainer and rollout worker sharing "
+                         "--threads (half each: the same cores as the other sides); reports samples/s and reward "
+                         "per sample beside the others'")
     sp.add_argument("--schedule", choices=["steps", "sides"],
                     help="with --vs trl: steps: both sides started together, taking their steps in turn (default "
                          "without --model); sides: one side after the other, so their memory never adds up (default "
@@ -239,11 +243,16 @@ def add_parser(commands) -> None:
     sp.add_argument("--out", help="JSON output (a .md table is written beside it)")
     sp.set_defaults(func=_cmd_bench_step)
     sa = bench_cmds.add_parser("async", help="rollout.mode colocated vs async: samples/s and reward in the same "
-                               "wall-clock budget, beside the ideal overlap")
+                               "wall-clock budget, with a core per process (beside the ideal overlap, in wall and "
+                               "CPU time) and on the same cores")
     sa.add_argument("--config", help="training config (default: the built-in demo)")
     sa.add_argument("--set", action="append", metavar="FIELD=VALUE", help="config override (repeatable)")
     sa.add_argument("--budget-s", type=float, default=60.0, help="seconds of GRPO steps per mode (default 60)")
-    sa.add_argument("--threads", type=int, default=1, help="torch / OMP threads per process (default 1)")
+    sa.add_argument("--threads", type=int, default=1,
+                    help="torch / OMP threads per process (default 1): colocated and each async process get this "
+                         "many; the same-cores colocated run twice as many")
+    sa.add_argument("--no-same-cores", dest="same_cores", action="store_false",
+                    help="leave out the colocated run on the async run's cores (2 x --threads threads)")
     sa.add_argument("--work-dir", help="where the runs go (default: a temporary directory)")
     sa.add_argument("--reuse", action="store_true", help="no new runs: report on those already in --work-dir")
     sa.add_argument("--out", help="JSON output (a .md table is written beside it)")

@@ -1,23 +1,38 @@
 """``portarl bench async``: colocated vs asynchronous rollout on one config, for the same
-wall-clock budget of GRPO steps.
+wall-clock budget of GRPO steps, compared two ways.
 
-Each mode runs ``portarl train`` in a fresh process (same config, ``--set`` overrides and
-thread count) until the sum of its steps' ``time/step_s`` (the first GRPO step, which in
-async mode includes the worker's start-up, left out) reaches ``--budget-s``; then it gets
-SIGTERM (it finishes the step and saves) and the next mode starts. Reported per mode:
-GRPO steps and samples trained inside the budget, samples per second, the mean reward of
-the last steps inside the budget, and reward/mean at equal sample counts (the learning
-curve, so that async's stale batches can be judged against colocated's).
+Each run is ``portarl train`` in a fresh process (same config and ``--set`` overrides) until
+the sum of its steps' ``time/step_s`` (the first GRPO step, which in async mode includes
+the worker's start-up, left out) reaches ``--budget-s``; then it gets SIGTERM (it finishes
+the step and saves) and the next run starts. Three runs, with T = ``--threads``:
 
-The ideal overlap: a colocated step costs R + T (rollout ``time/rollout_s``, the rest T);
-an async step at best max(R, T) when the two processes each have a core to themselves, so
-the ideal async throughput is the colocated one x (R + T) / max(R, T). On a machine with
-fewer free cores than processes the measured figure falls short of it: both are reported.
+* ``colocated``: T threads, the trainer's process alone;
+* ``async``: T threads in the trainer and T in the rollout worker (two processes);
+* ``colocated_same_cores``: 2T threads, i.e. the cores the two async processes use, given
+  to colocated mode's intra-op parallelism (``--no-same-cores`` leaves it out).
+
+Two comparisons follow. **A core per process** (async against ``colocated``): a colocated
+step costs R + T (rollout ``time/rollout_s``, the rest T); an async step at best max(R, T')
+when each process has its own core (T' the async trainer's step), so the ideal speed-up is
+(R + T) / max(R, T), from the colocated run's phase times. It is reported twice: in wall
+time (samples per second, which a shared, loaded machine skews: a process waiting for a
+core is slower in wall time only), and in process CPU time (``time/step_cpu_s`` /
+``time/rollout_cpu_s`` of the trainer, ``rollout/cpu_s`` of the worker: the colocated step's
+CPU time over the larger of the async trainer's step and the worker's batch), which counts
+what each process's own work costs, including what async adds (publishing the weights, the
+JSON transfer) and what the two processes cost each other (shared caches and memory
+bandwidth), but not waiting for a core. **The same cores** (async against
+``colocated_same_cores``): samples per second only. On a CPU the rollout's overlap competes
+with intra-op threads for the same cores; async pays where the rollout has a device (or
+cores) of its own. Reported per run: GRPO steps and samples trained inside the budget,
+samples per second, the phase times in wall and CPU time, the mean reward of the last
+steps, and reward/mean at equal sample counts (the learning curve).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import statistics
@@ -27,7 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("colocated", "async")
+#: The runs: (name, rollout.mode, threads per process as a multiple of --threads).
+RUNS = (("colocated", "colocated", 1), ("async", "async", 1), ("colocated_same_cores", "colocated", 2))
 QUIET = ["logging.progress=false", "logging.tensorboard=false", "logging.plot=false", "logging.samples_every=0",
          "checkpoint.every=1000000", "train.steps=1000000"]
 
@@ -106,12 +122,39 @@ def summarize(rows: list[dict], samples_per_step: int) -> dict:
     return {"steps": len(rows), "samples": len(rows) * samples_per_step,
             "samples_per_s": len(timed) * samples_per_step / seconds if seconds else float("nan"),
             "step_s_median": _median(rows, "time/step_s"),
+            "step_cpu_s_median": _median(rows, "time/step_cpu_s"),
             "reward_last_fifth": statistics.fmean(r["reward/mean"] for r in tail),
+            "reward_mean": statistics.fmean(r["reward/mean"] for r in rows),
             "rollout_s_median": _median(rows, "time/rollout_s"),
+            "rollout_cpu_s_median": _median(rows, "time/rollout_cpu_s"),
             "gen_s_median": _median(rows, "rollout/gen_s"),
+            "worker_cpu_s_median": _median(rows, "rollout/cpu_s"),
+            "publish_s_median": _median(rows, "rollout/publish_s"),
             "train_wait_s_median": _median(rows, "train/wait_s"),
             "staleness_mean": statistics.fmean(r.get("rollout/staleness_mean", 0.0) for r in rows),
             "mismatch_abs_diff_mean": statistics.fmean(r.get("mismatch/abs_diff_mean", 0.0) for r in rows)}
+
+
+def _ideal(step: float, rollout: float) -> float:
+    """(R + T) / max(R, T) for a colocated step of ``step`` whose rollout took ``rollout``."""
+    return step / max(rollout, step - rollout)
+
+
+def comparisons(summaries: dict) -> dict:
+    """The speed-ups of async (see the module docstring) from the runs' summaries."""
+    col, asy = summaries["colocated"], summaries["async"]
+    out = {"speedup_measured": asy["samples_per_s"] / col["samples_per_s"],
+           "speedup_ideal": _ideal(col["step_s_median"], col["rollout_s_median"])}
+    out["measured_of_ideal"] = out["speedup_measured"] / out["speedup_ideal"]
+    cpu_step, cpu_rollout = col["step_cpu_s_median"], col["rollout_cpu_s_median"]
+    async_cpu = max(asy["step_cpu_s_median"], asy["worker_cpu_s_median"])
+    if all(math.isfinite(v) for v in (cpu_step, cpu_rollout, async_cpu)):  # runs from before the CPU metrics: n/a
+        out["speedup_cpu"] = cpu_step / async_cpu
+        out["speedup_ideal_cpu"] = _ideal(cpu_step, cpu_rollout)
+        out["cpu_of_ideal"] = out["speedup_cpu"] / out["speedup_ideal_cpu"]
+    if "colocated_same_cores" in summaries:
+        out["speedup_same_cores"] = asy["samples_per_s"] / summaries["colocated_same_cores"]["samples_per_s"]
+    return out
 
 
 def curve(rows: list[dict], steps: int, chunks: int = 5) -> list[float]:
@@ -129,28 +172,29 @@ def main(args, progress=print) -> tuple[dict, str]:
     if args.reuse and not args.work_dir:
         raise ValueError("--reuse reports on the runs in --work-dir: give --work-dir")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="portarl-bench-async-"))
-    results = {}
-    for mode in MODES:
-        (work / mode).mkdir(parents=True, exist_ok=True)
+    runs = [r for r in RUNS if r[0] != "colocated_same_cores" or getattr(args, "same_cores", True)]
+    if args.reuse:  # an older work dir may hold no same-cores run
+        runs = [r for r in runs if r[0] != "colocated_same_cores" or (work / r[0] / "run").exists()]
+    results, threads = {}, {}
+    for name, mode, times in runs:
+        (work / name).mkdir(parents=True, exist_ok=True)
+        threads[name] = args.threads * times
         if args.reuse:  # report on the runs already in --work-dir
-            rows = budget_rows(work / mode / "run", args.budget_s)
+            rows = budget_rows(work / name / "run", args.budget_s)
         else:
-            rows = run_mode(mode, args.config, list(args.set or []), args.budget_s, args.threads,
-                            work / mode / "run", progress)
+            rows = run_mode(mode, args.config, list(args.set or []), args.budget_s, threads[name],
+                            work / name / "run", progress)
         if len(rows) < 3:
-            raise RuntimeError(f"the {mode} run trained {len(rows)} steps in {args.budget_s:g} s: raise --budget-s")
-        results[mode] = {"summary": summarize(rows, samples_per_step), "rows": rows}
-    col, asy = results["colocated"]["summary"], results["async"]["summary"]
-    r, step = col["rollout_s_median"], col["step_s_median"]
-    ideal = step / max(r, step - r)
-    common = min(col["steps"], asy["steps"])
+            raise RuntimeError(f"the {name} run trained {len(rows)} steps in {args.budget_s:g} s: raise --budget-s")
+        results[name] = {"summary": {**summarize(rows, samples_per_step), "threads": threads[name]}, "rows": rows}
+    summaries = {name: r["summary"] for name, r in results.items()}
+    common = min(s["steps"] for s in summaries.values())
     result = {"config": args.config or "demo", "sets": list(args.set or []), "budget_s": args.budget_s,
               "threads": args.threads, "cpus": os.cpu_count(),
-              "load_avg_1m": {m: _load(work / m) for m in MODES},
-              "samples_per_step": samples_per_step, "colocated": col, "async": asy,
-              "speedup_measured": asy["samples_per_s"] / col["samples_per_s"], "speedup_ideal": ideal,
-              "curve_steps": common, "curve": {m: curve(results[m]["rows"], common) for m in MODES},
-              "reward_per_step": {m: [r["reward/mean"] for r in results[m]["rows"]] for m in MODES}}
+              "load_avg_1m": {name: _load(work / name) for name in results},
+              "samples_per_step": samples_per_step, **summaries, **comparisons(summaries),
+              "curve_steps": common, "curve": {m: curve(results[m]["rows"], common) for m in results},
+              "reward_per_step": {m: [r["reward/mean"] for r in results[m]["rows"]] for m in results}}
     if args.out:
         plot(result, Path(args.out).with_suffix(".png"))
     return result, table(result)
@@ -180,25 +224,50 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _s(v) -> str:
+    return "n/a" if v is None or not math.isfinite(v) else f"{v:.3f}"
+
+
 def table(res: dict) -> str:
-    col, asy = res["colocated"], res["async"]
+    names = [n for n, _, _ in RUNS if n in res]
+    col = res["colocated"]
     lines = [f"# bench async: {res['config']} {' '.join(res['sets'])}".rstrip(), "",
-             f"{res['budget_s']:g} s of GRPO steps per mode, {res['threads']} thread(s) per process, "
-             f"{res['cpus']} CPUs, 1-min load average at the end of each run: "
-             + ", ".join(f"{m} {v if v is not None else 'n/a'}" for m, v in res["load_avg_1m"].items()), "",
-             "| mode | steps | samples | samples/s | step s (median) | reward (last fifth) | staleness "
-             "| |d| rollout vs trainer |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, s in (("colocated", col), ("async", asy)):
-        lines.append(f"| {name} | {s['steps']} | {s['samples']} | {s['samples_per_s']:.1f} | "
-                     f"{s['step_s_median']:.3f} | "
-                     f"{s['reward_last_fifth']:.3f} | {s['staleness_mean']:.2f} | {s['mismatch_abs_diff_mean']:.2e} |")
-    lines += ["", f"Throughput async / colocated: measured {res['speedup_measured']:.2f}x, ideal "
+             f"{res['budget_s']:g} s of GRPO steps per run, {res['cpus']} CPUs, 1-min load average at the end of "
+             "each run: " + ", ".join(f"{m} {v if v is not None else 'n/a'}" for m, v in res["load_avg_1m"].items()),
+             "", "Per step, medians (s; CPU: process CPU time; the async run's rollout is the worker's batch: "
+             "generation and rewards, and its CPU time since the previous batch):", "",
+             "| run | threads | steps | samples | samples/s | step | step CPU | rollout | rollout CPU | publish "
+             "| trainer wait | reward (mean / last fifth) | staleness | \\|d\\| rollout vs trainer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        s = res[name]
+        asy = name == "async"
+        threads = f"{s['threads']} + {s['threads']}" if asy else str(s["threads"])
+        lines.append(
+            f"| {name} | {threads} | {s['steps']} | {s['samples']} | {s['samples_per_s']:.2f} | "
+            f"{_s(s['step_s_median'])} | {_s(s.get('step_cpu_s_median'))} | "
+            f"{_s(s['gen_s_median'] if asy else s['rollout_s_median'])} | "
+            f"{_s(s.get('worker_cpu_s_median') if asy else s.get('rollout_cpu_s_median'))} | "
+            f"{_s(s.get('publish_s_median')) if asy else '-'} | {_s(s.get('train_wait_s_median')) if asy else '-'} | "
+            f"{s.get('reward_mean', float('nan')):.3f} / {s['reward_last_fifth']:.3f} | {s['staleness_mean']:.2f} | "
+            f"{s['mismatch_abs_diff_mean']:.2e} |")
+    lines += ["", f"**A core per process** (async {res['threads']} + {res['threads']} threads against colocated "
+              f"{res['threads']}): measured {res['speedup_measured']:.2f}x in samples per second, ideal "
               f"{res['speedup_ideal']:.2f}x (colocated rollout {col['rollout_s_median']:.3f} s of a "
-              f"{col['step_s_median']:.3f} s step: (R + T) / max(R, T)).", "",
-              f"reward/mean over the first {res['curve_steps']} steps of each run, in five equal spans "
+              f"{col['step_s_median']:.3f} s step: (R + T) / max(R, T)), {res['measured_of_ideal']:.2f} of the ideal."]
+    if "speedup_cpu" in res:
+        lines[-1] += (f" In process CPU time: {res['speedup_cpu']:.2f}x against an ideal {res['speedup_ideal_cpu']:.2f}x "
+                      f"({res['cpu_of_ideal']:.2f} of it; colocated step {col['step_cpu_s_median']:.3f} s with "
+                      f"rollout {col['rollout_cpu_s_median']:.3f} s; async trainer step "
+                      f"{res['async']['step_cpu_s_median']:.3f} s, worker batch {res['async']['worker_cpu_s_median']:.3f} s).")
+    if "speedup_same_cores" in res:
+        same = res["colocated_same_cores"]
+        lines += ["", f"**The same cores** (async {res['threads']} + {res['threads']} threads against colocated "
+                  f"{same['threads']}): {res['speedup_same_cores']:.2f}x in samples per second "
+                  f"({res['async']['samples_per_s']:.2f} against {same['samples_per_s']:.2f})."]
+    lines += ["", f"reward/mean over the first {res['curve_steps']} steps of each run, in five equal spans "
               "(same samples):", "",
-              "| mode | " + " | ".join(f"span {i + 1}" for i in range(len(res['curve']['colocated']))) + " |",
+              "| run | " + " | ".join(f"span {i + 1}" for i in range(len(res['curve']['colocated']))) + " |",
               "|---|" + "---|" * len(res['curve']['colocated'])]
     for mode, values in res["curve"].items():
         lines.append(f"| {mode} | " + " | ".join(f"{v:.3f}" for v in values) + " |")

@@ -4,7 +4,8 @@ The work is identical on both sides: the same Qwen2-shaped model built from a co
 64, hidden 64, 2 layers, the same init seed), the same character tokenizer (a Hugging Face
 fast tokenizer, so TRL can use it), 8 arithmetic prompts x 8 samples per step, 8 new tokens,
 temperature 1 with no top-k / top-p, fp32, the same reward (share of digits in the
-completion), AdamW (lr 5e-4, betas 0.9 / 0.99, clip 1.0), PPO clip 0.2 / 0.28, token-mean
+completion; :mod:`portarl.bench.step_work` for the flags that change the work), AdamW
+(lr 5e-4, betas 0.9 / 0.99, clip 1.0), PPO clip 0.2 / 0.28, token-mean
 loss (TRL: ``dapo``), one policy update per rollout, KL weight ``beta`` (default 0: no
 reference model on either side), gradient checkpointing off.
 
@@ -33,6 +34,13 @@ default, checkpointing on on both sides) run the same comparison on a real model
 sides run one after the other by default (``--schedule sides``): two copies of a real
 model's training state at once may not fit in memory, and each side's peak is then its
 own. ``--schedule steps`` keeps stepping in turn.
+
+``--async`` (with ``--model``) adds a third side, ``portarl-async``: portarl in
+``rollout.mode: async``, its trainer and its rollout worker with half of ``--threads``
+each, i.e. the same cores as the other sides (:mod:`portarl.bench.step_portarl`). Every
+side reports samples per second (samples per step over the median wall step) and the
+reward per sample beside its CPU time; with ``--vs trl`` the samples per second of each
+portarl side over TRL's.
 """
 
 from __future__ import annotations
@@ -52,7 +60,6 @@ from portarl.bench.step_report import CONDITIONS, IMPLS, machine, markdown
 from portarl.bench.step_work import Work, add_arguments, work_from_args
 
 VOCAB_CHARS = "0123456789+-*=?., ()abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNO"  # 61 + 3 specials = 64
-LR = 5e-4
 STEP_KEYS = ("wall_s", "cpu_s", *(f"{p}_{k}_s" for p in ("rollout", "scoring", "update") for k in ("cpu", "wall")))
 MEMORY_KEYS = ("peak_rss_mib", "baseline_rss_mib", "rss_increase_mib")
 
@@ -82,21 +89,16 @@ def tokenizer():
     return out
 
 
-def model(seed: int = 0):
+def model(seed: int = 0, layers: int = 2, hidden_size: int = 64):
     from portarl.models import tiny_qwen2
 
-    return tiny_qwen2(64, seed=seed)
+    return tiny_qwen2(64, seed=seed, layers=layers, hidden_size=hidden_size, intermediate_size=3 * hidden_size)
 
 
 def prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
     from portarl.data import arithmetic_examples
 
     return [(ex.prompt, ex.answer) for ex in arithmetic_examples(n, seed=seed)]
-
-
-def score(completion: str) -> float:
-    """The reward of both sides: the share of digits in the completion text."""
-    return sum(c.isdigit() for c in completion) / max(1, len(completion))
 
 
 def timed(acc: dict, key: str, fn):
@@ -155,51 +157,6 @@ def gate() -> None:
         raise SystemExit("portarl bench step: the driver went away")
 
 
-# ---------------------------------------------------------------- the portarl worker
-def run_portarl(steps: int, threads: int, work: Work) -> dict:
-    started = time.perf_counter()
-    set_threads(threads)
-    from portarl.bench import step_work
-    from portarl.data import Example
-    from portarl.trainer import GRPOTrainer, TrainConfig
-
-    policy, tok = step_work.load(work)
-    baseline = step_work.rss_mib()
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = TrainConfig.load(None, [
-            f"output_dir={tmp}", "device=cpu", "precision.dtype=fp32", f"train.steps={steps}",
-            f"train.prompts_per_step={work.prompts_per_step}", f"rollout.group_size={work.group_size}",
-            f"rollout.max_new_tokens={work.max_new_tokens}", "rollout.temperature=1.0", "train.sft_warmup_steps=0",
-            f"train.micro_batch_size={work.micro_batch_size}", "train.ppo_epochs=1", f"optim.lr={LR}",
-            f"train.gradient_checkpointing={str(work.gradient_checkpointing).lower()}",
-            f"loss.kl_coef={work.beta}", "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
-            "checkpoint.every=1000000",
-        ])
-        data = [Example(p, a) for p, a in step_work.prompts(work, work.prompts_per_step * (steps + 2))]
-        trainer = GRPOTrainer(policy, tok, [(lambda p, c, a: score(c), 1.0)], data, cfg, device="cpu")
-        del policy
-        if trainer._uses_reference():
-            trainer.ref_model = trainer._make_reference()
-        phases: dict = {}
-        engine = trainer.rollout
-        engine.generate = timed(phases, "rollout", engine.generate)
-        import portarl.trainer.grpo as grpo_module
-
-        if callable(getattr(grpo_module, "score", None)):  # trainer split into phase modules (issue 11)
-            grpo_module.score = timed(phases, "scoring", grpo_module.score)
-        else:  # one-module trainer: the reward call and the no-grad (old / reference) forwards
-            for name in ("_rewards", "_no_grad_logprobs"):
-                setattr(trainer, name, timed(phases, "scoring", getattr(trainer, name)))
-        records = []
-        for _ in range(steps):
-            gate()
-            phases.clear()
-            t0, w0, c0 = time.time(), time.perf_counter(), time.process_time()
-            trainer.train_step()
-            records.append(step_record(time.perf_counter() - w0, time.process_time() - c0, dict(phases), t0))
-    return finish(records, threads, started, baseline, trainer.model)
-
-
 # ---------------------------------------------------------------- the driver
 def _worker_main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
@@ -209,11 +166,29 @@ def _worker_main(argv: list[str]) -> None:
     add_arguments(ap)
     args = ap.parse_args(argv)
     if args.impl == "trl":
-        from portarl.bench.step_trl import run_trl as run
+        from portarl.bench.step_trl import run_trl
+
+        result = run_trl(args.steps, args.threads, work_from_args(args))
     else:
-        run = run_portarl
-    result = run(args.steps, args.threads, work_from_args(args))
+        from portarl.bench.step_portarl import run_portarl
+
+        result = run_portarl(args.steps, args.threads, work_from_args(args),
+                             "async" if args.impl == "portarl-async" else "colocated")
     print(f"{RESULT} " + json.dumps(result), flush=True)
+
+
+def check_async_side(work: Work, threads: int, warmup: int, schedule: str) -> None:
+    """Refuse, naming the flag, what the ``portarl-async`` side cannot measure."""
+    if work.model is None:
+        raise ValueError("--async needs --model PATH: the rollout worker builds its model from a path")
+    if threads < 2:
+        raise ValueError(f"--async with --threads {threads}: the async side splits the side's threads between its "
+                         "trainer and its rollout worker (the same cores as the other sides); use --threads 2 or more")
+    if warmup < 1:
+        raise ValueError("--async needs --warmup 1 or more: its first step includes the worker's start-up")
+    if schedule != "sides":
+        raise ValueError("--async needs --schedule sides: a gated async side's worker would generate while the other "
+                         "sides step")
 
 
 def trl_unavailable_reason() -> str | None:
@@ -313,17 +288,25 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
-def summarize_run(run: dict, warmup: int) -> dict:
+def summarize_run(run: dict, warmup: int, samples_per_step: int) -> dict:
+    """Medians over the timed steps; samples per second from the median wall step; the reward
+    per sample over every step (it does not depend on timing, so the warm-up counts too)."""
     timed_steps = run["steps"][warmup:] or run["steps"][-1:]
-    return {**{k: _median([s[k] for s in timed_steps]) for k in STEP_KEYS},
-            **{k: run.get(k) for k in MEMORY_KEYS}, "torch_threads": run["torch_threads"], "timed_steps": len(timed_steps)}
+    out = {**{k: _median([s.get(k) for s in timed_steps]) for k in STEP_KEYS},
+           **{k: run.get(k) for k in MEMORY_KEYS}, "torch_threads": run["torch_threads"],
+           "timed_steps": len(timed_steps)}
+    out["samples_per_s"] = samples_per_step / out["wall_s"]
+    rewards = [s["reward_mean"] for s in run["steps"] if s.get("reward_mean") is not None]
+    out["reward_mean"] = statistics.fmean(rewards) if rewards else None
+    return out
 
 
 def run_bench(*, vs_trl: bool, steps: int, rounds: int, warmup: int, threads: int, work: Work,
-              schedule: str = "steps", progress=lambda line: None) -> dict:
+              schedule: str = "steps", progress=lambda line: None, with_async: bool = False) -> dict:
     """``rounds`` rounds of every side (the order alternated); ``schedule``: ``steps`` (the
-    sides started together, stepping in turn) or ``sides`` (one after the other)."""
-    impls = ["portarl", "trl"] if vs_trl else ["portarl"]
+    sides started together, stepping in turn) or ``sides`` (one after the other);
+    ``with_async``: the ``portarl-async`` side too."""
+    impls = ["portarl"] + (["portarl-async"] if with_async else []) + (["trl"] if vs_trl else [])
     out_rounds = []
     for r in range(rounds):
         order = impls if r % 2 == 0 else impls[::-1]
@@ -331,9 +314,9 @@ def run_bench(*, vs_trl: bool, steps: int, rounds: int, warmup: int, threads: in
 
         def done(impl, run, row=row, r=r):
             row[impl] = run
-            row[impl + "_median"] = s = summarize_run(run, warmup)
+            row[impl + "_median"] = s = summarize_run(run, warmup, work.samples)
             progress(f"round {r + 1}/{rounds} {impl}: cpu {s['cpu_s'] * 1e3:.1f} ms/step, "
-                     f"wall {s['wall_s'] * 1e3:.1f} ms/step, peak RSS {s['peak_rss_mib']:.0f} MiB "
+                     f"wall {s['wall_s'] * 1e3:.1f} ms/step ({s['samples_per_s']:.2f} samples/s), peak RSS {s['peak_rss_mib']:.0f} MiB "
                      f"({s['rss_increase_mib']:.0f} MiB over the {s['baseline_rss_mib']:.0f} MiB after load)")
 
         if schedule == "sides":
@@ -347,9 +330,11 @@ def run_bench(*, vs_trl: bool, steps: int, rounds: int, warmup: int, threads: in
             row["ratio_wall"] = row["portarl_median"]["wall_s"] / row["trl_median"]["wall_s"]
         out_rounds.append(row)
     summary = {impl: {k: _median([row[impl + "_median"][k] for row in out_rounds])
-                      for k in (*STEP_KEYS, *MEMORY_KEYS)}
+                      for k in (*STEP_KEYS, *MEMORY_KEYS, "samples_per_s", "reward_mean")}
                for impl in impls}
     if vs_trl:
+        summary["samples_per_s_vs_trl"] = {impl: summary[impl]["samples_per_s"] / summary["trl"]["samples_per_s"]
+                                           for impl in impls if impl != "trl"}
         summary["ratio_cpu"] = _median([row["ratio_cpu"] for row in out_rounds])
         summary["ratio_wall"] = _median([row["ratio_wall"] for row in out_rounds])
         summary["ratio_peak_rss"] = summary["portarl"]["peak_rss_mib"] / summary["trl"]["peak_rss_mib"]
@@ -366,19 +351,22 @@ def main(args, progress=lambda line: None) -> tuple[dict, str]:
     work = work_from_args(args)
     work.check()
     schedule = getattr(args, "schedule", None)
-    if schedule is not None and not vs_trl:
-        raise ValueError(f"--schedule {schedule} orders the two sides of --vs trl: add --vs trl or leave it out")
+    with_async = bool(getattr(args, "with_async", False))
+    if schedule is not None and not (vs_trl or with_async):
+        raise ValueError(f"--schedule {schedule} orders the sides of --vs trl / --async: add one or leave it out")
     schedule = schedule or ("sides" if work.model is not None else "steps")
+    if with_async:
+        check_async_side(work, args.threads, args.warmup, schedule)
     if vs_trl and (reason := trl_unavailable_reason()):
         raise RuntimeError(reason)
     result = run_bench(vs_trl=vs_trl, steps=args.steps, rounds=args.rounds, warmup=args.warmup,
-                       threads=args.threads, work=work, schedule=schedule, progress=progress)
+                       threads=args.threads, work=work, schedule=schedule, progress=progress, with_async=with_async)
     spelled = f"--beta {work.beta}" if work == Work(beta=work.beta) else " ".join(work.argv())
     threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     result["command"] = (f"{f'MALLOC_MMAP_THRESHOLD_={threshold} ' if threshold else ''}portarl bench step"
-                         f"{' --vs trl' if vs_trl else ''} --steps {args.steps} --warmup {args.warmup} "
+                         f"{' --vs trl' if vs_trl else ''}{' --async' if with_async else ''} --steps {args.steps} --warmup {args.warmup} "
                          f"--rounds {args.rounds} --threads {args.threads} {spelled}"
-                         f"{f' --schedule {schedule}' if vs_trl and work.model is not None else ''}")
+                         f"{f' --schedule {schedule}' if (vs_trl or with_async) and work.model is not None else ''}")
     result["machine"], result["conditions"] = machine(), CONDITIONS
     return result, markdown(result)
 

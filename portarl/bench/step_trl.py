@@ -18,7 +18,7 @@ import tempfile
 import time
 
 from portarl.bench import step_work
-from portarl.bench.step import LR, finish, gate, score, set_threads, step_record, timed
+from portarl.bench.step import finish, gate, set_threads, step_record, timed
 from portarl.bench.step_work import Work
 
 
@@ -30,8 +30,13 @@ def run_trl(steps: int, threads: int, work: Work) -> dict:
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer import grpo_trainer
 
-    def digit_share(prompts, completions, **kwargs):
-        return [score(step_work.completion_text(c)) for c in completions]
+    fn = step_work.reward_fn(work)
+    rewards: list[float] = []  # this step's, for its reward per sample
+
+    def reward(prompts, completions, answer, **kwargs):  # TRL passes the dataset's columns by name
+        values = [fn(p, step_work.completion_text(c), a) for p, c, a in zip(prompts, completions, answer)]
+        rewards.extend(values)
+        return values
 
     def reference(model_id, **kwargs):  # TRL's own: create_model_from_path(the policy's path)
         return step_work.load(work)[0]
@@ -47,6 +52,7 @@ def run_trl(steps: int, threads: int, work: Work) -> dict:
         def on_step_begin(self, args, state, control, **kwargs):
             gate()  # stepping in turn with the portarl worker: wait for this step's go
             phases.clear()
+            rewards.clear()
             self.t0, self.w0, self.c0 = time.time(), time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -55,20 +61,21 @@ def run_trl(steps: int, threads: int, work: Work) -> dict:
             split = {"rollout": rollout} if rollout else {}
             if both and rollout:
                 split["scoring"] = [both[0] - rollout[0], both[1] - rollout[1]]
-            records.append(step_record(wall, cpu, split, self.t0))
+            records.append({**step_record(wall, cpu, split, self.t0),
+                            "reward_mean": sum(rewards) / len(rewards) if rewards else None})
 
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(
             output_dir=tmp, **work.trl_batching(), max_completion_length=work.max_new_tokens, max_steps=steps,
-            learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
+            learning_rate=work.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
             adam_beta2=0.99, max_grad_norm=1.0, beta=work.beta, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
-            temperature=1.0, top_p=1.0, top_k=0, gradient_checkpointing=work.gradient_checkpointing, use_cpu=True, bf16=False, fp16=False, report_to="none",
+            temperature=work.temperature, top_p=1.0, top_k=0, gradient_checkpointing=work.gradient_checkpointing, use_cpu=True, bf16=False, fp16=False, report_to="none",
             logging_steps=1, save_strategy="no", dataloader_num_workers=0, seed=0, log_completions=False,
             disable_tqdm=True,
         )
         pairs = step_work.prompts(work, work.prompts_per_step * (steps + 2))
-        data = Dataset.from_list([{"prompt": list(p) if isinstance(p, tuple) else p} for p, _ in pairs])
-        trainer = GRPOTrainer(model=policy, reward_funcs=[digit_share], args=config, train_dataset=data,
+        data = Dataset.from_list([{"prompt": list(p) if isinstance(p, tuple) else p, "answer": a} for p, a in pairs])
+        trainer = GRPOTrainer(model=policy, reward_funcs=[reward], args=config, train_dataset=data,
                               processing_class=tok, callbacks=[StepTimer()])
         del policy
         trainer._generate = timed(phases, "rollout", trainer._generate)

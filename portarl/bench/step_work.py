@@ -20,6 +20,14 @@ template (``data.chat_template=auto``), TRL with the conversational prompt forma
 prompt ids are the same on both sides. (Templated text would not be: TRL tokenizes text
 prompts with the tokenizer's special tokens added.)
 
+The reward and the prompts: by default the share of digits in the completion (any model
+earns some, so a step always has a gradient) on the synthetic arithmetic prompts;
+``--reward math_exact`` scores the completion's last number against the answer
+(:func:`portarl.rewards.math_exact`, the examples' reward) and ``--data FILE`` takes the
+prompts and answers of a JSONL file instead (``examples/data/arith_train.jsonl``: the work
+of ``examples/smollm2-arith.yaml``); ``--temperature`` the sampling temperature (default 1), ``--lr`` the learning rate (default 5e-4).
+Both sides score with the same function; the reward per sample is reported beside the time.
+
 Micro-batching: portarl takes one optimizer step over ``prompts x group`` samples, its
 forwards and backwards in micro-batches of at most ``micro_batch_size`` rows (and at most
 ``train.max_tokens_per_micro_batch`` tokens, left at its default 16384: 64 rows of the
@@ -39,7 +47,7 @@ TINY_DEFAULTS = {"prompts_per_step": 8, "group_size": 8, "max_new_tokens": 8, "m
                  "gradient_checkpointing": False, "beta": 0.0}
 MODEL_DEFAULTS = {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 64, "micro_batch_size": 64,
                   "gradient_checkpointing": True, "beta": 0.001}
-TINY_DESCRIPTION = "Qwen2ForCausalLM from a config: vocab 64, hidden 64, 2 layers, 4 heads / 2 kv, mlp 192, fp32"
+TINY_DESCRIPTION = "Qwen2ForCausalLM from a config: vocab 64, hidden {hidden}, {layers} layers, 4 heads / 2 kv, mlp {mlp}, fp32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +61,13 @@ class Work:
     micro_batch_size: int = TINY_DEFAULTS["micro_batch_size"]
     gradient_checkpointing: bool = TINY_DEFAULTS["gradient_checkpointing"]
     beta: float = TINY_DEFAULTS["beta"]
+    reward: str = "digits"
+    data: str | None = None
+    temperature: float = 1.0
+    lr: float = 5e-4
+    #: the tiny model's shape (``--tiny-layers``, ``--tiny-hidden``; its MLP is 3 x hidden).
+    tiny_layers: int = 2
+    tiny_hidden: int = 64
 
     @property
     def samples(self) -> int:
@@ -75,6 +90,23 @@ class Work:
             raise ValueError(f"--group-size must be >= 2 (GRPO compares the samples of a prompt), got {self.group_size}")
         if self.beta < 0:
             raise ValueError(f"--beta must be >= 0, got {self.beta}")
+        if self.reward not in REWARDS:
+            raise ValueError(f"--reward {self.reward}: use one of {', '.join(REWARDS)}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not self.temperature > 0:
+            raise ValueError(f"--temperature must be > 0, got {self.temperature}")
+        if self.data is not None:
+            if self.model is None:
+                raise ValueError("--data needs --model: the tiny model's character tokenizer has no chat template")
+            if not Path(self.data).is_file():
+                raise ValueError(f"--data {self.data}: no such file")
+        if (self.tiny_layers, self.tiny_hidden) != (2, 64):
+            if self.model is not None:
+                raise ValueError("--tiny-layers / --tiny-hidden shape the tiny model: leave them out with --model")
+            if self.tiny_layers < 1 or self.tiny_hidden < 4 or self.tiny_hidden % 4:
+                raise ValueError(f"--tiny-layers {self.tiny_layers} --tiny-hidden {self.tiny_hidden}: use >= 1 layer and "
+                                 "a hidden size that is a positive multiple of 4 (its 4 attention heads)")
         if self.samples % self.micro_batch_size:
             divisors = [d for d in range(1, self.samples + 1) if self.samples % d == 0]
             raise ValueError(f"--micro-batch-size {self.micro_batch_size} does not divide the {self.samples} samples of a "
@@ -91,16 +123,28 @@ class Work:
         out = ["--prompts-per-step", str(self.prompts_per_step), "--group-size", str(self.group_size),
                "--max-new-tokens", str(self.max_new_tokens), "--micro-batch-size", str(self.micro_batch_size),
                "--gradient-checkpointing", "on" if self.gradient_checkpointing else "off", "--beta", repr(self.beta)]
+        if self.reward != "digits":
+            out += ["--reward", self.reward]
+        if self.temperature != 1.0:
+            out += ["--temperature", repr(self.temperature)]
+        if self.lr != 5e-4:
+            out += ["--lr", repr(self.lr)]
+        if self.data is not None:
+            out += ["--data", self.data]
+        if (self.tiny_layers, self.tiny_hidden) != (2, 64):
+            out += ["--tiny-layers", str(self.tiny_layers), "--tiny-hidden", str(self.tiny_hidden)]
         return out + (["--model", self.model] if self.model is not None else [])
 
     def describe(self) -> dict:
         """The work as the JSON result records it."""
-        return {"model": TINY_DESCRIPTION if self.model is None else
+        tiny = TINY_DESCRIPTION.format(hidden=self.tiny_hidden, layers=self.tiny_layers, mlp=3 * self.tiny_hidden)
+        return {"model": tiny if self.model is None else
                 f"{self.model} (portarl.models.load_local, fp32; chat template applied to conversational prompts)",
                 "model_path": self.model, "prompts_per_step": self.prompts_per_step, "group_size": self.group_size,
                 "max_new_tokens": self.max_new_tokens, "micro_batch_size": self.micro_batch_size,
                 "gradient_checkpointing": self.gradient_checkpointing, "beta": self.beta,
-                "trl_batching": self.trl_batching()}
+                "reward": REWARDS[self.reward][1], "data": self.data or "synthetic arithmetic (portarl.data)",
+                "temperature": self.temperature, "lr": self.lr, "trl_batching": self.trl_batching()}
 
 
 def check_model_path(path: str) -> None:
@@ -124,7 +168,12 @@ def work_from_args(args) -> Work:
     of work (tiny, or ``--model``'s README settings)."""
     model = getattr(args, "model", None)
     defaults = MODEL_DEFAULTS if model is not None else TINY_DEFAULTS
-    picked = {}
+    temperature, lr = getattr(args, "temperature", None), getattr(args, "lr", None)
+    picked = {"lr": 5e-4 if lr is None else lr, "reward": getattr(args, "reward", None) or "digits", "data": getattr(args, "data", None),
+              "temperature": 1.0 if temperature is None else temperature}
+    for key, default in (("tiny_layers", 2), ("tiny_hidden", 64)):
+        value = getattr(args, key, None)
+        picked[key] = default if value is None else value
     for key, default in defaults.items():
         value = getattr(args, key, None)
         if key == "gradient_checkpointing" and isinstance(value, str):
@@ -151,6 +200,14 @@ def add_arguments(ap) -> None:
                     help="activation checkpointing on both sides (default off; with --model on, TRL's default)")
     ap.add_argument("--beta", type=float, help="KL weight on both sides, 0: no reference model (default 0; with "
                     "--model 0.001, the README's)")
+    ap.add_argument("--reward", choices=sorted(REWARDS), help="digits (default): the share of digits in the "
+                    "completion; math_exact: its last number against the answer")
+    ap.add_argument("--data", metavar="FILE", help="with --model: prompts and answers from this JSONL file (e.g. "
+                    "examples/data/arith_train.jsonl) instead of the synthetic arithmetic")
+    ap.add_argument("--temperature", type=float, help="sampling temperature on every side (default 1)")
+    ap.add_argument("--lr", type=float, help="learning rate on every side (AdamW, constant; default 5e-4)")
+    ap.add_argument("--tiny-layers", type=int, help="the tiny model's decoder layers (default 2)")
+    ap.add_argument("--tiny-hidden", type=int, help="the tiny model's hidden size (default 64; MLP 3 x it)")
 
 
 def rss_mib() -> float:
@@ -166,7 +223,7 @@ def load(work: Work):
     if work.model is None:
         from portarl.bench.step import model, tokenizer
 
-        return model(), tokenizer()
+        return model(layers=work.tiny_layers, hidden_size=work.tiny_hidden), tokenizer()
     import torch
 
     from portarl.models import load_local
@@ -176,13 +233,37 @@ def load(work: Work):
 
 def prompts(work: Work, n: int) -> list[tuple[object, str]]:
     """``n`` (prompt, answer) pairs: plain text for the tiny model (its tokenizer has no chat
-    template), one-message conversations for ``--model``."""
+    template), one-message conversations for ``--model``; ``--data``: the file's, in order
+    (repeated when it has fewer than ``n``)."""
     from portarl.bench.step import prompts as arithmetic
 
+    if work.data is not None:
+        from portarl.data import load_examples
+
+        rows = load_examples(work.data)
+        return [(rows[i % len(rows)].prompt, rows[i % len(rows)].answer) for i in range(n)]
     pairs = arithmetic(n)
     if work.model is None:
         return pairs
     return [(({"role": "user", "content": p},), a) for p, a in pairs]
+
+
+def digit_share(prompt, completion, answer) -> float:
+    """The default reward of every side: the share of digits in the completion text."""
+    text = completion_text(completion)
+    return sum(c.isdigit() for c in text) / max(1, len(text))
+
+
+#: ``--reward``: (name a portarl config's ``rewards`` takes, description).
+REWARDS = {"digits": ("portarl.bench.step_work:digit_share", "share of digits in the completion"),
+           "math_exact": ("math_exact", "math_exact: the completion's last number equals the answer")}
+
+
+def reward_fn(work: Work):
+    """The work's reward as a function ``(prompt, completion, answer) -> float`` (both sides)."""
+    from portarl.rewards import resolve_reward
+
+    return resolve_reward(REWARDS[work.reward][0])
 
 
 def checkpointing_on(model) -> bool:

@@ -145,6 +145,7 @@ class Worker:
         self.version: int | None = None
         self.fault, self.fault_step = parse_fault(os.environ.get(FAULT_ENV))
         self.idle_since = time.perf_counter()
+        self.cpu_mark = time.process_time()  # a batch's cpu_s: this process's CPU since the last batch
 
     def load_weights(self, version: int, path: str) -> dict:
         from safetensors.torch import load_model
@@ -182,7 +183,9 @@ class Worker:
                  "prompt_ids": batch.prompt_ids, "completion_ids": batch.completion_ids, "logprobs": batch.logprobs,
                  "finished": batch.finished, "texts": texts, "total": scores.total.tolist(),
                  "per_function": scores.per_function, "reward_metrics": scores.metrics,
-                 "gen_s": gen_s, "score_s": time.perf_counter() - started - gen_s, "idle_s": idle}
+                 "gen_s": gen_s, "score_s": time.perf_counter() - started - gen_s, "idle_s": idle,
+                 "cpu_s": time.process_time() - self.cpu_mark}
+        self.cpu_mark = time.process_time()
         if self.fault_step == step and self.fault == "garbage":
             reply["completion_ids"] = reply["completion_ids"][:-1]
         if self.fault_step == step and self.fault == "stale":

@@ -178,7 +178,7 @@ def check_batch(reply: dict, step: int, n: int, name: str) -> None:
     metrics = reply.get("reward_metrics")
     if not isinstance(metrics, dict) or not all(isinstance(v, (int, float)) for v in metrics.values()):
         raise bad("reward_metrics is not a mapping of numbers")
-    for key in ("version", "gen_s", "score_s", "idle_s"):
+    for key in ("version", "gen_s", "score_s", "idle_s", "cpu_s"):
         if not isinstance(reply.get(key), (int, float)) or not math.isfinite(reply[key]):
             raise bad(f"{key} is missing or not a number")
 

@@ -254,7 +254,7 @@ class GRPOTrainer:
         through all three."""
         step = self.step + 1
         self._hook_step = step
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         phase = run_rollout(self, step)
         release_freed_memory()  # the rollout's caches, before scoring and the update allocate
         metrics, events = phase.metrics, phase.events
@@ -276,6 +276,7 @@ class GRPOTrainer:
                 record_clean(self)
         finish_metrics(self, metrics, events, skipped, overflow)
         metrics["time/step_s"] = time.perf_counter() - started
+        metrics["time/step_cpu_s"] = time.process_time() - cpu_started  # this process's threads (bench async)
         if self.dist.enabled:
             for key in [k for k in metrics if k == "loss" or k.endswith("/loss")]:
                 metrics[key] = metrics[key] * self.dist.world_size  # shares: the mean of world x share is the sum

@@ -60,13 +60,14 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
     seeds = seeds[trainer._local_offset * g : (trainer._local_offset + per_rank) * g]
     # Encoded (and checked) once when the data loaded (GRPOTrainer._check_examples).
     prompts = [trainer._prompt_ids.get(id(ex)) or trainer.codec.encode_prompt(ex.prompt) for ex in examples for _ in range(g)]
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     trainer.rollout.sync_weights(trainer.model)
     rollout = trainer.rollout.generate(prompts, seeds, trainer.sampling)
     trainer.rollout.sleep()  # the trainer computes now: the engine frees what it can (vLLM: KV cache)
     texts = [trainer.codec.decode(c) for c in rollout.completion_ids]
     metrics, events = rollout_metrics(trainer, step, rollout, seeds)
     metrics["time/rollout_s"] = time.perf_counter() - started  # what async mode overlaps (bench async)
+    metrics["time/rollout_cpu_s"] = time.process_time() - cpu_started
     return RolloutPhase(examples, rollout, texts, metrics, events)
 
 

@@ -18,9 +18,11 @@ the reward (``loss.kl_in_reward``: old log-probs are needed before the update); 
 numerics emulation (it reproduces a stack that scores old log-probs in their own pass);
 an engine that did not sample the trainer's current weights (a replayed file, a vLLM
 engine not synced since the last optimizer step, any engine that does not say so through
-:meth:`~portarl.rollout.RolloutEngine.samples_policy_of`); ``rollout.mode=async`` (the worker
-process sampled its own copy of the weights, up to ``rollout.max_staleness`` steps old:
-:mod:`portarl.trainer.async_pipeline`).
+:meth:`~portarl.rollout.RolloutEngine.samples_policy_of`). In ``rollout.mode=async`` the
+worker sampled its own copy of the weights, up to ``rollout.max_staleness`` steps old
+(:mod:`portarl.trainer.async_pipeline`): its log-probs are the behaviour policy's, the old
+(proximal) log-probs the trainer's current policy's, and with one optimizer step per batch
+those are the training forward's, detached (decoupled PPO): no extra forward either.
 
 The reward call is ``GRPOTrainer._rewards`` (:mod:`portarl.reward_runner`: per-sample and
 TRL-style batched rewards with dataset columns, errors naming the reward and the sample),
@@ -81,7 +83,11 @@ def old_logprobs_recompute_reason(trainer) -> str | None:
     if trainer.emulate:
         return "precision.numerics emulation"
     if cfg.rollout.mode == "async":
-        return "rollout.mode=async (the worker sampled a copy of the weights, possibly older ones)"
+        # Decoupled PPO: the worker sampled a copy of the weights, possibly older ones, whose
+        # log-probs are the rollout's (the behaviour policy, weighed by the mismatch
+        # correction); the proximal policy is the trainer's current one, which with one
+        # optimizer step per batch is exactly the training forward's, detached.
+        return None
     if not trainer.rollout.samples_policy_of(trainer.model):
         return f"the {getattr(trainer.rollout, 'name', 'rollout')} engine did not sample the trainer's current weights"
     return None

@@ -22,7 +22,7 @@ import torch
 from portarl import distributed as pdist
 from portarl.core import compute_loss
 from portarl.trainer.guards import GuardTripped, NonFiniteError, first_nonfinite_gradient
-from portarl.trainer.heap import release_freed_memory
+from portarl.trainer.heap import GradientsFirst, release_freed_memory
 from portarl.trainer.micro_batches import micro_batches, rows_of
 from portarl.trainer.scoring import logprobs
 from portarl.trainer.step_guard import guarded_optimizer_step, judge_spikes
@@ -183,6 +183,7 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
     loss_cfg = trainer.loss_config()
     want_entropy = True  # cheap with the fused op; logged, and in the loss when entropy_coef > 0
     precision.zero_grad()
+    grads = GradientsFirst(precision.params)  # below the activations in the heap (trainer/heap.py)
     sums: dict[str, torch.Tensor] = {}
     loss_ok = torch.ones((), dtype=torch.bool, device=batch.labels.device)
     old_bad = torch.zeros((), dtype=torch.int64, device=batch.labels.device)
@@ -190,7 +191,7 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
     for rows, part in micro_batches(trainer, batch):  # fixed slices, or a token budget (micro_batches.py)
         out = logprobs(trainer, trainer.model, part, with_entropy=want_entropy)
         logp, entropy = out if want_entropy else (out, None)
-        if old_logp is None:  # on-policy: the rollout sampled these weights (scoring.old_logprobs_recompute_reason)
+        if old_logp is None:  # the current policy is the old (proximal) one: scoring.old_logprobs_recompute_reason
             old = trainer._apply_hooks("old_logp", logp.detach())
             old_bad = old_bad + (~torch.isfinite(old) & part.mask).sum()
             on_policy.append((part, old))
@@ -212,6 +213,7 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
             v = torch.as_tensor(v, dtype=torch.float32).detach()
             v = v if k == "loss" or k.endswith("/loss") else v * share  # a loss is already a share of the batch's
             sums[k] = sums[k] + v if k in sums else v
+    grads.drop_untouched()
     params = precision.params
     if trainer.hooks["grad"] and params[0].grad is not None:
         params[0].grad = trainer._apply_hooks("grad", params[0].grad)

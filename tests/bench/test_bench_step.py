@@ -174,12 +174,45 @@ def test_bench_step_model_checkpointing_off_is_applied(model_dir, tmp_path):
     (["--micro-batch-size", "7"], "--micro-batch-size 7 does not divide the 64 samples"),
     (["--group-size", "1"], "--group-size must be >= 2"),
     (["--max-new-tokens", "100"], "the tiny model holds 128 positions"),
-    (["--schedule", "sides"], "--schedule sides orders the two sides of --vs trl"),
+    (["--schedule", "sides"], "--schedule sides orders the sides of --vs trl / --async"),
+    (["--async"], "--async needs --model PATH"),
+    (["--reward", "math_exact", "--data", "{tmp}/none.jsonl"], "--data needs --model"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--tiny-hidden", "66"], "a hidden size that is a positive multiple of 4"),
+    (["--tiny-layers", "0"], "use >= 1 layer"),
+    (["--model", "m.gguf", "--tiny-layers", "4"], "leave them out with --model"),
 ])
 def test_bench_step_refuses_bad_work(argv, message, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main(["bench", "step", *TINY, *argv]) == 2
     assert message.replace("{tmp}", str(tmp_path)) in capsys.readouterr().err
+
+
+def test_bench_step_tiny_shape_reaches_both_sides(tmp_path):
+    """--tiny-layers / --tiny-hidden: the worker's model has that shape, and the record says so."""
+    from types import SimpleNamespace
+
+    from portarl.bench import step_work
+
+    work = step_work.work_from_args(SimpleNamespace(tiny_layers=4, tiny_hidden=128))
+    assert step_work.work_from_args(bench_step_args(work.argv())) == work  # a worker reads the same work back
+    model = step_work.load(work)[0].config
+    assert (model.num_hidden_layers, model.hidden_size, model.intermediate_size) == (4, 128, 384)
+    assert "hidden 128, 4 layers" in work.describe()["model"] and "--tiny-hidden 128" in " ".join(work.argv())
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", *TINY, "--tiny-layers", "3", "--tiny-hidden", "32", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert "hidden 32, 3 layers" in data["work"]["model"] and "--tiny-layers 3 --tiny-hidden 32" in data["command"]
+
+
+def bench_step_args(argv):
+    import argparse
+
+    from portarl.bench.step_work import add_arguments
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    return ap.parse_args(argv)
 
 
 def test_tiny_defaults_are_unchanged():
@@ -220,3 +253,34 @@ def test_bench_step_vs_trl_on_a_gguf_file(tmp_path):
     assert data["work"]["beta"] == 0.01 and data["work"]["model_path"] == str(path)
     for side in ("portarl", "trl"):
         assert data["summary"][side]["cpu_s"] > 0 and data["rounds"][0][side]["gradient_checkpointing"] is True
+
+
+def test_bench_step_async_side_on_a_model_directory(model_dir, tmp_path):
+    """--async: portarl in rollout.mode=async beside colocated, on the same two threads (one
+    each for its trainer and worker), the prompts and answers of a JSONL file and the
+    math_exact reward; samples/s and reward per sample for both; the async side's CPU is its
+    trainer's plus its worker's."""
+    data_file = tmp_path / "data.jsonl"
+    data_file.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a}+1="}], "answer": str(a + 1)})
+                                 + "\n" for a in range(8)))
+    out = tmp_path / "step.json"
+    argv = ["bench", "step", "--async", "--model", str(model_dir), "--steps", "3", "--warmup", "1", "--rounds", "1",
+            "--threads", "2", *SMALL_WORK, "--beta", "0", "--reward", "math_exact", "--data", str(data_file),
+            "--temperature", "0.7", "--out", str(out)]
+    for bad, says in ((["--threads", "1"], "use --threads 2"), (["--warmup", "0"], "--async needs --warmup 1")):
+        assert main([*argv, *bad]) == 2
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["work"]["reward"].startswith("math_exact") and data["work"]["data"] == str(data_file)
+    assert data["work"]["temperature"] == 0.7
+    row = data["rounds"][0]
+    assert row["portarl"]["torch_threads"] == 2 and row["portarl-async"]["torch_threads"] == 1
+    for side in ("portarl", "portarl-async"):
+        summary = data["summary"][side]
+        assert summary["samples_per_s"] == pytest.approx(16 / summary["wall_s"])
+        assert 0 <= summary["reward_mean"] <= 1
+    for step in row["portarl-async"]["steps"]:
+        assert step["worker_cpu_s"] > 0 and step["cpu_s"] == pytest.approx(step["trainer_cpu_s"] + step["worker_cpu_s"])
+    assert "--async" in data["command"] and "--schedule sides" in data["command"]
+    md = out.with_suffix(".md").read_text()
+    assert "| portarl-async |" in md and "samples/s" in md and "reward per sample" in md

@@ -226,7 +226,7 @@ def test_validate_batch_names_what_is_wrong():
     good = {"prompt_ids": [[1]] * 2, "completion_ids": [[2, 3], [4]], "logprobs": [[-1.0, -2.0], [-0.5]],
             "finished": [True, False], "texts": ["a", "b"], "seeds": [1, 2], "total": [0.0, 1.0],
             "per_function": {"r": [0.0, 1.0]}, "reward_metrics": {"reward/r": 0.5}, "version": 0, "gen_s": 0.1,
-            "score_s": 0.0, "idle_s": 0.0}
+            "score_s": 0.0, "idle_s": 0.0, "cpu_s": 0.1}
     rollout, scores = validate_batch(good, 1, 2, "worker")
     assert rollout.completion_ids == [[2, 3], [4]] and scores.total.tolist() == [0.0, 1.0]
     for key, value, says in (("logprobs", [[-1.0], [-0.5]], "sample 0 has 2 tokens and 1 log-probs"),

@@ -6,6 +6,7 @@ differ, the forward still runs."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -148,3 +149,56 @@ def test_nan_logits_are_named_when_old_logp_comes_from_the_training_forward(make
         trainer.model.get_input_embeddings().weight[5:] = float("nan")
     metrics = trainer.train_step()
     assert metrics["skipped"] == 1 and metrics["guard/nonfinite_tensor"] == "logits"
+
+
+def _train_async(tmp_path, monkeypatch, *overrides: str) -> tuple[list[dict], dict, int]:
+    """An async run (rollout.max_staleness 1: stale batches from step 2 on) with a reward
+    that varies within groups; its metrics rows, final weights and the trainer's model
+    calls (the worker's are its own process's)."""
+    import os
+    from pathlib import Path
+
+    from portarl.trainer import GRPOTrainer, build_from_config
+    from trainer_fast import fast_config
+
+    here = Path(__file__).parent
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
+    cfg = fast_config(tmp_path, "rollout.mode=async", ONE_MB, "rewards=[{name: 'trainer_fast:varied_reward'}]",
+                      *overrides)
+    model, tokenizer, examples = build_from_config(cfg)
+    trainer = GRPOTrainer(model, tokenizer, None, examples, cfg, device="cpu")
+    calls = _decoder_calls(trainer)
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return rows, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, calls[0]
+
+
+def test_async_takes_the_proximal_logprobs_from_the_training_forward(tmp_path, monkeypatch):
+    """Decoupled PPO with one optimizer step per batch: the old (proximal) log-probs are the
+    current policy's, so the training forward's own, detached, serve; loss, gradient norm,
+    every metric (the mismatch ones measure staleness) and the weights equal those of the
+    recompute forward within fp32 tolerance, and that forward is not run (one model call
+    per step fewer)."""
+    runs = {mode: _train_async(tmp_path / mode, monkeypatch, f"train.old_logprobs={mode}")
+            for mode in ("recompute", "auto")}
+    (want_rows, want_params, want_calls), (got_rows, got_params, got_calls) = runs["recompute"], runs["auto"]
+    # one micro-batch per step: training + reference (+ the recompute) forwards
+    assert (want_calls, got_calls) == (3 * len(want_rows), 2 * len(want_rows))
+    assert [r["rollout/staleness_max"] for r in got_rows] == [0, 1, 1]
+    for want, got in zip(want_rows, got_rows, strict=True):
+        assert want["skipped"] == got["skipped"] == 0
+        assert want["grad_norm"] > 0
+        for key in ("loss", "pg/loss", "grad_norm", "entropy", "mismatch/abs_diff_max", "mismatch/kl_k3",
+                    "reward/mean"):
+            a, b = want[key], got[key]
+            assert abs(a - b) <= fp32_result(abs(a)).atol, f"step {want['step']} {key}: recompute {a!r} vs auto {b!r}"
+    for name, p in want_params.items():
+        assert (got_params[name] - p).abs().max() <= fp32_result(float(p.abs().max())).atol, name
+
+
+@pytest.mark.parametrize("setting", ["train.ppo_epochs=2", "train.mini_batches=2"])
+def test_async_keeps_the_forward_for_several_optimizer_steps(make_trainer, setting):
+    """With mini-batches or PPO epochs the later optimizer steps need the pre-update policy:
+    the no-grad forward stays; one step per batch needs none."""
+    assert scoring.old_logprobs_recompute_reason(make_trainer("rollout.mode=async")) is None
+    assert "several optimizer steps" in scoring.old_logprobs_recompute_reason(make_trainer("rollout.mode=async", setting))
