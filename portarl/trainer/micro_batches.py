@@ -24,8 +24,9 @@ of micro-batches; the count is all-reduced (max) and a rank with fewer splits it
 micro-batches in halves until it has as many (halves stay within the budget).
 
 Padding-free (``train.padding_free``, :mod:`portarl.trainer.packing`): the budget counts
-real tokens, a micro-batch takes the next row while the sum of its rows' prompt +
-completion lengths stays within it, and each micro-batch carries its packed layout
+the tokens the packed forward computes, not the padded width: the real tokens (the one-row
+varlen layout), or the real tokens plus the unused tails of the rows they are packed into
+(the rows layout of mask-based attention); each micro-batch carries its packed layout
 (``TokenBatch.packed``) for the forwards.
 
 Host syncs: one read of the rows' lengths per call (and one all-reduce under torchrun), not
@@ -47,27 +48,63 @@ from portarl.trainer.sequences import TokenBatch
 log = logging.getLogger("portarl.train")
 
 
+class _Tokens:
+    """The tokens a micro-batch's forward computes as rows are added longest first:
+    padded, ``rows x (max prompt + max completion)``; ``"varlen"``, the real tokens (one
+    row); ``"rows"``, the packed rows (first fit into rows as long as the first, longest,
+    sequence: :func:`portarl.trainer.packing.first_fit_rows` places them the same way) x
+    that length: real tokens plus the rows' unused tails."""
+
+    def __init__(self, layout: str | None):
+        self.layout = layout
+        self.width_p = self.width_c = self.total = self.capacity = 0
+        self.room: list[int] = []
+        self.rows = 0
+
+    def _fit(self, n: int) -> int | None:
+        return next((r for r, free in enumerate(self.room) if n <= free), None)
+
+    def with_row(self, p: int, c: int) -> int:
+        """The tokens with one more row of ``p`` prompt and ``c`` completion tokens."""
+        if self.layout == "varlen":
+            return self.total + p + c
+        if self.layout == "rows":
+            capacity = self.capacity or p + c
+            return capacity * (len(self.room) + (self._fit(p + c) is None))
+        return (self.rows + 1) * (max(self.width_p, p) + max(self.width_c, max(1, c)))
+
+    def add(self, p: int, c: int) -> None:
+        n = p + c
+        self.rows += 1
+        self.total += n
+        self.width_p, self.width_c = max(self.width_p, p), max(self.width_c, max(1, c))
+        if self.layout == "rows":
+            self.capacity = self.capacity or n
+            r = self._fit(n)
+            if r is None:
+                self.room.append(self.capacity - n)
+            else:
+                self.room[r] -= n
+
+
 def pack(prompt_lens: list[int], completion_lens: list[int], max_rows: int, max_tokens: int, *,
-         real_tokens: bool = False) -> list[list[int]]:
+         layout: str | None = None) -> list[list[int]]:
     """Row indices of each micro-batch: rows sorted by total length, longest first, taken
-    greedily while the micro-batch's tokens stay <= ``max_tokens`` and its rows <=
-    ``max_rows``. Tokens: padded, ``rows x (max prompt + max completion)``; with
-    ``real_tokens`` (padding-free), the sum of the rows' prompt + completion lengths. A row
-    alone over the budget is a micro-batch of its own. Each micro-batch's indices are in
-    ascending order (the batch's own order within it)."""
+    greedily while the tokens the micro-batch's forward computes stay <= ``max_tokens``
+    (``layout``: None padded, ``"rows"`` / ``"varlen"`` padding-free; :class:`_Tokens`)
+    and its rows <= ``max_rows``. A row alone over the budget is a micro-batch of its own.
+    Each micro-batch's indices are in ascending order (the batch's own order within it)."""
     order = sorted(range(len(prompt_lens)), key=lambda i: (-(prompt_lens[i] + completion_lens[i]), i))
     parts: list[list[int]] = []
     current: list[int] = []
-    width_p = width_c = total = 0
+    tokens = _Tokens(layout)
     for i in order:
-        p, c = max(width_p, prompt_lens[i]), max(width_c, max(1, completion_lens[i]))
-        n = prompt_lens[i] + completion_lens[i]
-        tokens = total + n if real_tokens else (len(current) + 1) * (p + c)
-        if current and (len(current) + 1 > max_rows or tokens > max_tokens):
+        p, c = prompt_lens[i], completion_lens[i]
+        if current and (len(current) + 1 > max_rows or tokens.with_row(p, c) > max_tokens):
             parts.append(sorted(current))
-            current, p, c, total = [], prompt_lens[i], max(1, completion_lens[i]), 0
+            current, tokens = [], _Tokens(layout)
         current.append(i)
-        width_p, width_c, total = p, c, total + n
+        tokens.add(p, c)
     if current:
         parts.append(sorted(current))
     return parts
@@ -113,7 +150,7 @@ def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice
     if budget is None:
         parts = [list(range(i, min(n, i + cfg.micro_batch_size))) for i in range(0, n, cfg.micro_batch_size)]
     else:
-        parts = pack(prompt_lens, completion_lens, cfg.micro_batch_size, budget, real_tokens=packing is not None)
+        parts = pack(prompt_lens, completion_lens, cfg.micro_batch_size, budget, layout=packing)
         _warn_over_budget(trainer, budget, prompt_lens, completion_lens)
         dist = trainer.dist
         if dist.enabled:

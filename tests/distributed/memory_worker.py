@@ -24,13 +24,23 @@ BASE = ["train.steps=1", "train.prompts_per_step=4", "train.sft_warmup_steps=0",
         "model.intermediate_size=64", "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
         "optim.grad_clip=null", "loss.kl_coef=0.05", "train.old_logprobs=recompute", "train.micro_batch_size=8"]
 VARIANTS = {
-    "plain": ["train.gradient_checkpointing=false", "train.max_tokens_per_micro_batch=null"],
-    "checkpointing": ["train.gradient_checkpointing=true", "train.max_tokens_per_micro_batch=null"],
+    "plain": ["train.gradient_checkpointing=false", "train.max_tokens_per_micro_batch=null",
+              "train.padding_free=false"],
+    "checkpointing": ["train.gradient_checkpointing=true", "train.max_tokens_per_micro_batch=null",
+                      "train.padding_free=false"],
     # 12 tokens: every row alone (prompts of 8-12 characters plus the completion), so the
     # ranks' pack counts follow their own lengths and are equalised by splitting.
-    "budget": ["train.gradient_checkpointing=false", "train.max_tokens_per_micro_batch=12"],
-    "both": ["train.gradient_checkpointing=true", "train.max_tokens_per_micro_batch=30"],
+    "budget": ["train.gradient_checkpointing=false", "train.max_tokens_per_micro_batch=12",
+               "train.padding_free=false"],
+    "both": ["train.gradient_checkpointing=true", "train.max_tokens_per_micro_batch=30", "train.padding_free=false"],
+    # Padding-free (the default): the layout the model's attention gets ("rows" for sdpa),
+    # and the one-row layout ("varlen", through SDPA's mask here) so that sequences share a
+    # row; with checkpointing and a real-token budget.
+    "padding_free": ["train.gradient_checkpointing=true", "train.max_tokens_per_micro_batch=30"],
+    "one_row": ["train.gradient_checkpointing=true", "train.max_tokens_per_micro_batch=40"],
 }
+#: Variants whose layout is forced (the one-row layout needs flash attention otherwise).
+LAYOUT = {"one_row": "varlen"}
 
 
 def varied_reward(prompt, completion, answer):
@@ -55,6 +65,8 @@ def gradients(out: str, name: str, counter: dict) -> dict[str, torch.Tensor]:
     model, tokenizer, examples = build_from_config(cfg)
     trainer = GRPOTrainer(model, tokenizer, [varied_reward], examples, cfg, device="cpu")
     assert checkpointing_enabled(trainer.model) == cfg.train.gradient_checkpointing
+    assert trainer.padding_free == (None if cfg.train.padding_free is False else "rows"), trainer.padding_free
+    trainer.padding_free = LAYOUT.get(name, trainer.padding_free)
     grads: dict = {}
 
     def capture(tr):

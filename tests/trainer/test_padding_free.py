@@ -211,19 +211,24 @@ def test_varlen_layout_hands_the_kernel_its_cumulative_lengths(monkeypatch):
     assert_close(got, want.double(), _tolerance(model, batch, torch.float32), "logp (varlen stand-in)")
 
 
-def test_token_budget_counts_real_tokens():
-    prompts, completions = [2, 2, 2, 2], [10, 1, 1, 1]
-    # Padded, any two rows cost 2 x 12 = 24 > 20; real tokens: 12 + 3 + 3 = 18 <= 20.
-    assert pack(prompts, completions, 64, 20) == [[0], [1, 2, 3]]
-    assert pack(prompts, completions, 64, 20, real_tokens=True) == [[0, 1, 2], [3]]
+def test_token_budget_counts_the_tokens_the_packed_forward_computes():
+    prompts, completions = [2, 2, 2, 2, 2], [10, 1, 1, 1, 6]
+    # Lengths 12, 3, 3, 3, 8. Padded: 12 alone (2 x 12 > 20), then 2 x 8, then 2 x 3. One
+    # row (varlen): the real tokens, 12 + 8 = 20, then 3 + 3 + 3. Rows of 12 (budget 24):
+    # [12], [8 + 3], then a third row (3 > the 1 left) would make 3 x 12 = 36 > 24.
+    assert pack(prompts, completions, 64, 20) == [[0], [1, 4], [2, 3]]
+    assert pack(prompts, completions, 64, 20, layout="varlen") == [[0, 4], [1, 2, 3]]
+    assert pack(prompts, completions, 64, 24, layout="rows") == [[0, 1, 4], [2, 3]]
     batch = _batch()
-    padded = micro_batches(_fake_trainer(None, budget=24), batch)
-    packed = micro_batches(_fake_trainer("rows", budget=24), batch)
-    assert len(packed) < len(padded)
-    for rows, part in packed:
-        real = int(batch.attention_mask[rows].sum())
-        assert real <= 24 or len(rows) == 1
-        assert part.packed.input_ids.numel() <= len(rows) * part.input_ids.shape[1]  # never wider than padded
+    for kind in ("rows", "varlen"):
+        padded = micro_batches(_fake_trainer(None, budget=24), batch)
+        packed = micro_batches(_fake_trainer(kind, budget=24), batch)
+        assert len(packed) < len(padded), kind
+        for rows, part in packed:
+            computed = part.packed.input_ids.numel()
+            assert computed <= 24 or len(rows) == 1, (kind, computed)
+            if kind == "varlen":
+                assert computed == int(batch.attention_mask[rows].sum())  # exactly the real tokens
 
 
 def _one_row_layout(monkeypatch) -> list[int]:
