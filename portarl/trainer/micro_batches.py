@@ -52,8 +52,9 @@ class _Tokens:
     """The tokens a micro-batch's forward computes as rows are added longest first:
     padded, ``rows x (max prompt + max completion)``; ``"varlen"``, the real tokens (one
     row); ``"rows"``, the packed rows (first fit into rows as long as the first, longest,
-    sequence: :func:`portarl.trainer.packing.first_fit_rows` places them the same way) x
-    that length: real tokens plus the rows' unused tails."""
+    sequence: :func:`portarl.trainer.pack_rows.first_fit_rows` places them the same way) x
+    that length: real tokens plus the rows' unused tails, an upper bound of what
+    :func:`portarl.trainer.pack_rows.choose_rows` computes."""
 
     def __init__(self, layout: str | None):
         self.layout = layout
@@ -140,7 +141,7 @@ def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice
     cfg = trainer.config.train
     n = batch.labels.shape[0]
     budget = getattr(cfg, "max_tokens_per_micro_batch", None)
-    packing = getattr(trainer, "padding_free", None)  # the layout kind, or None: padded (GRPOTrainer.__init__)
+    packing = getattr(trainer, "padding_free", None)  # a packing.Layout, or None: padded (GRPOTrainer.__init__)
     if budget is None and packing is None:
         return [(slice(i, i + cfg.micro_batch_size), batch.rows(slice(i, i + cfg.micro_batch_size)))
                 for i in range(0, n, cfg.micro_batch_size)]
@@ -150,7 +151,8 @@ def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice
     if budget is None:
         parts = [list(range(i, min(n, i + cfg.micro_batch_size))) for i in range(0, n, cfg.micro_batch_size)]
     else:
-        parts = pack(prompt_lens, completion_lens, cfg.micro_batch_size, budget, layout=packing)
+        parts = pack(prompt_lens, completion_lens, cfg.micro_batch_size, budget,
+                     layout=None if packing is None else packing.kind)
         _warn_over_budget(trainer, budget, prompt_lens, completion_lens)
         dist = trainer.dist
         if dist.enabled:

@@ -18,6 +18,7 @@ import portarl.trainer.update as update
 from portarl import distributed as pdist
 from portarl.trainer import GRPOTrainer, TrainConfig, build_from_config
 from portarl.trainer.checkpointing import checkpointing_enabled
+from portarl.trainer.packing import Layout
 
 BASE = ["train.steps=1", "train.prompts_per_step=4", "train.sft_warmup_steps=0", "rollout.group_size=4",
         "rollout.max_new_tokens=5", "data.synthetic_size=64", "data.max_operand=999", "model.hidden_size=32",
@@ -65,8 +66,9 @@ def gradients(out: str, name: str, counter: dict) -> dict[str, torch.Tensor]:
     model, tokenizer, examples = build_from_config(cfg)
     trainer = GRPOTrainer(model, tokenizer, [varied_reward], examples, cfg, device="cpu")
     assert checkpointing_enabled(trainer.model) == cfg.train.gradient_checkpointing
-    assert trainer.padding_free == (None if cfg.train.padding_free is False else "rows"), trainer.padding_free
-    trainer.padding_free = LAYOUT.get(name, trainer.padding_free)
+    assert (trainer.padding_free is None) == (cfg.train.padding_free is False), trainer.padding_free
+    if name in LAYOUT:
+        trainer.padding_free = Layout(LAYOUT[name])
     grads: dict = {}
 
     def capture(tr):

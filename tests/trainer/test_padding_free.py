@@ -21,6 +21,7 @@ from portarl.models import tiny_qwen2
 from portarl.parity.errors import assert_close
 from portarl.parity.tolerances import fp32_result, low_precision_forward
 from portarl.trainer.micro_batches import micro_batches, pack
+from portarl.trainer.packing import Layout, layout_of
 from portarl.trainer.sequences import MATERIALIZE_ENV, build_batch, completion_logits, completion_logprobs
 from test_memory_checkpointing import _assert_same, _gradients
 
@@ -35,7 +36,7 @@ def _fake_trainer(kind, budget=None, rows=64):
 
 def _batch(seed=0):
     """Mixed lengths with the edge cases: single-token and empty completions, and lengths
-    (prompt + completion) 12, 6, 6, 4, 4, 4 ... so that the rows of the "rows" layout
+    (prompt + completion) 12, 6, 6, 4, 4, 4 ... so that the rows of the "longest" layout
     (capacity: the longest, 12) are filled exactly by two 6s or three 4s."""
     rng = random.Random(seed)
     shape = [(5, 7), (2, 4), (3, 3), (1, 3), (3, 1), (2, 2), (4, 0), (1, 1), (6, 5), (2, 9)]
@@ -44,15 +45,21 @@ def _batch(seed=0):
     return build_batch(prompts, completions, 0, "cpu")
 
 
-def _one_part(kind, batch, **kw):
-    (rows, part), = micro_batches(_fake_trainer(kind, **kw), batch)
-    return part
-
-
 def _model(dtype=torch.float32, impl="sdpa", seed=2):
     model = tiny_qwen2(VOCAB, hidden_size=64, layers=3, seed=seed).to(dtype)
     model.config._attn_implementation = impl
     return model
+
+
+#: "rows": the test model's own costs (its rows hold several sequences); "longest": rows
+#: no longer than the longest sequence (tails, several rows); "varlen": one row.
+LAYOUTS = {"rows": layout_of(_model().config, "rows"), "longest": Layout("rows", longest_only=True),
+           "varlen": Layout("varlen")}
+
+
+def _one_part(kind, batch, **kw):
+    (rows, part), = micro_batches(_fake_trainer(LAYOUTS.get(kind), **kw), batch)
+    return part
 
 
 def _tolerance(model, batch, dtype):
@@ -79,16 +86,18 @@ def test_layout_restarts_positions_and_transformers_sees_each_sequence_alone():
 
     batch = _batch()
     lengths = (batch.attention_mask.sum(-1)).tolist()
-    for kind in ("rows", "varlen"):
+    for kind in LAYOUTS:
         p = _one_part(kind, batch).packed
         ids, pos = p.input_ids, p.position_ids
         if kind == "varlen":
             assert ids.shape == (1, sum(lengths)) and p.max_length == max(lengths)
             assert p.cu_seq_lens.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
         else:
-            assert ids.shape[1] == max(lengths) and p.cu_seq_lens is None
+            assert p.cu_seq_lens is None and ids.numel() <= len(lengths) * max(lengths)
             filled = [r for r in range(ids.shape[0]) if int(pos[r, -1]) != 0 and (pos[r] == 0).sum() > 1]
             assert filled, "no row filled to its end by more than one sequence (the boundary case)"
+        if kind == "longest":
+            assert ids.shape[1] == max(lengths) and ids.shape[0] > 1 and (pos[:, -1] == 0).any()  # rows with tails
         segments = find_packed_sequence_indices(pos)
         seen = []
         for r in range(ids.shape[0]):
@@ -108,7 +117,7 @@ def test_layout_restarts_positions_and_transformers_sees_each_sequence_alone():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-@pytest.mark.parametrize("kind", ["rows", "varlen"])
+@pytest.mark.parametrize("kind", list(LAYOUTS))
 def test_packed_logprobs_and_entropy_equal_padded(dtype, impl, kind):
     """``varlen`` here is the one-row layout through the same mask-based attention (the
     flash kernels themselves do not run on CPU: see the stand-in test below)."""
@@ -220,9 +229,9 @@ def test_token_budget_counts_the_tokens_the_packed_forward_computes():
     assert pack(prompts, completions, 64, 20, layout="varlen") == [[0, 4], [1, 2, 3]]
     assert pack(prompts, completions, 64, 24, layout="rows") == [[0, 1, 4], [2, 3]]
     batch = _batch()
-    for kind in ("rows", "varlen"):
+    for kind in LAYOUTS:
         padded = micro_batches(_fake_trainer(None, budget=24), batch)
-        packed = micro_batches(_fake_trainer(kind, budget=24), batch)
+        packed = micro_batches(_fake_trainer(LAYOUTS[kind], budget=24), batch)
         assert len(packed) < len(padded), kind
         for rows, part in packed:
             computed = part.packed.input_ids.numel()
@@ -239,7 +248,7 @@ def _one_row_layout(monkeypatch) -> list[int]:
     import portarl.trainer.micro_batches as mb
 
     monkeypatch.setattr(grpo, "resolve_padding_free", lambda cfg, model: None if cfg.train.padding_free is False
-                        else "varlen")
+                        else LAYOUTS["varlen"])
     seen: list[int] = []
     real = mb.pack_micro_batch
 
@@ -257,12 +266,12 @@ def _one_row_layout(monkeypatch) -> list[int]:
                          ids=["plain", "checkpointing", "lora", "budget"])
 def test_gradients_equal_padded(tmp_path, monkeypatch, setting):
     padded, trainer = _gradients(tmp_path, monkeypatch, "train.padding_free=true", *setting, name="rows")
-    assert trainer.padding_free == "rows"
+    assert trainer.padding_free.kind == "rows"
     seen = _one_row_layout(monkeypatch)
     padded, trainer = _gradients(tmp_path, monkeypatch, "train.padding_free=false", *setting, name="padded")
     assert trainer.padding_free is None and not seen
     packed, trainer = _gradients(tmp_path, monkeypatch, "train.padding_free=true", *setting, name="packed")
-    assert trainer.padding_free == "varlen" and max(seen) > 1
+    assert trainer.padding_free.kind == "varlen" and max(seen) > 1
     _assert_same(padded, packed)
 
 
@@ -347,9 +356,10 @@ def test_unsupported_attention_falls_back_once_or_is_refused(tmp_path, custom_at
 
 
 def test_on_by_default_and_attn_implementation_setting(make_trainer):
-    assert make_trainer().padding_free == "rows"  # sdpa, the default
+    layout = make_trainer().padding_free  # sdpa, the default
+    assert layout.kind == "rows" and layout.attention > 0 and not layout.longest_only
     trainer = make_trainer("model.attn_implementation=eager")
-    assert trainer.model.config._attn_implementation == "eager" and trainer.padding_free == "rows"
+    assert trainer.model.config._attn_implementation == "eager" and trainer.padding_free.longest_only
     assert make_trainer("train.padding_free=false").padding_free is None
 
 
@@ -359,3 +369,27 @@ def test_micro_batch_rows_keep_the_padded_layout_for_blame():
     part = _one_part("rows", _batch())
     assert part.rows(slice(0, 2)).packed is None
     assert dataclasses.replace(part, mask=part.mask).packed is part.packed
+
+
+def test_row_length_follows_the_models_costs():
+    from portarl.trainer.pack_rows import choose_rows, first_fit_rows
+
+    lengths = [10, 9, 3, 3, 2, 1]
+    assert first_fit_rows(lengths, 10) == [[0], [1, 5], [2, 3, 4]]  # 3 rows of 10 = 30 tokens
+    # Attention nearly free: the fewest computed tokens, one row of 28.
+    assert choose_rows(lengths, Layout("rows", linear=1000, attention=1)) == [[0, 1, 2, 3, 4, 5]]
+    # Attention dear: rows as long as the longest sequence.
+    assert choose_rows(lengths, Layout("rows", linear=1, attention=1000)) == [[0], [1, 5], [2, 3, 4]]
+    assert choose_rows(lengths, Layout("rows", linear=1000, attention=1, longest_only=True)) == [[0], [1, 5],
+                                                                                                    [2, 3, 4]]
+    assert choose_rows(lengths, Layout("varlen")) == [list(range(6))]
+    # Every sequence once, and never more computed tokens than rows of the longest (what
+    # the token budget counted), whatever the costs.
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.randrange(1, 40) for _ in range(rng.randrange(1, 30))]
+        layout = Layout("rows", linear=rng.randrange(1, 10**4), attention=rng.randrange(0, 100))
+        rows = choose_rows(lengths, layout)
+        assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+        width = max(sum(lengths[i] for i in row) for row in rows)
+        assert len(rows) * width <= len(first_fit_rows(lengths, max(lengths))) * max(lengths)
