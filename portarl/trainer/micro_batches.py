@@ -146,7 +146,10 @@ def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice
         return [(slice(i, i + cfg.micro_batch_size), batch.rows(slice(i, i + cfg.micro_batch_size)))
                 for i in range(0, n, cfg.micro_batch_size)]
     p_width = batch.prompt_width
-    lengths = torch.stack([batch.attention_mask[:, :p_width].sum(-1), (batch.labels != -100).sum(-1)]).tolist()
+    # Tokens by the attention mask, not the labels: a completion may hold tokens that are not
+    # scored (label -100 inside it, e.g. a tool's output in a multi-turn sample).
+    attention = batch.attention_mask
+    lengths = torch.stack([attention[:, :p_width].sum(-1), attention[:, p_width:].sum(-1)]).tolist()
     prompt_lens, completion_lens = lengths
     if budget is None:
         parts = [list(range(i, min(n, i + cfg.micro_batch_size))) for i in range(0, n, cfg.micro_batch_size)]

@@ -112,7 +112,7 @@ def test_layout_restarts_positions_and_transformers_sees_each_sequence_alone():
         flat_ids = ids.reshape(-1)
         labels = batch.labels.reshape(-1)[p.where]
         assert torch.equal(flat_ids[p.scored + 1], labels) and bool((labels != -100).all())
-        assert p.where.numel() == int((batch.labels != -100).sum())
+        assert p.where.numel() == int((batch.labels != -100).sum()) == int(batch.attention_mask[:, batch.prompt_width:].sum())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -123,6 +123,21 @@ def test_packed_logprobs_and_entropy_equal_padded(dtype, impl, kind):
     flash kernels themselves do not run on CPU: see the stand-in test below)."""
     for seed in (0, 1):
         _assert_packed_equal_padded(_model(dtype, impl, seed=seed), _batch(seed), kind, dtype)
+
+
+def test_tokens_a_completion_does_not_score_stay_in_the_sequence():
+    """A completion token with label -100 (not the model's: a tool's output in a
+    multi-turn sample) and outside the loss mask is still part of its sequence: the tokens
+    after it see it, packed as padded, and it scores 0."""
+    batch = _batch()
+    labels, mask = batch.labels.clone(), batch.mask.clone()
+    labels[0, 2:4] = -100  # row 0: 7 completion tokens, two in the middle not scored
+    mask[0, 2:4] = False
+    batch = dataclasses.replace(batch, labels=labels, mask=mask)
+    for kind in LAYOUTS:
+        part = _one_part(kind, batch)
+        assert part.labels.shape[1] == 9  # still the widest completion
+        _assert_packed_equal_padded(_model(), batch, kind)
 
 
 def test_materialised_logits_and_npu_emulation_paths_equal_padded(monkeypatch):
