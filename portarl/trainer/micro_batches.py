@@ -42,6 +42,7 @@ import logging
 import torch
 
 from portarl import distributed as pdist
+from portarl.trainer.pack_rows import first_fit
 from portarl.trainer.packing import pack_micro_batch
 from portarl.trainer.sequences import TokenBatch
 
@@ -62,16 +63,13 @@ class _Tokens:
         self.room: list[int] = []
         self.rows = 0
 
-    def _fit(self, n: int) -> int | None:
-        return next((r for r, free in enumerate(self.room) if n <= free), None)
-
     def with_row(self, p: int, c: int) -> int:
         """The tokens with one more row of ``p`` prompt and ``c`` completion tokens."""
         if self.layout == "varlen":
             return self.total + p + c
         if self.layout == "rows":
             capacity = self.capacity or p + c
-            return capacity * (len(self.room) + (self._fit(p + c) is None))
+            return capacity * (len(self.room) + (first_fit(self.room, p + c) is None))
         return (self.rows + 1) * (max(self.width_p, p) + max(self.width_c, max(1, c)))
 
     def add(self, p: int, c: int) -> None:
@@ -81,7 +79,7 @@ class _Tokens:
         self.width_p, self.width_c = max(self.width_p, p), max(self.width_c, max(1, c))
         if self.layout == "rows":
             self.capacity = self.capacity or n
-            r = self._fit(n)
+            r = first_fit(self.room, n)
             if r is None:
                 self.room.append(self.capacity - n)
             else:
@@ -95,7 +93,11 @@ def pack(prompt_lens: list[int], completion_lens: list[int], max_rows: int, max_
     (``layout``: None padded, ``"rows"`` / ``"varlen"`` padding-free; :class:`_Tokens`)
     and its rows <= ``max_rows``. A row alone over the budget is a micro-batch of its own.
     Each micro-batch's indices are in ascending order (the batch's own order within it)."""
-    order = sorted(range(len(prompt_lens)), key=lambda i: (-(prompt_lens[i] + completion_lens[i]), i))
+    n = len(prompt_lens)
+    if layout is not None and n <= max_rows and n * max(map(sum, zip(prompt_lens, completion_lens)), default=0) \
+            <= max_tokens:  # padding-free computes at most rows x the longest: everything fits
+        return [list(range(n))] if n else []
+    order = sorted(range(n), key=lambda i: (-(prompt_lens[i] + completion_lens[i]), i))
     parts: list[list[int]] = []
     current: list[int] = []
     tokens = _Tokens(layout)

@@ -23,15 +23,21 @@ def first_fit_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     rows: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for r, free in enumerate(room):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
+        r = first_fit(room, lengths[i])
+        if r is None:
             rows.append([i])
             room.append(capacity - lengths[i])
+        else:
+            rows[r].append(i)
+            room[r] -= lengths[i]
     return rows
+
+
+def first_fit(room: list[int], n: int) -> int | None:
+    """The first index of ``room`` with at least ``n`` free, or None."""
+    if not room or max(room) < n:  # the common case (rows nearly full), at C speed
+        return None
+    return next(r for r, free in enumerate(room) if n <= free)
 
 
 def row_cost(rows: int, width: int, layout) -> int:
@@ -51,16 +57,22 @@ def choose_rows(lengths: list[int], layout) -> list[list[int]]:
         return best
     limit = len(best) * longest
     best_cost = row_cost(len(best), longest, layout)
+    real = sum(lengths)
     capacity = 2 * longest
-    while True:
+    # With two rows or more at a capacity C >= 2 x longest, the first row is fuller than
+    # C - longest >= C / 2 (first fit left something out), so rows x width >= the real
+    # tokens and width > C / 2: no capacity from C on can cost less than
+    # real x (linear + attention x C / 2), and one row costs real x (linear + attention x real).
+    while real * (layout.linear + layout.attention * min(capacity // 2, real)) < best_cost:
         rows = first_fit_rows(lengths, capacity)
         width = max(sum(lengths[i] for i in row) for row in rows)
         cost = row_cost(len(rows), width, layout)
         if len(rows) * width <= limit and cost < best_cost:
             best, best_cost = rows, cost
         if len(rows) == 1:
-            return best
+            break
         capacity *= 2
+    return best
 
 
-__all__ = ["choose_rows", "first_fit_rows", "row_cost"]
+__all__ = ["choose_rows", "first_fit", "first_fit_rows", "row_cost"]

@@ -210,12 +210,11 @@ def pack_micro_batch(part, prompt_lens: list[int], completion_lens: list[int], l
         src.extend([0] * tail)
         pos.extend(range(tail))
     device = part.input_ids.device
-
-    def on_device(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
-
-    ids = part.input_ids.reshape(-1)[on_device(src)].view(len(groups), row_width)
-    packed = Packed(ids, on_device(pos).view(len(groups), row_width), on_device(scored), on_device(where))
+    # One host tensor, one copy to the device, four views of it.
+    host = torch.tensor(src + pos + scored + where, dtype=torch.long).to(device, non_blocking=True)
+    src_t, pos_t, scored_t, where_t = host.split([len(src), len(pos), len(scored), len(where)])
+    ids = part.input_ids.reshape(-1)[src_t].view(len(groups), row_width)
+    packed = Packed(ids, pos_t.view(len(groups), row_width), scored_t, where_t)
     if layout.kind == "varlen":
         cu = [0]
         for i in groups[0]:

@@ -407,4 +407,16 @@ def test_row_length_follows_the_models_costs():
         rows = choose_rows(lengths, layout)
         assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
         width = max(sum(lengths[i] for i in row) for row in rows)
-        assert len(rows) * width <= len(first_fit_rows(lengths, max(lengths))) * max(lengths)
+        limit = len(first_fit_rows(lengths, max(lengths))) * max(lengths)
+        assert len(rows) * width <= limit
+        # The search stops early on a bound: the same choice as trying every capacity.
+        best = min((_width_cost(lengths, first_fit_rows(lengths, max(lengths) << k), layout)
+                    for k in range(12)), key=lambda x: (x[1] > limit, x[0], x[2]))
+        assert _width_cost(lengths, rows, layout)[0] == best[0]
+
+
+def _width_cost(lengths, rows, layout):
+    from portarl.trainer.pack_rows import row_cost
+
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    return row_cost(len(rows), width, layout), len(rows) * width, width
