@@ -130,7 +130,8 @@ class TrainSection:
     gradient_checkpointing: str | bool = "auto"
     #: Token budget of one micro-batch (verl's ``ppo_max_token_len_per_gpu``): rows sorted
     #: by length are packed while rows x (longest prompt + longest completion) <= this (and
-    #: rows <= micro_batch_size), each micro-batch padded only to its own longest row; the
+    #: rows <= micro_batch_size), each micro-batch padded only to its own longest row
+    #: (padding-free: while the tokens its packed rows compute <= this); the
     #: no-grad scoring forwards (old / reference log-probs) use the same packs. None: fixed
     #: micro_batch_size slices. 16384 (verl's default): the README's own-data settings
     #: (64 rows of ~100 tokens) stay one 64-row micro-batch, while long completions (4k
