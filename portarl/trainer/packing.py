@@ -164,7 +164,7 @@ def resolve_padding_free(cfg, model) -> Layout | None:
         return None
     kind, why = packing_support(model)
     if kind is not None:
-        log.info("padding-free micro-batches: on (%s)", why)
+        log.debug("padding-free micro-batches: on (%s)", why)  # the default: no line (errors stay one line)
         return layout_of(_hf_base(model).config, kind)
     if value is True:
         from portarl.trainer.config_fields import ConfigError
