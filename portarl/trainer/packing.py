@@ -141,6 +141,10 @@ def packing_support(model) -> tuple[str | None, str]:
         return None, f"{name} has no decoder to pack sequences for"
     from transformers import masking_utils
 
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        import transformers
+
+        return None, f"transformers {transformers.__version__} does not detect packed sequences (5.x does)"
     builds_masks = any(inspect.getmodule(cls) is not None
                        and getattr(inspect.getmodule(cls), "create_causal_mask", None) is masking_utils.create_causal_mask
                        for cls in type(decoder).__mro__)
