@@ -20,7 +20,7 @@ import portarl.trainer.packing as packing
 from portarl.models import tiny_qwen2
 from portarl.parity.errors import assert_close
 from portarl.parity.tolerances import fp32_result, low_precision_forward
-from portarl.trainer.micro_batches import micro_batches, pack
+from portarl.trainer.micro_batches import micro_batches
 from portarl.trainer.packing import Layout, layout_of
 from portarl.trainer.sequences import MATERIALIZE_ENV, build_batch, completion_logits, completion_logprobs
 from test_memory_checkpointing import _assert_same, _gradients
@@ -247,26 +247,6 @@ def test_varlen_layout_hands_the_kernel_its_cumulative_lengths(monkeypatch):
     assert_close(got, want.double(), _tolerance(model, batch, torch.float32), "logp (varlen stand-in)")
 
 
-def test_token_budget_counts_the_tokens_the_packed_forward_computes():
-    prompts, completions = [2, 2, 2, 2, 2], [10, 1, 1, 1, 6]
-    # Lengths 12, 3, 3, 3, 8. Padded: 12 alone (2 x 12 > 20), then 2 x 8, then 2 x 3. One
-    # row (varlen): the real tokens, 12 + 8 = 20, then 3 + 3 + 3. Rows of 12 (budget 24):
-    # [12], [8 + 3], then a third row (3 > the 1 left) would make 3 x 12 = 36 > 24.
-    assert pack(prompts, completions, 64, 20) == [[0], [1, 4], [2, 3]]
-    assert pack(prompts, completions, 64, 20, layout="varlen") == [[0, 4], [1, 2, 3]]
-    assert pack(prompts, completions, 64, 24, layout="rows") == [[0, 1, 4], [2, 3]]
-    batch = _batch()
-    for kind in LAYOUTS:
-        padded = micro_batches(_fake_trainer(None, budget=24), batch)
-        packed = micro_batches(_fake_trainer(LAYOUTS[kind], budget=24), batch)
-        assert len(packed) < len(padded), kind
-        for rows, part in packed:
-            computed = part.packed.input_ids.numel()
-            assert computed <= 24 or len(rows) == 1, (kind, computed)
-            if kind == "varlen":
-                assert computed == int(batch.attention_mask[rows].sum())  # exactly the real tokens
-
-
 def _one_row_layout(monkeypatch) -> list[int]:
     """Train with the one-row ("varlen") layout through SDPA's mask, so that every
     micro-batch's sequences share a row (the tiny model's sequences are too alike in length
@@ -398,39 +378,3 @@ def test_micro_batch_rows_keep_the_padded_layout_for_blame():
     part = _one_part("rows", _batch())
     assert part.rows(slice(0, 2)).packed is None
     assert dataclasses.replace(part, mask=part.mask).packed is part.packed
-
-
-def test_row_length_follows_the_models_costs():
-    from portarl.trainer.pack_rows import choose_rows, first_fit_rows
-
-    lengths = [10, 9, 3, 3, 2, 1]
-    assert first_fit_rows(lengths, 10) == [[0], [1, 5], [2, 3, 4]]  # 3 rows of 10 = 30 tokens
-    # Attention nearly free: the fewest computed tokens, one row of 28.
-    assert choose_rows(lengths, Layout("rows", linear=1000, attention=1)) == [[0, 1, 2, 3, 4, 5]]
-    # Attention dear: rows as long as the longest sequence.
-    assert choose_rows(lengths, Layout("rows", linear=1, attention=1000)) == [[0], [1, 5], [2, 3, 4]]
-    assert choose_rows(lengths, Layout("rows", linear=1000, attention=1, longest_only=True)) == [[0], [1, 5],
-                                                                                                    [2, 3, 4]]
-    assert choose_rows(lengths, Layout("varlen")) == [list(range(6))]
-    # Every sequence once, and never more computed tokens than rows of the longest (what
-    # the token budget counted), whatever the costs.
-    rng = random.Random(0)
-    for _ in range(200):
-        lengths = [rng.randrange(1, 40) for _ in range(rng.randrange(1, 30))]
-        layout = Layout("rows", linear=rng.randrange(1, 10**4), attention=rng.randrange(0, 100))
-        rows = choose_rows(lengths, layout)
-        assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
-        width = max(sum(lengths[i] for i in row) for row in rows)
-        limit = len(first_fit_rows(lengths, max(lengths))) * max(lengths)
-        assert len(rows) * width <= limit
-        # The search stops early on a bound: the same choice as trying every capacity.
-        best = min((_width_cost(lengths, first_fit_rows(lengths, max(lengths) << k), layout)
-                    for k in range(12)), key=lambda x: (x[1] > limit, x[0], x[2]))
-        assert _width_cost(lengths, rows, layout)[0] == best[0]
-
-
-def _width_cost(lengths, rows, layout):
-    from portarl.trainer.pack_rows import row_cost
-
-    width = max(sum(lengths[i] for i in row) for row in rows)
-    return row_cost(len(rows), width, layout), len(rows) * width, width
