@@ -58,7 +58,10 @@ LAYOUTS = {"rows": layout_of(_model().config, "rows"), "longest": Layout("rows",
 
 
 def _one_part(kind, batch, **kw):
-    (rows, part), = micro_batches(_fake_trainer(LAYOUTS.get(kind), **kw), batch)
+    """The one micro-batch of ``batch``: padded (``kind`` None), or packed in ``LAYOUTS[kind]``
+    or in ``kind`` (a :class:`Layout`)."""
+    layout = LAYOUTS[kind] if isinstance(kind, str) else kind
+    (rows, part), = micro_batches(_fake_trainer(layout, **kw), batch)
     return part
 
 
