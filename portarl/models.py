@@ -35,12 +35,22 @@ def build_tiny(seed: int = 0, **sizes):
 
 def build_model(m, dtype: torch.dtype | None = None):
     """``(model, tokenizer)`` as a ``ModelConfig`` names them: the tiny model (built in fp32
-    from ``init_seed``) or a local directory / .gguf file loaded in ``dtype``. Without
-    ``model.lora`` (applied later, by the trainer or ``portarl export``)."""
+    from ``init_seed``) or a local directory / .gguf file loaded in ``dtype``, with
+    ``model.attn_implementation`` when set. Without ``model.lora`` (applied later, by the
+    trainer or ``portarl export``)."""
     if m.path == "tiny":
-        return build_tiny(seed=m.init_seed, hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
-                          kv_heads=m.kv_heads, intermediate_size=m.intermediate_size)
-    return load_local(m.path, dtype=dtype)
+        model, tokenizer = build_tiny(seed=m.init_seed, hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
+                                      kv_heads=m.kv_heads, intermediate_size=m.intermediate_size)
+    else:
+        model, tokenizer = load_local(m.path, dtype=dtype)
+    impl = getattr(m, "attn_implementation", None)
+    if impl is not None:
+        try:
+            model.set_attn_implementation(impl)
+        except (ValueError, ImportError) as err:
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ValueError(f"model.attn_implementation={impl!r}: {first}") from None
+    return model, tokenizer
 
 
 def load_local(path: str | Path, dtype: torch.dtype | None = None):

@@ -62,6 +62,15 @@ def stored_gradient(scale: float, upstream: float, dtype: torch.dtype) -> Tolera
     )
 
 
+def low_precision_forward(scale: float, dtype: torch.dtype) -> Tolerance:
+    """fp32 log-probs of one bf16 / fp16 model from two forwards that round its activations
+    differently (the same tokens packed or padded, another kernel blocking): every
+    activation is stored in ``dtype``, so the two results are two roundings apart relative
+    to the value (2 x ``STORAGE_RTOL``, as for a gradient stored twice), plus the fp32 log-prob
+    op's own error at logit scale ``scale``. For an fp32 model use :func:`fp32_result`."""
+    return Tolerance(atol=FP32_ACCUM_ATOL * (1.0 + scale), rtol=2 * STORAGE_RTOL[dtype])
+
+
 #: Rollout engine vs trainer, fp32, same weights and temperature: two different fp32
 #: implementations of the same forward (vLLM's attention / fused kernels vs the HF model)
 #: differ by accumulated rounding, ~1e-6 per layer on small models; 1e-4 nats per token

@@ -47,6 +47,7 @@ from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
 from portarl.trainer.guards import DegenerateDetector, GuardTripped, SpikeDetector
 from portarl.trainer.heap import release_freed_memory
+from portarl.trainer.packing import resolve_padding_free
 from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
 from portarl.trainer.async_pipeline import async_rollout
 from portarl.trainer.rollout_phase import run_rollout
@@ -101,6 +102,7 @@ class GRPOTrainer:
             raise ConfigError(why)
         self.model, self._initial_reference = place_model(model, self.config, self.dist, self.device)
         self.model.train()
+        self.padding_free = resolve_padding_free(self.config, self.model)  # micro-batch layout (trainer/packing.py)
         self.tokenizer = tokenizer
         d = self.config.data
         self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)

@@ -25,6 +25,10 @@ Update phase, added to the static part:
   unsharded layer's gradient in b before its reduce-scatter.
 - saved activations of the largest micro-batch: its tokens are m = rows x S with rows =
   min(micro_batch_size, max(1, max_tokens_per_micro_batch // S), sequences per device).
+  Padding-free (``train.padding_free`` on and the attention packs, :mod:`portarl.trainer.
+  packing`): the budget bounds the tokens the packed forward computes, not rows x the
+  padded width, so m = min(min(micro_batch_size, sequences per device) x S,
+  max(S, max_tokens_per_micro_batch)) (sequences shorter than S fill the budget's rest).
   One Llama / Qwen2 decoder layer keeps, per token, for its backward (eager autograd,
   SDPA attention), in elements:
     2 RMSNorms x (input + normalised output)                       4 H
@@ -92,6 +96,8 @@ class Plan:
     micro_batch_rows: int
     sequence_tokens: int
     checkpointing: bool
+    micro_batch_tokens: int
+    padding_free: bool
     activations_other: int  # saved activations with checkpointing flipped, for the table
     device_memory: int | None = None
 
@@ -160,6 +166,10 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     budget = cfg.train.max_tokens_per_micro_batch
     rows = min(cfg.train.micro_batch_size, per_device, max(1, budget // s) if budget else per_device)
     m = rows * s
+    packed = plans_padding_free(cfg)
+    if packed:
+        rows = min(cfg.train.micro_batch_size, per_device)
+        m = min(rows * s, max(s, budget)) if budget else rows * s
     a = layer_activation_elements(arch)
     ckpt = wants_checkpointing(cfg)
     full, checkpointed = l * a * b * m, (l * arch.hidden + a) * b * m
@@ -188,8 +198,17 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     parts["rollout prefill + sampling"] = (c * prompt_tokens * (2 * arch.hidden + q + 2 * kv + 3 * arch.intermediate) * b
                                            + 3 * c * arch.vocab * 4)
     rollout = parts["rollout KV cache"] + parts["rollout prefill + sampling"]
-    return Plan(arch, w, parts, held, update, rollout, optimizer, rows, s, ckpt, full if ckpt else checkpointed,
-                device_memory)
+    return Plan(arch, w, parts, held, update, rollout, optimizer, rows, s, ckpt, m, packed,
+                full if ckpt else checkpointed, device_memory)
+
+
+def plans_padding_free(cfg) -> bool:
+    """Whether the trainer will pack micro-batches: ``train.padding_free`` not false and
+    an attention implementation transformers packs (the plan loads no model)."""
+    from portarl.trainer.packing import MASK_ATTENTION, VARLEN_ATTENTION
+
+    impl = cfg.model.attn_implementation or "sdpa"
+    return cfg.train.padding_free is not False and impl in MASK_ATTENTION + VARLEN_ATTENTION
 
 
 def estimate_for_config(cfg, *, devices: int = 1, device_memory: int | None = None, accelerator: bool = False,
@@ -224,9 +243,9 @@ def advice(plan: Plan, cfg) -> list[str]:
     if plan.phase == "update" and not plan.checkpointing:
         tips.append(f"train.gradient_checkpointing=true (saved activations {gib(plan.parts['saved activations'])} -> "
                     f"{gib(plan.activations_other)})")
-    if plan.phase == "update" and plan.micro_batch_rows > 1:
+    if plan.phase == "update" and plan.micro_batch_tokens > plan.sequence_tokens:
         tips.append(f"a smaller train.max_tokens_per_micro_batch (now {cfg.train.max_tokens_per_micro_batch}; "
-                    f"{plan.micro_batch_rows} rows of {plan.sequence_tokens} tokens per micro-batch)")
+                    f"{_micro_batch(plan)})")
     if plan.phase == "optimizer step" and plan.parts.get("update snapshot"):
         tips.append("guards.update_snapshot=false (no copy of the parameters and optimizer state during the step)")
     if plan.phase == "rollout":
@@ -239,13 +258,20 @@ def advice(plan: Plan, cfg) -> list[str]:
     return tips
 
 
+def _micro_batch(plan: Plan) -> str:
+    if plan.padding_free:
+        return (f"{plan.micro_batch_tokens} tokens, padding-free (sequences of at most {plan.sequence_tokens} tokens, "
+                f"up to {plan.micro_batch_rows})")
+    return f"{plan.micro_batch_rows} sequences x {plan.sequence_tokens} tokens"
+
+
 def render(plan: Plan, cfg) -> str:
     a = plan.arch
     lines = [f"model: {a.name}: {a.params / 1e6:.1f}M parameters, {a.layers} layers, hidden {a.hidden}, "
              f"vocab {a.vocab}; {cfg.precision.dtype}; {plan.devices} device(s)"
              + (" (FSDP2)" if plan.devices > 1 else ""),
-             f"largest micro-batch: {plan.micro_batch_rows} sequences x {plan.sequence_tokens} tokens; "
-             f"activation checkpointing {'on' if plan.checkpointing else 'off'}", "",
+             f"largest micro-batch: {_micro_batch(plan)}; activation checkpointing "
+             f"{'on' if plan.checkpointing else 'off'}", "",
              "peak memory per device, by part:"]
     for name, value in plan.parts.items():
         if value:
@@ -268,4 +294,5 @@ def one_line(plan: Plan) -> str:
             f"{'on' if plan.checkpointing else 'off'}){device}")
 
 
-__all__ = ["Plan", "estimate", "estimate_for_config", "layer_activation_elements", "one_line", "parse_size", "render"]
+__all__ = ["Plan", "estimate", "estimate_for_config", "layer_activation_elements", "one_line", "parse_size",
+           "plans_padding_free", "render"]

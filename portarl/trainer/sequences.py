@@ -5,6 +5,11 @@ width P, completions after them (right-padded), position ids from the attention 
 log-prob of completion token j comes from the hidden state at position P - 1 + j; those T
 positions and the lm head go to :func:`portarl.ops.linear_logprobs`, which scores them with
 fp32 accumulation without ever building the full-vocabulary logits.
+
+A micro-batch may carry a padding-free layout (``TokenBatch.packed``,
+:mod:`portarl.trainer.packing`): its forward then runs on the sequences back to back, and
+only the positions that score a completion token reach the lm head; the log-probs come
+back in the same [B, T] completion grid.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.nn.functional as F
 from portarl import ops
 from portarl.backends.rows import chunk_rows
 from portarl.emulation import bf16_valued, entropy_in_logits_dtype, matmul_context
+from portarl.trainer.packing import Packed, scored_hidden, scored_labels, to_grid
 
 
 @dataclasses.dataclass
@@ -28,8 +34,10 @@ class TokenBatch:
     labels: torch.Tensor  # [B, T] completion tokens, -100 on padding
     mask: torch.Tensor  # [B, T] bool
     prompt_width: int
+    packed: Packed | None = None  # the padding-free forward of these rows (portarl.trainer.packing)
 
     def rows(self, index: slice) -> "TokenBatch":
+        """These rows, padded (a packed layout belongs to the rows it was built for)."""
         return TokenBatch(self.input_ids[index], self.attention_mask[index], self.position_ids[index],
                           self.labels[index], self.mask[index], self.prompt_width)
 
@@ -101,43 +109,50 @@ class _HeadPassthrough:
         return False
 
 
+def _forward_kwargs(batch: TokenBatch) -> dict:
+    if batch.packed is not None:
+        return batch.packed.forward_kwargs()
+    return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
+
+
+def _sharded_forward(model, batch: TokenBatch):
+    """The FSDP2 model's own forward; its output's ``logits`` at the scoring positions
+    (padded: the last T + 1 positions, ``logits_to_keep``; packed: every position)."""
+    keep = 0 if batch.packed is not None else batch.labels.shape[1] + 1
+    logits = model(**_forward_kwargs(batch), logits_to_keep=keep).logits
+    return scored_hidden(batch, logits) if batch.packed is not None else logits[:, :-1]
+
+
 def completion_hidden(model, batch: TokenBatch):
-    """``(hidden [B, T, H], weight [V, H], bias [V] or None)``: the decoder's last hidden
-    states at the completion positions and the output embedding (tied or not) that scores them.
+    """``(hidden, weight [V, H], bias [V] or None)``: the decoder's last hidden states at
+    the positions that score completion tokens (padded [B, T, H]; packed [1, K, H], see
+    :func:`portarl.trainer.packing.scored_labels`) and the output embedding (tied or not)
+    that scores them.
 
     Under FSDP2 the model's own forward runs (it gathers the sharded parameters) with the
     head passed through (:class:`_HeadPassthrough`), so no logits exist even there.
     """
-    t = batch.labels.shape[1]
     if _is_sharded(model):
         with _HeadPassthrough(model) as head:
-            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                        position_ids=batch.position_ids, logits_to_keep=t + 1)
-        return out.logits[:, :-1], head.weight, head.bias
-    hidden = model.get_decoder()(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-    ).last_hidden_state
+            hidden = _sharded_forward(model, batch)
+        return hidden, head.weight, head.bias
+    hidden = model.get_decoder()(**_forward_kwargs(batch)).last_hidden_state
     head = model.get_output_embeddings()
-    return hidden[:, batch.prompt_width - 1 : batch.prompt_width - 1 + t], head.weight, getattr(head, "bias", None)
+    return scored_hidden(batch, hidden), head.weight, getattr(head, "bias", None)
 
 
 def completion_logits(model, batch: TokenBatch, logits_policy: str = "fp32") -> torch.Tensor:
-    """Full-vocabulary logits [B, T, V] for the completion positions: only for the NPU
-    emulation profile, ``precision.logits="model"`` with a low-precision model, and the
-    ``PORTARL_MATERIALIZE_LOGITS=1`` A/B switch; the trainer otherwise never builds them.
+    """Full-vocabulary logits for the completion positions ([B, T, V], or packed [1, K, V]):
+    only for the NPU emulation profile, ``precision.logits="model"`` with a low-precision
+    model, and the ``PORTARL_MATERIALIZE_LOGITS=1`` A/B switch; the trainer otherwise never
+    builds them.
 
-    Under FSDP2 the model's own forward computes the head on the last T + 1 positions
-    (``logits_to_keep``), in the parameters' compute dtype.
+    Under FSDP2 the model's own forward computes the head (padded: on the last T + 1
+    positions, ``logits_to_keep``), in the parameters' compute dtype.
     """
-    t = batch.labels.shape[1]
     if _is_sharded(model):
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                    logits_to_keep=t + 1)
-        return out.logits[:, :-1]
-    hidden = model.get_decoder()(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-    ).last_hidden_state
-    h = hidden[:, batch.prompt_width - 1 : batch.prompt_width - 1 + t]
+        return _sharded_forward(model, batch)
+    h = scored_hidden(batch, model.get_decoder()(**_forward_kwargs(batch)).last_hidden_state)
     head = model.get_output_embeddings()
     if logits_policy == "fp32":
         bias = head.bias.float() if getattr(head, "bias", None) is not None else None
@@ -160,7 +175,7 @@ def nonfinite_logit_positions(model, batch: TokenBatch, logits_policy: str = "fp
             rows = flat[r0 : r0 + step]
             z = F.linear(rows.float() if fp32 else rows.to(w.dtype), w, b)
             bad[r0 : r0 + step] = ~torch.isfinite(z).all(dim=-1)
-    return bad.view(hidden.shape[:-1]) & batch.mask
+    return to_grid(batch, bad.view(hidden.shape[:-1]), False) & batch.mask
 
 
 def _fused_ok(model, logits_policy: str, emulate: frozenset) -> bool:
@@ -191,16 +206,21 @@ def completion_logprobs(model, batch: TokenBatch, *, temperature: float, logits_
             bias = None if bias is None else bias.float()
         if bias is not None and bias.dtype != weight.dtype:
             bias = bias.to(weight.dtype)
-        return ops.linear_logprobs(hidden, weight, batch.labels, bias=bias, temperature=temperature,
-                                   return_entropy=with_entropy)
+        out = ops.linear_logprobs(hidden, weight, scored_labels(batch), bias=bias, temperature=temperature,
+                                  return_entropy=with_entropy)
+        return tuple(to_grid(batch, v) for v in out) if with_entropy else to_grid(batch, out)
     with matmul_context(emulate):
         policy = "model" if "bf16_logprobs" in emulate else logits_policy
         logits = completion_logits(model, batch, policy)
     no_upcast = with_entropy and "entropy_no_upcast" in emulate
-    out = ops.logprobs(logits, batch.labels, temperature=temperature, return_entropy=with_entropy and not no_upcast)
+    out = ops.logprobs(logits, scored_labels(batch), temperature=temperature,
+                       return_entropy=with_entropy and not no_upcast)
     logp, entropy = (out if with_entropy and not no_upcast else (out, None))
     if "bf16_logprobs" in emulate and logits.dtype == torch.bfloat16:
         logp = bf16_valued(logp)
     if no_upcast:
-        entropy = torch.where(batch.mask, entropy_in_logits_dtype(logits, temperature), 0.0)
+        entropy = torch.where(batch.mask, to_grid(batch, entropy_in_logits_dtype(logits, temperature)), 0.0)
+    elif entropy is not None:
+        entropy = to_grid(batch, entropy)
+    logp = to_grid(batch, logp)
     return (logp, entropy) if with_entropy else logp

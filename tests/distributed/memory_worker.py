@@ -18,19 +18,30 @@ import portarl.trainer.update as update
 from portarl import distributed as pdist
 from portarl.trainer import GRPOTrainer, TrainConfig, build_from_config
 from portarl.trainer.checkpointing import checkpointing_enabled
+from portarl.trainer.packing import Layout
 
 BASE = ["train.steps=1", "train.prompts_per_step=4", "train.sft_warmup_steps=0", "rollout.group_size=4",
         "rollout.max_new_tokens=5", "data.synthetic_size=64", "data.max_operand=999", "model.hidden_size=32",
         "model.intermediate_size=64", "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
         "optim.grad_clip=null", "loss.kl_coef=0.05", "train.old_logprobs=recompute", "train.micro_batch_size=8"]
 VARIANTS = {
-    "plain": ["train.gradient_checkpointing=false", "train.max_tokens_per_micro_batch=null"],
-    "checkpointing": ["train.gradient_checkpointing=true", "train.max_tokens_per_micro_batch=null"],
+    "plain": ["train.gradient_checkpointing=false", "train.max_tokens_per_micro_batch=null",
+              "train.padding_free=false"],
+    "checkpointing": ["train.gradient_checkpointing=true", "train.max_tokens_per_micro_batch=null",
+                      "train.padding_free=false"],
     # 12 tokens: every row alone (prompts of 8-12 characters plus the completion), so the
     # ranks' pack counts follow their own lengths and are equalised by splitting.
-    "budget": ["train.gradient_checkpointing=false", "train.max_tokens_per_micro_batch=12"],
-    "both": ["train.gradient_checkpointing=true", "train.max_tokens_per_micro_batch=30"],
+    "budget": ["train.gradient_checkpointing=false", "train.max_tokens_per_micro_batch=12",
+               "train.padding_free=false"],
+    "both": ["train.gradient_checkpointing=true", "train.max_tokens_per_micro_batch=30", "train.padding_free=false"],
+    # Padding-free (the default): the layout the model's attention gets ("rows" for sdpa),
+    # and the one-row layout ("varlen", through SDPA's mask here) so that sequences share a
+    # row; with checkpointing and a real-token budget.
+    "padding_free": ["train.gradient_checkpointing=true", "train.max_tokens_per_micro_batch=30"],
+    "one_row": ["train.gradient_checkpointing=true", "train.max_tokens_per_micro_batch=40"],
 }
+#: Variants whose layout is forced (the one-row layout needs flash attention otherwise).
+LAYOUT = {"one_row": "varlen"}
 
 
 def varied_reward(prompt, completion, answer):
@@ -55,6 +66,9 @@ def gradients(out: str, name: str, counter: dict) -> dict[str, torch.Tensor]:
     model, tokenizer, examples = build_from_config(cfg)
     trainer = GRPOTrainer(model, tokenizer, [varied_reward], examples, cfg, device="cpu")
     assert checkpointing_enabled(trainer.model) == cfg.train.gradient_checkpointing
+    assert (trainer.padding_free is None) == (cfg.train.padding_free is False), trainer.padding_free
+    if name in LAYOUT:
+        trainer.padding_free = Layout(LAYOUT[name])
     grads: dict = {}
 
     def capture(tr):

@@ -1,7 +1,8 @@
-"""Activation checkpointing and token-budget micro-batches under FSDP2 (2 Gloo ranks): the
-first optimizer step's gradients equal the plain sharded run's within fp32 rounding, and
-checkpointing adds no all-gather (worker: memory_worker.py). LoRA is refused with several ranks, so it is tested on one
-process (tests/trainer/test_memory_*.py)."""
+"""Activation checkpointing, token-budget and padding-free micro-batches under FSDP2 (2 Gloo
+ranks): the first optimizer step's gradients equal the plain (padded) sharded run's within
+fp32 rounding, and checkpointing adds no all-gather (worker: memory_worker.py). LoRA is
+refused with several ranks, so it is tested on one process (tests/trainer/test_memory_*.py,
+test_padding_free.py)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_checkpointing_and_budget_give_the_plain_gradients_on_two_ranks(tmp_path
     # forward, FSDP2's hooks stay outside it): no extra all-gather per step.
     gathers = json.loads((tmp_path / "all_gathers.json").read_text())
     assert gathers["plain"] > 0 and gathers["checkpointing"] == gathers["plain"], gathers
-    for name in ("checkpointing", "budget", "both"):
+    for name in ("checkpointing", "budget", "both", "padding_free", "one_row"):
         other = load_file(tmp_path / f"{name}.safetensors")
         assert other.keys() == plain.keys(), name
         for k in plain:

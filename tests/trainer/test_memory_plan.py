@@ -46,8 +46,16 @@ def test_parts_follow_the_settings():
     assert base.parts["saved activations"] == arch.layers * layer_activation_elements(arch) * 4 * 64 * 14
     on = estimate(TrainConfig.load(None, ["train.gradient_checkpointing=true"]), arch, prompt_tokens=10)
     assert on.parts["saved activations"] < base.parts["saved activations"] == on.activations_other
-    small = estimate(TrainConfig.load(None, ["train.max_tokens_per_micro_batch=56"]), arch, prompt_tokens=10)
-    assert small.micro_batch_rows == 4 and small.parts["saved activations"] * 16 == base.parts["saved activations"]
+    small = estimate(TrainConfig.load(None, ["train.max_tokens_per_micro_batch=60", "train.padding_free=false"]),
+                     arch, prompt_tokens=10)
+    assert not small.padding_free and small.micro_batch_rows == 4 and small.micro_batch_tokens == 56
+    assert small.parts["saved activations"] * 16 == base.parts["saved activations"]
+    # Padding-free, the budget bounds the packed tokens themselves: 60, not 4 x 14.
+    packed = estimate(TrainConfig.load(None, ["train.max_tokens_per_micro_batch=60"]), arch, prompt_tokens=10)
+    assert packed.padding_free and packed.micro_batch_tokens == 60
+    assert packed.parts["saved activations"] * 64 * 14 == base.parts["saved activations"] * 60
+    custom = TrainConfig.load(None, ["train.max_tokens_per_micro_batch=60", "model.attn_implementation=custom"])
+    assert not estimate(custom, arch, prompt_tokens=10).padding_free
     two = estimate(cfg, arch, prompt_tokens=10, devices=2)
     assert two.parts["optimizer state"] * 2 == base.parts["optimizer state"]
     no_kl = estimate(TrainConfig.load(None, ["loss.kl_coef=0"]), arch, prompt_tokens=10)
