@@ -40,6 +40,7 @@ from portarl.emulation import resolve_profile
 from portarl.lora import is_lora
 from portarl.reward_runner import RewardError, RewardRunner, agree_on_failure
 from portarl.rollout import SamplingParams
+from portarl.rollout.multiturn.agent import make_agent
 from portarl.tokenizer import as_codec, chat_template_option
 from portarl.trainer.checkpoint import CheckpointManager
 from portarl.trainer.config import ConfigError, TrainConfig
@@ -102,6 +103,8 @@ class GRPOTrainer:
         self.tokenizer = tokenizer
         d = self.config.data
         self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)
+        # tools / environment: multi-turn episodes (portarl.rollout.multiturn); sets the codec's tools
+        self.agent = make_agent(self.config, self.codec, self._search_dirs())
         self.rewards = self._resolve_rewards(reward_fns)
         self.examples: list[Example] = list(train_data)
         self._prompt_ids = self._check_examples()
@@ -169,8 +172,11 @@ class GRPOTrainer:
         self._rewards_from_config = reward_fns is None
         if reward_fns is None:
             reward_fns = [(spec.name, spec.weight) for spec in self.config.rewards]
-        dirs = [os.getcwd()] + [d for d in [getattr(self.config, "source_dir", None)] if d]
-        return RewardRunner(reward_fns, search_dirs=dirs)
+        return RewardRunner(reward_fns, search_dirs=self._search_dirs())
+
+    def _search_dirs(self) -> list[str]:
+        """Where ``module:function`` rewards, tools and environments are looked for."""
+        return [os.getcwd()] + [d for d in [getattr(self.config, "source_dir", None)] if d]
 
     def _check_examples(self) -> dict[int, list[int]]:
         """Every prompt encoded now (file:line in the error), answers present where needed,
@@ -226,14 +232,16 @@ class GRPOTrainer:
         return persistence.resume(self)
 
     # ---------------------------------------------------------------- one step
-    def _rewards(self, examples: list[Example], texts: list[str]) -> tuple[torch.Tensor, dict]:
+    def _rewards(self, examples: list[Example], texts: list[str], rows: list[Example] | None = None
+                 ) -> tuple[torch.Tensor, dict]:
         """The reward call: weighted total per completion (fp32, on the CPU) and ``reward/*``
         metrics (:mod:`portarl.reward_runner`; a failing reward raises :class:`RewardError`).
-        Keeps each function's values for the sample log."""
+        Keeps each function's values for the sample log. ``rows``: one row per sample
+        (multi-turn episodes add columns: :func:`portarl.trainer.episodes.reward_examples`)."""
         g = self.config.rollout.group_size
         scores = failure = None
         try:
-            scores = self.rewards.score([examples[i // g] for i in range(len(texts))], texts)
+            scores = self.rewards.score(rows or [examples[i // g] for i in range(len(texts))], texts)
         except RewardError as err:
             failure = err
         failure = agree_on_failure(self.dist, failure)  # one rank's failure stops every rank
@@ -340,6 +348,8 @@ class GRPOTrainer:
         if self._rollout is not None:
             self._rollout.close()
             self._rollout = None
+        if self.agent is not None:  # process isolation: its tool process (started again on use)
+            self.agent.close()
 
     def train(self, resume: bool = False, overwrite: bool = False) -> TrainResult:
         """Train to ``train.steps``. A directory holding another run is refused unless
@@ -369,6 +379,8 @@ class GRPOTrainer:
                 last_ckpt = run_loop(self, logger, last_ckpt)
         finally:
             logger.close()
+            if self.agent is not None:  # tool_isolation=process: its child, stopped and joined
+                self.agent.close()
         if not self.dist.is_main:
             return TrainResult(self.step, last_ckpt, "")
         rows = read_metrics(self.output_dir / "metrics.jsonl")

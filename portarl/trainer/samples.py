@@ -6,6 +6,11 @@ model writing the next user turn, an answer the reward cannot parse). Each row: 
 sample index, prompt, completion, each reward function's value (null where the function
 gave none), the total reward, the advantage (null on a skipped step) and the finish reason
 (``stop``: an end token; ``length``: max_new_tokens reached).
+
+Multi-turn episodes (tools, environments) add the whole ``conversation`` after the prompt,
+message by message (the model's turns, tool calls, tool results and observations, each
+with the tokens it took), its ``turns``, and the episode's finish reason
+(:mod:`portarl.rollout.multiturn.episode`); ``completion`` is the final model turn.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ class SampleLog:
                 "advantage": _num(adv[i]) if adv is not None else None,
                 "finish_reason": "stop" if samples["finished"][i] else "length",
             })
+            episode = (samples.get("episodes") or [None] * (i + 1))[i]
+            if episode is not None:
+                rows[-1].update(conversation=episode["messages"], turns=episode["turns"],
+                                finish_reason=episode["finish"])
         with self.path.open("a") as f:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -1,0 +1,113 @@
+"""What a batch of episodes reports: the ``agent/*`` metrics, one event when user code
+failed (a tool or environment that raised, hung, returned something that is not JSON or
+killed its process), and each episode's record for the sample log (its conversation, turn
+by turn, with the tokens each message took).
+
+Metrics (per step; under torchrun each rank's value, averaged over ranks):
+
+- ``agent/turns_mean``, ``agent/turns_max``: model turns per episode;
+- ``agent/tokens_per_turn``: model tokens per turn; ``agent/model_token_frac``: the share
+  of the tokens after the prompt that the model produced (the rest is context: not trained on);
+- ``agent/tool_calls`` (calls parsed), ``agent/tool_calls_per_episode``,
+  ``agent/tool_success_frac`` (calls that returned a result), ``agent/tool_used_frac``
+  (episodes with at least one successful call);
+- ``agent/tool_errors`` (calls answered with an error: the tool raised, hung or returned
+  something that is not JSON, or the model named an unknown tool or wrong arguments),
+  ``agent/tool_timeouts``, ``agent/malformed_calls`` (calls that did not parse);
+- ``agent/tool_time_s`` (summed over calls and environment steps), ``agent/tool_time_max_s``;
+- ``agent/env_steps``, ``agent/env_errors``, ``agent/env_reward_mean`` (episodes whose
+  environment gave a reward);
+- ``agent/finish_<reason>_frac`` for each way an episode ends (:mod:`.episode`);
+- ``agent/abandoned_calls`` (thread isolation: calls of this process still running past
+  their limit, since it started) or ``agent/tool_process_restarts`` (process isolation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from portarl.rollout.multiturn.calls import abandoned_calls
+
+REASONS = ("stop", "done", "max_turns", "length", "budget", "env_error")
+
+
+@dataclasses.dataclass
+class Counts:
+    calls: int = 0
+    succeeded: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    malformed: int = 0
+    code_failures: int = 0          # tool calls that raised / hung / returned non-JSON / lost their process
+    env_steps: int = 0
+    env_errors: int = 0
+    tool_time: list = dataclasses.field(default_factory=list)
+    turn_tokens: list = dataclasses.field(default_factory=list)
+    first_error: str | None = None  # the first failure of a tool's or environment's code, for the event
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def episode_metrics(episodes, executor) -> dict:
+    counts = [ep.counts for ep in episodes]
+    calls = sum(c.calls for c in counts)
+    times = [t for c in counts for t in c.tool_time]
+    turn_tokens = [n for c in counts for n in c.turn_tokens]
+    total = sum(len(ep.traj.ids) for ep in episodes)
+    rewards = [ep.env_reward for ep in episodes if ep.env_reward is not None]
+    n = max(1, len(episodes))
+    metrics = {
+        "agent/turns_mean": _mean(ep.turns for ep in episodes),
+        "agent/turns_max": float(max((ep.turns for ep in episodes), default=0)),
+        "agent/tokens_per_turn": _mean(turn_tokens),
+        "agent/model_token_frac": sum(ep.traj.model_tokens for ep in episodes) / total if total else 1.0,
+        "agent/tool_calls": float(calls),
+        "agent/tool_calls_per_episode": calls / n,
+        "agent/tool_success_frac": sum(c.succeeded for c in counts) / calls if calls else 0.0,
+        "agent/tool_used_frac": sum(c.succeeded > 0 for c in counts) / n,
+        "agent/tool_errors": float(sum(c.errors for c in counts)),
+        "agent/tool_timeouts": float(sum(c.timeouts for c in counts)),
+        "agent/malformed_calls": float(sum(c.malformed for c in counts)),
+        "agent/tool_time_s": sum(times),
+        "agent/tool_time_max_s": max(times, default=0.0),
+        "agent/env_steps": float(sum(c.env_steps for c in counts)),
+        "agent/env_errors": float(sum(c.env_errors for c in counts)),
+    }
+    if rewards:
+        metrics["agent/env_reward_mean"] = _mean(rewards)
+    for reason in REASONS:
+        metrics[f"agent/finish_{reason}_frac"] = sum(ep.finish == reason for ep in episodes) / n
+    restarts = getattr(executor, "restarts", None)
+    if restarts is None:
+        metrics["agent/abandoned_calls"] = float(abandoned_calls())
+    else:
+        metrics["agent/tool_process_restarts"] = float(restarts)
+    return metrics
+
+
+def errors_event(episodes) -> tuple | None:
+    """``("tool_errors", message, fields)`` when a tool or environment failed in this batch."""
+    counts = [ep.counts for ep in episodes]
+    failures = sum(c.code_failures for c in counts)
+    env_errors = sum(c.env_errors for c in counts)
+    if not failures and not env_errors:
+        return None
+    first = next((c.first_error for c in counts if c.first_error), "?")
+    timeouts = sum(c.timeouts for c in counts)
+    message = (f"{failures} tool / environment call(s) failed in this batch ({timeouts} past rollout.tool_timeout_s, "
+               f"{env_errors} environment error(s)); each became an error message in its conversation and the run "
+               f"goes on. First: {first}")
+    return ("tool_errors", message, {"value": failures, "timeouts": timeouts, "env_errors": env_errors})
+
+
+def episode_record(ep) -> dict:
+    """An episode for the sample log: its messages after the prompt and how it ended."""
+    return {"turns": ep.turns, "finish": ep.finish, "messages": ep.messages, "env_reward": ep.env_reward,
+            "tool_calls": ep.counts.calls, "tool_errors": ep.counts.errors, "malformed_calls": ep.counts.malformed,
+            "final": ep.final_text}
+
+
+__all__ = ["Counts", "REASONS", "episode_metrics", "episode_record", "errors_event"]
