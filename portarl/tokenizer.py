@@ -113,7 +113,7 @@ class TextCodec:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else self.eos_token_id
         self.system_prompt = system_prompt
-        #: Multi-turn rollouts (:func:`portarl.rollout.multiturn.agent.configure_codec` sets
+        #: Multi-turn rollouts (:func:`portarl.multiturn.agent.configure_codec` sets
         #: them): the tools' JSON schemas for a template that declares ``tools``, or the text
         #: that describes them in the system message for one that does not.
         self.tools: list[dict] | None = None

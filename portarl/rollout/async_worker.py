@@ -38,37 +38,18 @@ seed for every sample: the identical-samples detector must fire).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
 import signal
 import sys
-import threading
 import time
+
+from portarl.lifeline import die_with_parent as _die_with_parent
 
 FAULT_ENV = "PORTARL_ROLLOUT_WORKER_FAULT"
 
 log = logging.getLogger("portarl.rollout.worker")
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when the trainer dies (Linux), else poll the parent id."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0:  # PR_SET_PDEATHSIG
-            if os.getppid() != parent:  # the parent died before prctl took effect
-                os._exit(1)
-            return
-    except OSError:
-        pass
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="portarl-worker-watchdog", daemon=True).start()
 
 
 def one_line(text: str, limit: int = 600) -> str:

@@ -43,7 +43,7 @@ class RolloutBatch:
     """One row per sample: ``prompt_ids`` and ``completion_ids`` (eos included when
     generated, no padding), ``logprobs`` (one per completion token), ``finished``.
 
-    Multi-turn episodes (:mod:`portarl.rollout.multiturn`): ``completion_ids`` is everything
+    Multi-turn episodes (:mod:`portarl.multiturn`): ``completion_ids`` is everything
     after the prompt, the model's turns and what was appended between them; ``model_mask``
     marks the tokens the model produced (the loss covers these only; ``logprobs`` holds 0.0
     elsewhere) and ``episodes`` each episode's record (conversation, turns, finish reason).

@@ -304,7 +304,7 @@ class TrainConfig:
             raise ConfigError(REFERENCE_SYNC_LORA)
         if self.reference.sync and self.loss.kl_coef == 0:
             raise ConfigError("reference.sync needs a KL reference: set loss.kl_coef > 0 (or reference.sync=false)")
-        from portarl.rollout.multiturn.settings import check_agent_config
+        from portarl.multiturn.settings import check_agent_config
 
         check_agent_config(self)  # tools / environment: what multi-turn episodes cannot be combined with
         if self.rollout.group_size < 2 and self.loss.advantage_estimator in ("grpo", "rloo"):

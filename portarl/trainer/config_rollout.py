@@ -104,7 +104,7 @@ class RolloutConfig:
         _number(self, "rollout", "tool_timeout_s", low=0.0)
         _check(self.tool_isolation in ("thread", "process"), "rollout.tool_isolation", "must be 'thread' or 'process'",
                self.tool_isolation)
-        from portarl.rollout.multiturn.parsing import FORMATS
+        from portarl.multiturn.parsing import FORMATS
 
         _check(self.tool_format in FORMATS, "rollout.tool_format", f"must be one of {', '.join(FORMATS)}",
                self.tool_format)

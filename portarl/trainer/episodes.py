@@ -1,7 +1,7 @@
 """The trainer's side of multi-turn rollouts (``tools`` / ``environment`` in the config):
 the episodes of a step played with the trainer's engine, the rows the rewards see, and
 the model-token mask the loss uses. The episodes themselves are
-:mod:`portarl.rollout.multiturn`; this module is the few places the trainer calls it.
+:mod:`portarl.multiturn`; this module is the few places the trainer calls it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from portarl import distributed as pdist
 from portarl.data import Example
-from portarl.rollout.multiturn.episode import EpisodeRunner
+from portarl.multiturn.episode import EpisodeRunner
 
 
 def lock_step(dist):

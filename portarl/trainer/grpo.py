@@ -40,7 +40,7 @@ from portarl.emulation import resolve_profile
 from portarl.lora import is_lora
 from portarl.reward_runner import RewardError, RewardRunner, agree_on_failure
 from portarl.rollout import SamplingParams
-from portarl.rollout.multiturn.agent import make_agent
+from portarl.multiturn.agent import make_agent
 from portarl.tokenizer import as_codec, chat_template_option
 from portarl.trainer.checkpoint import CheckpointManager
 from portarl.trainer.config import ConfigError, TrainConfig
@@ -103,7 +103,7 @@ class GRPOTrainer:
         self.tokenizer = tokenizer
         d = self.config.data
         self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)
-        # tools / environment: multi-turn episodes (portarl.rollout.multiturn); sets the codec's tools
+        # tools / environment: multi-turn episodes (portarl.multiturn); sets the codec's tools
         self.agent = make_agent(self.config, self.codec, self._search_dirs())
         self.rewards = self._resolve_rewards(reward_fns)
         self.examples: list[Example] = list(train_data)

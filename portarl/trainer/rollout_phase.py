@@ -17,7 +17,7 @@ import torch
 
 from portarl.data import Example
 from portarl.rollout import identical_group_fraction, request_seeds
-from portarl.rollout.multiturn.trajectory import model_only
+from portarl.multiturn.trajectory import model_only
 from portarl.trainer.episodes import play
 
 

@@ -10,7 +10,7 @@ gave none), the total reward, the advantage (null on a skipped step) and the fin
 Multi-turn episodes (tools, environments) add the whole ``conversation`` after the prompt,
 message by message (the model's turns, tool calls, tool results and observations, each
 with the tokens it took), its ``turns``, and the episode's finish reason
-(:mod:`portarl.rollout.multiturn.episode`); ``completion`` is the final model turn.
+(:mod:`portarl.multiturn.episode`); ``completion`` is the final model turn.
 """
 
 from __future__ import annotations

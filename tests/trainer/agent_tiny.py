@@ -1,15 +1,14 @@
-"""Tools and environments on the built-in tiny model (tiny Qwen2), made in code: a
+"""Multi-turn episodes on the built-in tiny model (tiny Qwen2), made in code: a
 character-level BPE tokenizer (printable ASCII, a few merges, so text does not always
 tokenise back to the ids that produced it) with SmolLM2's chat template (plain ChatML, no
-tools: portarl renders them, Hermes style) or one that declares tools; tools and
-environments for the tests; and a scripted engine (a fixed policy whose log-probs are the
-model's own) for the loop and the masks."""
+tools: portarl renders them, Hermes style) or one that declares tools, and a scripted
+engine (a fixed policy whose log-probs are the model's own) for the loop and the masks.
+The tools and environments are in agent_tools.py."""
 
 from __future__ import annotations
 
 import json
 import string
-import time
 
 import torch
 
@@ -29,7 +28,9 @@ WITH_TOOLS = ("{% if tools %}{{ '<|im_start|>system\nTools:' }}{% for t in tools
 
 SPECIAL = ["<pad>", "<eos>", "<|im_start|>", "<|im_end|>"]
 CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-MERGES = [("1", "2"), ("3", "4"), ("5", "6"), ("a", "n"), ("t", "o"), ("e", "r"), (" ", "t"), ("o", "l")]
+#: Every pair of the digits 1-4 merges (a model that writes "1" then "2" produced two tokens,
+#: which the text "12" tokenises to one), and a few letter pairs.
+MERGES = [(a, b) for a in "1234" for b in "1234"] + [("a", "n"), ("t", "o"), ("e", "r"), (" ", "t"), ("o", "l")]
 
 
 def agent_tokenizer(template: str = SMOLLM2):
@@ -51,59 +52,19 @@ def tiny_model(vocab_size: int, seed: int = 0):
     return tiny_qwen2(vocab_size, hidden_size=32, intermediate_size=64, max_positions=4096, seed=seed)
 
 
-# ---------------------------------------------------------------- tools and environments
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: The first factor.
-        b: The second factor.
-    """
-    return a * b
-
-
-def divide(a: int, b: int) -> float:
-    """Divide a by b.
-
-    Args:
-        a: The dividend.
-        b: The divisor.
-    """
-    return a / b  # b = 0 raises ZeroDivisionError: the model must get it as a message
-
-
-def wait(seconds: float) -> str:
-    """Sleep, then say so.
-
-    Args:
-        seconds: How long to sleep.
-    """
-    time.sleep(seconds)  # past rollout.tool_timeout_s: a hung tool
-    return "woke"
-
-
-def reward_env_text(prompts, completions, conversation, **columns):
-    """A batched reward that reads the conversation column (multi-turn episodes add it)."""
-    return [float(sum(m["role"] == "assistant" for m in conv)) for conv in conversation]
-
-
-class CountEnv:
-    """Answers every reply with "again" until the third, then is done; reward: replies seen."""
-
-    def reset(self, row):
-        self.replies = 0
-        return None
-
-    def step(self, message):
-        self.replies += 1
-        if self.replies >= 3:
-            return {"observation": None, "done": True, "reward": float(self.replies)}
-        return "again"
-
-
-class BrokenEnv(CountEnv):
-    def step(self, message):
-        raise RuntimeError("the environment broke")
+def talkative_model(tok, seed: int = 0):
+    """The tiny model with the output rows of ``<|im_end|>`` and the digits 1-4 set along
+    its mean final hidden state: a random model rarely ends a turn (one token in ~120),
+    this one does within a few tokens, and writes digit pairs that tokenise differently
+    as text (MERGES)."""
+    model = tiny_model(len(tok), seed)
+    with torch.no_grad():
+        ids = torch.randint(4, len(tok), (16, 40), generator=torch.Generator().manual_seed(seed))
+        hidden = model.model(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size)
+        u = hidden.mean(0) / hidden.mean(0).norm()
+        for token, scale in (("<|im_end|>", 2.0), ("1", 1.6), ("2", 1.6), ("3", 1.6), ("4", 1.6)):
+            model.lm_head.weight[tok.convert_tokens_to_ids(token)] = scale * u  # tied: the embedding row too
+    return model
 
 
 # ---------------------------------------------------------------------- scripted policy

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from portarl.rollout.multiturn.environment import load_factories
-from portarl.rollout.multiturn.parsing import detect_format, make_parser
-from portarl.rollout.multiturn.render import Renderer, declares_tools, tool_system_text
-from portarl.rollout.multiturn.settings import is_multiturn
-from portarl.rollout.multiturn.tools import load_tools
+from portarl.multiturn.environment import load_factories
+from portarl.multiturn.parsing import detect_format, make_parser
+from portarl.multiturn.render import Renderer, declares_tools, tool_system_text
+from portarl.multiturn.settings import is_multiturn
+from portarl.multiturn.tools import load_tools
 
 
 @dataclasses.dataclass
@@ -63,11 +63,11 @@ def make_agent(cfg, codec, search_dirs=()) -> Agent | None:
     fmt = detect_format(codec.template, template_tools) if r.tool_format == "auto" else r.tool_format
     renderer = Renderer(codec)
     if r.tool_isolation == "process":
-        from portarl.rollout.multiturn.sandbox import ProcessExecutor
+        from portarl.multiturn.sandbox import ProcessExecutor
 
         executor = ProcessExecutor(cfg.tools, cfg.environment, search_dirs, r.tool_timeout_s)
     else:
-        from portarl.rollout.multiturn.operations import LocalExecutor
+        from portarl.multiturn.operations import LocalExecutor
 
         executor = LocalExecutor(tools, factories, r.tool_timeout_s)
     return Agent(codec, tools, factories, make_parser(fmt, codec.tokenizer), renderer, executor, template_tools,

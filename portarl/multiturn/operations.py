@@ -1,14 +1,14 @@
 """The calls an episode makes into user code, on whichever side runs them: this process
 (``rollout.tool_isolation: thread``, :class:`LocalExecutor`) or a child process
-(``process``, :mod:`portarl.rollout.multiturn.sandbox`). Both sides run the same
+(``process``, :mod:`portarl.multiturn.sandbox`). Both sides run the same
 :class:`Operations`, so a tool or environment behaves the same in either mode; only JSON
 values go in and out.
 """
 
 from __future__ import annotations
 
-from portarl.rollout.multiturn.calls import CallOutcome, call_with_limit
-from portarl.rollout.multiturn.environment import check_environment, check_reward, normalize_step
+from portarl.multiturn.calls import CallOutcome, call_with_limit
+from portarl.multiturn.environment import check_environment, check_reward, normalize_step
 
 
 class Operations:
@@ -50,7 +50,7 @@ OPS = ("tool", "env_reset", "env_step", "env_reward", "env_close")
 
 class LocalExecutor:
     """``run(op, *args) -> CallOutcome``: an operation in this process, time-limited by
-    :func:`~portarl.rollout.multiturn.calls.call_with_limit`."""
+    :func:`~portarl.multiturn.calls.call_with_limit`."""
 
     def __init__(self, tools: dict, factories: dict, timeout_s: float):
         self.ops = Operations(tools, factories)

@@ -7,7 +7,7 @@ stops the run (:mod:`portarl.reward_runner`): a wrong reward would train the wro
 
 :func:`call_with_limit` is the one place a tool or environment call runs in this process
 (``rollout.tool_isolation: thread``, the default); ``process`` isolation runs the same calls
-in a child process (:mod:`portarl.rollout.multiturn.sandbox`). It is kept to one small
+in a child process (:mod:`portarl.multiturn.sandbox`). It is kept to one small
 function so that a shared runner for every call into user code can replace its body.
 
 Why a thread: Python cannot interrupt arbitrary code from outside (a signal reaches only

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 
-from portarl.rollout.multiturn.tools import load_object
+from portarl.multiturn.tools import load_object
 
 ROW_FIELD = "environment"
 

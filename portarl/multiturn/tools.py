@@ -61,15 +61,17 @@ def tool_schema(fn, setting: str) -> dict:
                          "needs type hints and a Google-style docstring with an 'Args:' line per argument)") from None
 
 
-def load_tools(specs, search_dirs=()) -> dict[str, Tool]:
-    """``{name: Tool}`` for ``specs`` (``module:function`` strings or callables), in order."""
+def load_tools(specs, search_dirs=(), with_schema: bool = True) -> dict[str, Tool]:
+    """``{name: Tool}`` for ``specs`` (``module:function`` strings or callables), in order.
+    ``with_schema=False`` (the tool process, which only calls them): named after the
+    function, no schema built (no transformers import)."""
     tools: dict[str, Tool] = {}
     for i, spec in enumerate(specs or []):
         setting = f"tools[{i}]"
         fn = spec if callable(spec) else load_object(spec, search_dirs, setting)
         if not callable(fn):
             raise ValueError(f"{setting}: {spec!r} is not callable")
-        schema = tool_schema(fn, setting)
+        schema = tool_schema(fn, setting) if with_schema else {"function": {"name": fn.__name__}}
         name = schema["function"]["name"]
         if name in tools:
             raise ValueError(f"{setting}: a second tool named {name!r} (tool names must be distinct)")

@@ -38,10 +38,10 @@ import dataclasses
 import json
 
 from portarl.rollout.base import RolloutBatch, seed_of
-from portarl.rollout.multiturn.environment import environment_of
-from portarl.rollout.multiturn.render import tool_result_messages
-from portarl.rollout.multiturn.report import Counts, episode_metrics, episode_record, errors_event
-from portarl.rollout.multiturn.trajectory import Trajectory
+from portarl.multiturn.environment import environment_of
+from portarl.multiturn.render import tool_result_messages
+from portarl.multiturn.report import Counts, episode_metrics, episode_record, errors_event
+from portarl.multiturn.trajectory import Trajectory
 
 FINISHED = ("stop", "done")
 

@@ -4,9 +4,9 @@ Why: a call that hangs in this process can only be abandoned (its thread cannot 
 stopped, :mod:`.calls`); in a child it is killed. A tool that crashes the interpreter (a
 segfault in a C extension, ``os._exit``) takes the child down, not the run.
 
-The child (``python -m portarl.rollout.multiturn.sandbox``) loads the tools and
+The child (``python -m portarl.multiturn.sandbox``: stdlib and the user's modules only, no torch) loads the tools and
 environment factories from the config's ``module:name`` strings and runs
-:class:`~portarl.rollout.multiturn.operations.Operations` on requests; it speaks JSON lines
+:class:`~portarl.multiturn.operations.Operations` on requests; it speaks JSON lines
 (a spec line, then one request per line, one reply per request) and never unpickles
 anything. The parent (:class:`ProcessExecutor`) waits at most ``rollout.tool_timeout_s``
 per reply; past it, or when the child dies, the child is killed and joined, the call gets
@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-from portarl.rollout.multiturn.calls import CallOutcome
+from portarl.multiturn.calls import CallOutcome
 
 #: The child's start-up (imports of portarl and the user's modules) gets at least this long.
 STARTUP_MIN_S = 120.0
@@ -54,7 +54,7 @@ class ProcessExecutor:
     # ---------------------------------------------------------------- lifecycle
     def _start(self) -> None:
         env = {**os.environ, "PORTARL_SANDBOX_PARENT": str(os.getpid())}
-        self.proc = subprocess.Popen([sys.executable, "-m", "portarl.rollout.multiturn.sandbox"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "portarl.multiturn.sandbox"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
         self.replies = queue.Queue()
         self.reader = threading.Thread(target=self._read, args=(self.proc.stdout, self.replies),
@@ -141,21 +141,21 @@ class ProcessExecutor:
 
 def main() -> int:
     """The child: a spec line, then requests until stdin closes."""
-    from portarl.rollout.async_worker import _die_with_parent
-    from portarl.rollout.multiturn.calls import run_captured
-    from portarl.rollout.multiturn.environment import load_factories
-    from portarl.rollout.multiturn.operations import OPS, Operations
-    from portarl.rollout.multiturn.tools import load_tools
+    from portarl.lifeline import die_with_parent
+    from portarl.multiturn.calls import run_captured
+    from portarl.multiturn.environment import load_factories
+    from portarl.multiturn.operations import OPS, Operations
+    from portarl.multiturn.tools import load_tools
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(int(os.environ.get("PORTARL_SANDBOX_PARENT", os.getppid())))
+    die_with_parent(int(os.environ.get("PORTARL_SANDBOX_PARENT", os.getppid())))
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # prints of the user's code go to stderr, never into the protocol
     sys.stdout = sys.stderr
     spec = json.loads(sys.stdin.readline())
     sys.path[:] = spec["sys_path"]
     try:
-        ops = Operations(load_tools(spec["tools"], spec["search_dirs"]),
+        ops = Operations(load_tools(spec["tools"], spec["search_dirs"], with_schema=False),
                          load_factories(spec["environment"], spec["search_dirs"]))
         out.write(json.dumps({"ready": True}) + "\n")
     except Exception as err:  # noqa: BLE001 - reported to the parent, which names it

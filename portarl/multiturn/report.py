@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from portarl.rollout.multiturn.calls import abandoned_calls
+from portarl.multiturn.calls import abandoned_calls
 
 REASONS = ("stop", "done", "max_turns", "length", "budget", "env_error")
 
