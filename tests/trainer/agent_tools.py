@@ -69,3 +69,17 @@ class CountEnv:
 class BrokenEnv(CountEnv):
     def step(self, message):
         raise RuntimeError("the environment broke")
+
+
+class GreetEnv:
+    """Adds "Say hello." to the prompt; done after one reply, reward 1 if it said hello."""
+
+    def reset(self, row):
+        return "Say hello."
+
+    def step(self, message):
+        self.said = message
+        return None
+
+    def get_reward(self):
+        return 1.0 if "hello" in self.said else 0.0
