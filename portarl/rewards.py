@@ -56,7 +56,7 @@ def format_reward(prompt: str, completion: str, answer: str) -> float:
 
 def environment_reward(prompts, completions, env_reward=None, **columns) -> list:
     """Batched: each episode's environment reward (the ``env_reward`` column that
-    multi-turn rollouts with an environment add; None where the environment gave none)."""
+    multi-turn rollouts with an environment add: :mod:`portarl.multiturn.environment`)."""
     if env_reward is None:
         raise ValueError("the built-in reward 'environment' reads the env_reward column of multi-turn episodes with "
                          "an environment (config: environment: module:factory)")

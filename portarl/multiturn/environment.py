@@ -20,11 +20,13 @@ The protocol (one environment instance per episode, made by calling the factory)
 ``environment`` may also be a mapping ``{name: "module:factory"}``: each data row then names
 its environment in an ``environment`` column (TRL's dict ``environment_factory``).
 
-The environment's reward (the sum of the rewards ``step`` returned, or ``get_reward()`` when
-defined) is the column ``env_reward`` of each sample, which the built-in reward
-``environment`` returns (``rewards: [{name: environment}]``): the environment owns the
-reward. An environment that raises, hangs or returns something else ends its episode with
-an error message in the conversation and ``agent/env_errors``, and gives no env reward.
+The episode's environment reward, ``get_reward()`` when the environment defines it (and it
+returns a number), else the sum of the rewards its ``step`` calls returned (0.0 when none
+did, e.g. an episode cut at ``rollout.max_turns`` before a final step), is the column
+``env_reward`` of each sample, which the built-in reward ``environment`` returns
+(``rewards: [{name: environment}]``): the environment owns the reward. An environment that
+raises, hangs or returns something else ends its episode with an error message in the
+conversation and ``agent/env_errors``, and its env reward is 0.0.
 """
 
 from __future__ import annotations

@@ -239,7 +239,7 @@ class EpisodeRunner:
         if not got.ok:
             self._environment_failed(ep, f"get_reward {'raised ' if got.kind == 'raised' else ''}{got.error}")
             return
-        ep.env_reward = got.value if got.value is not None else (sum(ep.env_rewards) if ep.env_rewards else None)
+        ep.env_reward = got.value if got.value is not None else float(sum(ep.env_rewards))
         closed = self.agent.executor.run("env_close", ep.env_key)
         if not closed.ok:
             ep.counts.env_errors += 1

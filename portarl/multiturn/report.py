@@ -15,8 +15,8 @@ Metrics (per step; under torchrun each rank's value, averaged over ranks):
   something that is not JSON, or the model named an unknown tool or wrong arguments),
   ``agent/tool_timeouts``, ``agent/malformed_calls`` (calls that did not parse);
 - ``agent/tool_time_s`` (summed over calls and environment steps), ``agent/tool_time_max_s``;
-- ``agent/env_steps``, ``agent/env_errors``, ``agent/env_reward_mean`` (episodes whose
-  environment gave a reward);
+- ``agent/env_steps``, ``agent/env_errors``, ``agent/env_reward_mean`` (over the episodes
+  whose environment did not fail);
 - ``agent/finish_<reason>_frac`` for each way an episode ends (:mod:`.episode`);
 - ``agent/abandoned_calls`` (thread isolation: calls of this process still running past
   their limit, since it started) or ``agent/tool_process_restarts`` (process isolation).
