@@ -3,20 +3,22 @@ failed (a tool or environment that raised, hung, returned something that is not 
 killed its process), and each episode's record for the sample log (its conversation, turn
 by turn, with the tokens each message took).
 
-Metrics (per step; under torchrun each rank's value, averaged over ranks):
+Metrics (per step; counts are means per episode, so one process and several ranks, whose
+metrics are averaged, read alike):
 
 - ``agent/turns_mean``, ``agent/turns_max``: model turns per episode;
 - ``agent/tokens_per_turn``: model tokens per turn; ``agent/model_token_frac``: the share
   of the tokens after the prompt that the model produced (the rest is context: not trained on);
-- ``agent/tool_calls`` (calls parsed), ``agent/tool_calls_per_episode``,
-  ``agent/tool_success_frac`` (calls that returned a result), ``agent/tool_used_frac``
-  (episodes with at least one successful call);
-- ``agent/tool_errors`` (calls answered with an error: the tool raised, hung or returned
-  something that is not JSON, or the model named an unknown tool or wrong arguments),
-  ``agent/tool_timeouts``, ``agent/malformed_calls`` (calls that did not parse);
-- ``agent/tool_time_s`` (summed over calls and environment steps), ``agent/tool_time_max_s``;
-- ``agent/env_steps``, ``agent/env_errors``, ``agent/env_reward_mean`` (over the episodes
-  whose environment did not fail);
+- ``agent/tool_calls``: calls parsed per episode; ``agent/tool_success_frac``: the share of
+  calls that returned a result; ``agent/tool_used_frac``: episodes with at least one;
+- ``agent/tool_errors``: calls answered with an error, per episode (the tool raised, hung or
+  returned something that is not JSON, or the model named an unknown tool or wrong
+  arguments); ``agent/tool_timeouts``: of them, past ``rollout.tool_timeout_s``;
+  ``agent/malformed_calls``: calls that did not parse, per episode;
+- ``agent/tool_time_s``: seconds in tool calls and environment steps per episode;
+  ``agent/tool_time_max_s``: the longest single call;
+- ``agent/env_steps``, ``agent/env_errors``: per episode; ``agent/env_reward_mean`` (over
+  the episodes whose environment did not fail);
 - ``agent/finish_<reason>_frac`` for each way an episode ends (:mod:`.episode`);
 - ``agent/abandoned_calls`` (thread isolation: calls of this process still running past
   their limit, since it started) or ``agent/tool_process_restarts`` (process isolation).
@@ -64,17 +66,16 @@ def episode_metrics(episodes, executor) -> dict:
         "agent/turns_max": float(max((ep.turns for ep in episodes), default=0)),
         "agent/tokens_per_turn": _mean(turn_tokens),
         "agent/model_token_frac": sum(ep.traj.model_tokens for ep in episodes) / total if total else 1.0,
-        "agent/tool_calls": float(calls),
-        "agent/tool_calls_per_episode": calls / n,
+        "agent/tool_calls": calls / n,
         "agent/tool_success_frac": sum(c.succeeded for c in counts) / calls if calls else 0.0,
         "agent/tool_used_frac": sum(c.succeeded > 0 for c in counts) / n,
-        "agent/tool_errors": float(sum(c.errors for c in counts)),
-        "agent/tool_timeouts": float(sum(c.timeouts for c in counts)),
-        "agent/malformed_calls": float(sum(c.malformed for c in counts)),
-        "agent/tool_time_s": sum(times),
+        "agent/tool_errors": sum(c.errors for c in counts) / n,
+        "agent/tool_timeouts": sum(c.timeouts for c in counts) / n,
+        "agent/malformed_calls": sum(c.malformed for c in counts) / n,
+        "agent/tool_time_s": sum(times) / n,
         "agent/tool_time_max_s": max(times, default=0.0),
-        "agent/env_steps": float(sum(c.env_steps for c in counts)),
-        "agent/env_errors": float(sum(c.env_errors for c in counts)),
+        "agent/env_steps": sum(c.env_steps for c in counts) / n,
+        "agent/env_errors": sum(c.env_errors for c in counts) / n,
     }
     if rewards:
         metrics["agent/env_reward_mean"] = _mean(rewards)

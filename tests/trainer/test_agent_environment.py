@@ -30,7 +30,7 @@ def test_the_environment_steps_every_reply_and_owns_the_reward(tmp_path):
     assert [(m["role"], m["content"]) for m in episode["messages"]] == [
         ("assistant", "one"), ("user", "again"), ("assistant", "two"), ("user", "again"), ("assistant", "three")]
     assert episode["finish"] == "done" and episode["env_reward"] == 3.0
-    assert metrics["reward/environment"] == 3.0 and metrics["agent/env_steps"] == 12  # 4 episodes x 3 steps
+    assert metrics["reward/environment"] == 3.0 and metrics["agent/env_steps"] == 3  # per episode
     assert metrics["agent/finish_done_frac"] == 1 and all(trainer._last_samples["finished"])
 
 
@@ -57,7 +57,7 @@ def test_a_failing_environment_ends_its_episode_with_a_message_and_the_run_goes_
             episode = trainer._last_samples["episodes"][0]
             assert episode["messages"][-1]["content"] == ("Error: the environment's step raised RuntimeError: the "
                                                           "environment broke")
-            assert episode["finish"] == "env_error" and metrics["agent/env_errors"] == 4  # every episode
+            assert episode["finish"] == "env_error" and metrics["agent/env_errors"] == 1  # every episode
             assert metrics["reward/environment"] == 0.0 and metrics["skipped"] == 0
             assert any(kind == "tool_errors" for kind, _, _ in metrics["_events"])
     finally:

@@ -66,7 +66,7 @@ def test_loop_masks_and_token_ids(make):
     assert engine.calls[1][0] == rollout.prompt_ids[0] + turn1 + context  # turn 2 generated from exactly that
     assert all(lp == 0.0 for lp, m in zip(rollout.logprobs[0], rollout.model_mask[0]) if not m)
     assert phase.texts[0] == ANSWER  # what per-sample rewards read: the final model turn
-    assert phase.metrics["agent/turns_mean"] == 2 and phase.metrics["agent/tool_calls_per_episode"] == 1
+    assert phase.metrics["agent/turns_mean"] == 2 and phase.metrics["agent/tool_calls"] == 1
     assert phase.metrics["agent/tool_success_frac"] == 1 and phase.metrics["agent/finish_stop_frac"] == 1
     assert phase.metrics["agent/model_token_frac"] == pytest.approx((len(turn1) + len(turn2)) / len(row))
     # the loss mask: the model's tokens only
@@ -141,7 +141,7 @@ def test_a_failing_call_is_a_message_and_a_metric_and_the_run_goes_on(make, isol
         episode = trainer._last_samples["episodes"][0]
         assert episode["messages"][1]["content"].replace("<tool_response>\n", "").startswith(message), episode
         assert episode["messages"][2]["content"] == ANSWER and episode["finish"] == "stop"
-        assert metrics[metric] == 4  # every episode of the step (2 prompts x 2 samples)
+        assert metrics[metric] == 1  # per episode: every episode of the step
         assert metrics["skipped"] == 0 and metrics["reward/math_exact"] in (0.5, 1.0)
         assert any(kind == "tool_errors" for kind, _, _ in metrics["_events"]) == event
     if isolation == "process" and name == "hangs":
@@ -162,7 +162,7 @@ def test_a_tool_that_kills_its_process_is_a_message_in_process_isolation(make):
     metrics = trainer.train_step()
     episode = trainer._last_samples["episodes"][0]
     assert episode["messages"][1]["content"].startswith("<tool_response>\nError: tool 'crash' its process died")
-    assert metrics["agent/tool_errors"] == 4 and metrics["agent/tool_process_restarts"] == 4
+    assert metrics["agent/tool_errors"] == 1 and metrics["agent/tool_process_restarts"] == 4
 
 
 def test_a_tool_call_in_the_last_turn_ends_the_episode_without_running_it(make):
@@ -178,3 +178,12 @@ def test_the_token_budget_ends_an_episode(make):
     episode = run_rollout(trainer, 1).rollout.episodes[0]
     assert episode["finish"] == "budget"
     assert len(run_rollout(trainer, 2).rollout.completion_ids[0]) <= 100
+
+
+def test_evaluation_plays_episodes_too(make, tmp_path):
+    data = tmp_path / "eval.jsonl"
+    data.write_text(json.dumps({"prompt": QUESTION, "answer": "408"}) + "\n")
+    trainer = make([call_text("multiply", a=12, b=34), ANSWER], f"eval.data={data}")
+    metrics = trainer.evaluator.run(trainer)
+    assert metrics["eval/agent/turns_mean"] == 2 and metrics["eval/agent/tool_used_frac"] == 1
+    assert metrics["eval/reward/math_exact"] == 1.0
