@@ -18,7 +18,6 @@ the protocol), and it ignores SIGINT (the trainer decides when it stops).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
@@ -28,6 +27,7 @@ import sys
 import threading
 import time
 
+from portarl.lifeline import stop_child
 from portarl.multiturn.calls import CallOutcome
 
 #: The child's start-up (imports of portarl and the user's modules) gets at least this long.
@@ -93,17 +93,8 @@ class ProcessExecutor:
         """Kill the child and join it and its reader (every exit path)."""
         proc, self.proc = self.proc, None
         self.live.clear()
-        if proc is None:
-            return
-        try:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        finally:
-            with contextlib.suppress(OSError, ValueError):
-                proc.stdin.close()
-            self.reader.join()
-            proc.stdout.close()
+        if proc is not None:
+            stop_child(proc, self.reader)
 
     def close(self) -> None:
         self._stop()

@@ -11,7 +11,6 @@ without torchrun's variables (it is not a rank), and dies with the trainer.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from portarl.distributed import without_torchrun_env
+from portarl.lifeline import stop_child
 from portarl.reward_runner import RewardError, RewardScores
 from portarl.rollout import RolloutBatch
 
@@ -134,17 +134,11 @@ class WorkerClient:
             log.info("%s ready after %.1f s", self.name, time.perf_counter() - self.started)
 
     def close(self) -> None:
-        """Stop the worker and join it and the reader thread (every exit path)."""
-        proc = self.proc
+        """Stop the worker and join it and the reader thread (every exit path); mid-batch or
+        idle, its batches are not needed, nor kept."""
         try:
-            if proc.poll() is None:  # mid-batch or idle: its batches are not needed, nor kept
-                proc.kill()
-            proc.wait()
+            stop_child(self.proc, self.reader)
         finally:
-            with contextlib.suppress(OSError, ValueError):
-                proc.stdin.close()
-            self.reader.join()
-            proc.stdout.close()
             self._log.close()
 
 

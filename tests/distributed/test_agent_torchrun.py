@@ -19,18 +19,14 @@ from test_fsdp_gloo import ATOL, RTOL, _env, _rows, _train  # noqa: E402
 TRAINER_TESTS = Path(__file__).parents[1] / "trainer"
 sys.path.insert(0, str(TRAINER_TESTS))
 
-from agent_tiny import agent_tokenizer, talkative_model  # noqa: E402
+from agent_tiny import save_agent_run_files  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def agent_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("agent-dp")
-    tok = agent_tokenizer()
-    talkative_model(tok).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    (root / "data.jsonl").write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Count {i}"}]}) + "\n"
-                                             for i in range(8)))
-    sets = [f"model.path={root / 'model'}", f"data.path={root / 'data.jsonl'}", "environment=agent_tools:CountEnv",
+    model, data = save_agent_run_files(root)
+    sets = [f"model.path={model}", f"data.path={data}", "environment=agent_tools:CountEnv",
             "rewards=[{name: environment}]", "rollout.max_turns=3", "rollout.max_new_tokens=12", "train.steps=1",
             "logging.samples_count=16"]
     env = _env(PYTHONPATH=os.pathsep.join([str(TRAINER_TESTS), str(Path(__file__).parent),

@@ -107,3 +107,19 @@ class ScriptedRollout(RolloutEngine):
 
 def call_text(name: str, **arguments) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def save_agent_run_files(directory, **sizes):
+    """``(model directory, data file)`` under ``directory``: the talkative model and its
+    tokenizer saved as a Hugging Face directory, and 8 conversational prompts (what a run
+    that loads its model from config.model.path needs: the async worker, torchrun, vLLM)."""
+    from pathlib import Path
+
+    directory = Path(directory)
+    tok = agent_tokenizer()
+    talkative_model(tok, **sizes).save_pretrained(directory / "model")
+    tok.save_pretrained(directory / "model")
+    data = directory / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Count {i}"}]}) + "\n"
+                            for i in range(8)))
+    return directory / "model", data

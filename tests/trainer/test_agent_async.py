@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_tiny import agent_tokenizer, talkative_model
+from agent_tiny import save_agent_run_files
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL
 from portarl.trainer import GRPOTrainer, build_from_config
 from proc_tree import children
@@ -27,17 +27,12 @@ def _jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("agent-model")
-    tok = agent_tokenizer()
-    talkative_model(tok).save_pretrained(out / "model")
-    tok.save_pretrained(out / "model")
-    (out / "data.jsonl").write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Count {i}"}]}) + "\n"
-                                            for i in range(8)))
-    return out
+    return save_agent_run_files(tmp_path_factory.mktemp("agent-model"))
 
 
-def _run(path: Path, model_dir: Path, *overrides: str) -> GRPOTrainer:
-    cfg = fast_config(path, f"model.path={model_dir / 'model'}", f"data.path={model_dir / 'data.jsonl'}",
+def _run(path: Path, model_dir, *overrides: str) -> GRPOTrainer:
+    model, data = model_dir
+    cfg = fast_config(path, f"model.path={model}", f"data.path={data}",
                       "rewards=[{name: environment}]", "rollout.max_turns=3", "rollout.max_new_tokens=12",
                       "train.steps=2", *overrides)
     model, tokenizer, examples = build_from_config(cfg)

@@ -21,18 +21,12 @@ from portarl.parity.tolerances import ROLLOUT_FP32_ATOL  # noqa: E402
 TRAINER_TESTS = Path(__file__).parents[1] / "trainer"
 sys.path.insert(0, str(TRAINER_TESTS))
 
-from agent_tiny import agent_tokenizer, talkative_model  # noqa: E402
+from agent_tiny import save_agent_run_files  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("agent-vllm")
-    tok = agent_tokenizer()
-    talkative_model(tok, **TINY).save_pretrained(out / "model")  # a head size vLLM's CPU attention supports
-    tok.save_pretrained(out / "model")
-    (out / "data.jsonl").write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Count {i}"}]}) + "\n"
-                                            for i in range(8)))
-    return out
+    return save_agent_run_files(tmp_path_factory.mktemp("agent-vllm"), **TINY)  # a head size vLLM's CPU supports
 
 
 @pytest.mark.parametrize("mode", ["colocated", "async"])
@@ -40,9 +34,10 @@ def test_vllm_multiturn_episodes_score_the_engines_tokens(tmp_path, model_dir, m
     from portarl.trainer import GRPOTrainer, TrainConfig, build_from_config
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TRAINER_TESTS), os.environ.get("PYTHONPATH", "")]))
+    model_path, data = model_dir
     cfg = TrainConfig.load(None, [
-        "rollout.engine=vllm", f"rollout.mode={mode}", f"model.path={model_dir / 'model'}",
-        f"data.path={model_dir / 'data.jsonl'}", "environment=agent_tools:CountEnv", "rewards=[{name: environment}]",
+        "rollout.engine=vllm", f"rollout.mode={mode}", f"model.path={model_path}",
+        f"data.path={data}", "environment=agent_tools:CountEnv", "rewards=[{name: environment}]",
         "rollout.max_turns=3", "rollout.max_new_tokens=12", "rollout.group_size=4", "train.prompts_per_step=2",
         "train.steps=2", "train.sft_warmup_steps=0", "rollout.vllm_gpu_memory_utilization=0.1",
         "rollout.max_staleness=0", "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
