@@ -92,6 +92,12 @@ class EpisodeRunner:
         encoded prompt). Returns the batch (with ``model_mask`` and ``episodes``), the
         ``agent/*`` metrics and the events."""
         episodes = [self._start(ex, ids, seed) for ex, ids, seed in zip(examples, prompt_ids, seeds)]
+        for ep, ex in zip(episodes, examples):
+            if self.limit is not None and len(ep.traj.prompt_ids) + self.params.max_new_tokens > self.limit:
+                raise ValueError(f"{ex.where or 'a data row'}: the prompt is {len(ep.traj.prompt_ids)} tokens (with "
+                                 "the tools' description and the environment's reset text); with rollout.max_new_tokens="
+                                 f"{self.params.max_new_tokens} it does not fit the engine's {self.limit} positions "
+                                 "(raise rollout.vllm_max_model_len with vllm, or shorten the prompt)")
         for turn in range(self.agent.max_turns):
             for ep in episodes:
                 if ep.finish is None and ep.turns and self.limit is not None and \

@@ -93,3 +93,11 @@ class PidEnv:
 
     def step(self, message):
         return {"observation": f"pid {os.getpid()}", "done": False, "reward": 1.0}
+
+
+class LongResetEnv(CountEnv):
+    """Appends more text to the prompt than the model's context holds."""
+
+    def reset(self, row):
+        super().reset(row)
+        return "x" * 5000

@@ -88,3 +88,9 @@ def test_a_row_naming_an_unknown_environment_is_refused(tmp_path):
     trainer = _trainer(tmp_path, ["one"], "environment={count: 'agent_tools:CountEnv'}", rows=rows)
     with pytest.raises(ValueError, match="names environment 'chess'.*has 'count'"):
         run_rollout(trainer, 1)
+
+
+def test_a_prompt_that_outgrows_the_context_with_its_reset_text_is_named(tmp_path):
+    trainer = _trainer(tmp_path, ["one"], "environment=agent_tools:LongResetEnv")
+    with pytest.raises(ValueError, match="row 1: the prompt is 50.. tokens .*does not fit the engine's 4096 positions"):
+        run_rollout(trainer, 1)
