@@ -144,3 +144,26 @@ def test_a_call_with_a_limit_never_raises():
     assert not hung.ok and hung.kind == "timeout" and "within 0.05 s" in hung.error
     assert json.loads(json.dumps(call_with_limit(lambda: {"a": [1, 2.5, None]}, timeout_s=60).value)) == {
         "a": [1, 2.5, None]}
+
+
+def test_the_tool_process_kills_a_hung_call_and_its_environments_are_lost():
+    from pathlib import Path
+
+    from portarl.multiturn.sandbox import ProcessExecutor
+
+    here = Path(__file__).parent
+    executor = ProcessExecutor(["agent_tools:wait", "agent_tools:pid"], "agent_tools:CountEnv", [here],
+                               timeout_s=0.5)
+    try:
+        assert executor.run("env_reset", "a", None, {}).ok and executor.run("env_reset", "b", None, {}).ok
+        assert executor.run("env_step", "a", "hi").value["observation"] == "again"
+        first = executor.run("tool", "pid", {}).value
+        hung = executor.run("tool", "wait", {"seconds": 30})
+        assert hung.kind == "timeout" and "its process was killed" in hung.error and executor.restarts == 1
+        lost = executor.run("env_step", "b", "hi")  # held by the killed process
+        assert not lost.ok and lost.kind == "lost"
+        assert executor.run("tool", "pid", {}).value != first  # a fresh process
+        assert executor.run("env_reset", "c", None, {}).ok and executor.run("env_step", "c", "x").ok
+    finally:
+        executor.close()
+    assert executor.proc is None
