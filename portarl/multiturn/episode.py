@@ -155,7 +155,6 @@ class EpisodeRunner:
             ids, logprobs = ids[:keep], logprobs[:keep]
         ep.traj.add_model(ids, logprobs)
         ep.turns += 1
-        ep.counts.turn_tokens.append(len(ids))
         ep.final_text = self.codec.decode(ids)
         ep.messages.append({"role": "assistant", "content": ep.final_text, "tokens": len(ids)})
         if cut or not ids:

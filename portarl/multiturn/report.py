@@ -3,8 +3,9 @@ failed (a tool or environment that raised, hung, returned something that is not 
 killed its process), and each episode's record for the sample log (its conversation, turn
 by turn, with the tokens each message took).
 
-Metrics (per step; counts are means per episode, so one process and several ranks, whose
-metrics are averaged, read alike):
+Metrics (per step; means over episodes, so one process and several ranks, whose metrics
+are averaged, read alike, except ``agent/tool_success_frac``, ``agent/env_reward_mean`` and
+the maxima: under torchrun, the mean of each rank's):
 
 - ``agent/turns_mean``, ``agent/turns_max``: model turns per episode;
 - ``agent/tokens_per_turn``: model tokens per turn; ``agent/model_token_frac``: the share
@@ -44,7 +45,6 @@ class Counts:
     env_steps: int = 0
     env_errors: int = 0
     tool_time: list = dataclasses.field(default_factory=list)
-    turn_tokens: list = dataclasses.field(default_factory=list)
     first_error: str | None = None  # the first failure of a tool's or environment's code, for the event
 
 
@@ -57,15 +57,13 @@ def episode_metrics(episodes, executor) -> dict:
     counts = [ep.counts for ep in episodes]
     calls = sum(c.calls for c in counts)
     times = [t for c in counts for t in c.tool_time]
-    turn_tokens = [n for c in counts for n in c.turn_tokens]
-    total = sum(len(ep.traj.ids) for ep in episodes)
     rewards = [ep.env_reward for ep in episodes if ep.env_reward is not None]
     n = max(1, len(episodes))
     metrics = {
         "agent/turns_mean": _mean(ep.turns for ep in episodes),
         "agent/turns_max": float(max((ep.turns for ep in episodes), default=0)),
-        "agent/tokens_per_turn": _mean(turn_tokens),
-        "agent/model_token_frac": sum(ep.traj.model_tokens for ep in episodes) / total if total else 1.0,
+        "agent/tokens_per_turn": _mean(ep.traj.model_tokens / max(1, ep.turns) for ep in episodes),
+        "agent/model_token_frac": _mean(ep.traj.model_tokens / max(1, len(ep.traj.ids)) for ep in episodes),
         "agent/tool_calls": calls / n,
         "agent/tool_success_frac": sum(c.succeeded for c in counts) / calls if calls else 0.0,
         "agent/tool_used_frac": sum(c.succeeded > 0 for c in counts) / n,

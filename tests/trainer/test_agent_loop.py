@@ -68,7 +68,7 @@ def test_loop_masks_and_token_ids(make):
     assert phase.texts[0] == ANSWER  # what per-sample rewards read: the final model turn
     assert phase.metrics["agent/turns_mean"] == 2 and phase.metrics["agent/tool_calls"] == 1
     assert phase.metrics["agent/tool_success_frac"] == 1 and phase.metrics["agent/finish_stop_frac"] == 1
-    assert phase.metrics["agent/model_token_frac"] == pytest.approx((len(turn1) + len(turn2)) / len(row))
+    assert phase.metrics["agent/model_token_frac"] == pytest.approx((len(turn1) + len(turn2)) / len(row))  # every row alike
     # the loss mask: the model's tokens only
     scored = score(trainer, phase, dict(phase.metrics))
     expected = torch.zeros_like(scored.batch.mask)
