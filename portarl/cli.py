@@ -47,7 +47,8 @@ EPILOG = """examples:
   portarl bench kernels --quick                   kernel speed and memory
 
 exit status: 0 ok, 1 parity disagreement, 2 bad usage / config / input (one line on stderr),
-3 training stopped itself (a checkpoint was saved), 130 / 143 on SIGINT / SIGTERM."""
+3 training stopped itself (a checkpoint was saved), 4 a file of the run could not be written
+(disk full, a file-size limit, no permission), 130 / 143 on SIGINT / SIGTERM."""
 
 #: Where ``bench`` writes by default: beside the training runs, not into the committed
 #: ``bench/results/`` (a run in the repository root used to overwrite the committed table).
@@ -256,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: `train` names its own resume command
     previous = {}
     if args.func is cli_train.cmd_train and threading.current_thread() is threading.main_thread():
         # SIGINT / SIGTERM before training starts: a clean exit, recorded so that training

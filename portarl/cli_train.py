@@ -63,7 +63,10 @@ def add_run_arguments(p, command: str) -> None:
         p.add_argument("--steps", type=int, help="GRPO steps (overrides train.steps)")
         p.add_argument("--resume", action="store_true",
                        help="continue from the latest complete checkpoint (steps, lr, logging and checkpoint "
-                            "settings may change; other changes are refused)")
+                            "settings may change; other changes are refused); refused when there is none")
+        p.add_argument("--resume-or-start", action="store_true",
+                       help="--resume when the output directory has a checkpoint, else start a new run (for a job "
+                            "script that a scheduler may run again)")
     else:
         p.add_argument("--steps", type=int, help="SFT steps (default: train.sft_warmup_steps, or 100 when that is 0)")
 
@@ -147,6 +150,7 @@ class Prepared:
     model: object
     tokenizer: object
     examples: list
+    locked: bool = False  # this process took the output directory's run lock (released by the caller)
 
 
 def prepare(args, command: str) -> Prepared:
@@ -161,22 +165,60 @@ def prepare(args, command: str) -> Prepared:
             require_peft()
         except LoraUnavailable as err:
             raise UsageError(str(err)) from None
-    from portarl.device import DeviceUnavailableError, resolve_device
-    from portarl.trainer.run_dir import RunDirError, check_output_dir, check_resume_config
+    locked = claim_output_dir(args, command, config)
+    try:
+        return _build(command, config, locked)
+    except BaseException:
+        if locked:
+            from portarl.trainer import run_lock
 
+            run_lock.release(config.output_dir)
+        raise
+
+
+def claim_output_dir(args, command: str, config) -> bool:
+    """Check, create and (``train``, rank 0) lock the output directory, then the checks that
+    read it; returns whether this call took the lock (:mod:`portarl.trainer.run_lock`),
+    taken before anything in the directory is read or deleted."""
+    from portarl.trainer import run_lock
+    from portarl.trainer.checkpoint import CheckpointManager
+    from portarl.trainer.run_dir import RunDirError, check_output_dir, check_resume_config, create_output_dir, no_checkpoint
+
+    locked = False
     try:
         if command == "train":
-            check_output_dir(config.output_dir, resume=args.resume, overwrite=args.overwrite)
-            if args.resume:  # refused changes before the model is built (the trainer checks again)
+            resume = args.resume or args.resume_or_start
+            if args.resume and not args.resume_or_start and not Path(config.output_dir).exists():
+                raise no_checkpoint(config.output_dir)  # before a mistyped directory is created
+            if not Path(config.output_dir).is_file():  # (a file: refused just below)
+                create_output_dir(config.output_dir)
+                if run_lock.is_lock_holder():
+                    run_lock.acquire(config.output_dir)
+                    locked = True
+            # After the lock: a live run is named by it, not taken for a finished one.
+            check_output_dir(config.output_dir, resume=resume, overwrite=args.overwrite)
+            if args.resume and not args.resume_or_start and not CheckpointManager(config.output_dir).complete():
+                raise no_checkpoint(config.output_dir)
+            if resume:  # refused changes before the model is built (the trainer checks again)
                 check_resume_config(config.output_dir, config)
         else:
             check_output_dir(config.output_dir)  # a file is refused; an earlier run there is fine
+            create_output_dir(config.output_dir)
             sft_out = Path(config.output_dir) / "sft-model"
             if sft_out.exists() and not args.overwrite:
                 raise UsageError(f"{sft_out} already exists: pass --overwrite to replace it, or choose another "
                                  "--output-dir")
     except RunDirError as err:
+        if locked:
+            run_lock.release(config.output_dir)
         raise UsageError(str(err)) from None
+    return locked
+
+
+def _build(command: str, config, locked: bool) -> Prepared:
+    """The device, model, tokenizer and data (after every check of the output directory)."""
+    from portarl.device import DeviceUnavailableError, resolve_device
+
     try:
         device = resolve_device(config.device)
     except (DeviceUnavailableError, ValueError) as err:
@@ -199,7 +241,7 @@ def prepare(args, command: str) -> Prepared:
         raise UsageError(f"{err}") from None
     if len(tokenizer) == 0:
         raise UsageError(f"the tokenizer in {config.model.path} is empty")
-    return Prepared(config, device, model, tokenizer, examples)
+    return Prepared(config, device, model, tokenizer, examples, locked)
 
 
 def _setup_logging() -> None:
@@ -218,11 +260,16 @@ def cmd_train(args) -> int:
     from portarl import distributed as pdist
 
     agreed = False  # an exception on this rank: leave alone, never wait for the others
+    output_dir, locked = ready.config.output_dir, ready.locked
     try:
         code, agreed = _train(args, ready)
     finally:
         ready = None  # the model (FSDP2-sharded: it holds the process group) goes with the trainer
         pdist.shutdown(agreed=agreed)
+        if locked:
+            from portarl.trainer import run_lock
+
+            run_lock.release(output_dir)
     return code
 
 
@@ -235,6 +282,8 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
     from portarl.trainer.checkpoint import CheckpointError
     from portarl.trainer.run_dir import RunDirError
     from portarl.trainer.signals import AbortNow, StopRequested, abort_message, exit_code
+    from portarl.trainer.write_failure import EXIT_CODE as WRITE_EXIT
+    from portarl.trainer.write_failure import WriteFailed, as_write_failure, intact_checkpoint, resume_command
 
     config = ready.config
     try:
@@ -248,7 +297,8 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
 
     log_train_plan(config, ready.tokenizer, ready.examples, ready.device)
     try:
-        result = trainer.train(resume=args.resume, overwrite=args.overwrite)
+        result = trainer.train(resume=args.resume or args.resume_or_start, overwrite=args.overwrite,
+                               start_if_none=args.resume_or_start)
     except RunDirError as err:
         log(f"portarl train: {err}")
         return 2, False
@@ -258,6 +308,13 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
     except CheckpointError as err:
         log(f"portarl train: {err}")
         return 2, False
+    except (WriteFailed, OSError) as err:  # disk full, a file-size limit, no permission: see write_failure
+        failure = err if isinstance(err, WriteFailed) else as_write_failure(err, config.output_dir)
+        if failure is None:
+            raise
+        log(f"portarl train: {failure}; {intact_checkpoint(trainer)}; make room (or fix the permissions), then "
+            f"continue with: {resume_command(getattr(args, 'argv', ['train']))}")
+        return WRITE_EXIT, False
     except StopRequested as err:  # agreed by every rank at the end of a step
         log(f"portarl train: {err}; continue with --resume")
         return exit_code(err.signum), True

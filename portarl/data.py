@@ -8,16 +8,25 @@ kept as is and handed to batched rewards ``fn(prompts, completions, **columns)``
 
 Values are never coerced behind the user's back: a JSONL ``null`` or ``[4]`` prompt would
 otherwise train on the text "None" / "[4]". Errors name the file and line (JSONL) or row
-(Parquet) and the field.
+(Parquet) and the field: bytes that are not UTF-8 too (JSONL is read as UTF-8 whatever the
+locale). An empty or whitespace-only prompt (a conversation whose every non-system message
+is) is refused the same way, or, with ``data.empty_prompts: skip``, left out and counted:
+it would otherwise be trained on as if it said something.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import random
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("portarl.data")
+
+#: ``data.empty_prompts``: what to do with a row whose prompt is empty or only whitespace.
+EMPTY_PROMPTS = ("error", "skip")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +82,39 @@ def parse_answer(value, where: str, field: str) -> str:
     raise ValueError(f"{where}: field {field!r} must be a string or a number, got {_describe(value)}")
 
 
-def load_examples(path: str | Path, *, prompt_field: str = "prompt", answer_field: str = "answer") -> list[Example]:
+def is_empty_prompt(prompt) -> bool:
+    """A string that is empty or whitespace, or a conversation whose every non-system
+    message is (a system prompt alone asks nothing)."""
+    if isinstance(prompt, str):
+        return not prompt.strip()
+    return all(not m["content"].strip() for m in prompt if m["role"] != "system")
+
+
+def _decoded(raw: bytes, where: str, first: bool) -> str:
+    try:
+        return raw.decode("utf-8-sig" if first else "utf-8")  # a byte-order mark is allowed at the start
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte {err.start + 1} of the line); "
+                         "save the file as UTF-8") from None
+
+
+def load_examples_for(data, path: str | Path | None = None) -> list[Example]:
+    """:func:`load_examples` with a ``data`` config section's fields (``path``: another
+    file read the same way, e.g. ``eval.data``)."""
+    return load_examples(data.path if path is None else path, prompt_field=data.prompt_field,
+                         answer_field=data.answer_field, empty_prompts=data.empty_prompts)
+
+
+def load_examples(path: str | Path, *, prompt_field: str = "prompt", answer_field: str = "answer",
+                  empty_prompts: str = "error") -> list[Example]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data file {path} does not exist")
     if path.suffix == ".jsonl":
         rows = []
-        with path.open() as f:
-            for lineno, line in enumerate(f, 1):
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                line = _decoded(raw, f"{path}:{lineno}", lineno == 1)
                 if not line.strip():
                     continue
                 try:
@@ -96,18 +130,28 @@ def load_examples(path: str | Path, *, prompt_field: str = "prompt", answer_fiel
         rows = [(f"{path} row {i}", row) for i, row in enumerate(table.to_pylist())]
     else:
         raise ValueError(f"data file {path}: use .jsonl or .parquet")
-    examples = []
+    examples, skipped = [], []
     for where, row in rows:
         if not isinstance(row, dict):
             raise ValueError(f"{where}: each row must be a JSON object, got {_describe(row)}")
         if prompt_field not in row:
             raise ValueError(f"{where}: missing field {prompt_field!r} (set data.prompt_field)")
         prompt = parse_prompt(row[prompt_field], where, prompt_field)
+        if is_empty_prompt(prompt):
+            if empty_prompts != "skip":
+                raise ValueError(f"{where}: field {prompt_field!r} is empty or only whitespace: fix or remove the row, "
+                                 "or set data.empty_prompts=skip to leave such rows out")
+            skipped.append(where)
+            continue
         answer = parse_answer(row[answer_field], where, answer_field) if answer_field in row else None
         columns = {k: v for k, v in row.items() if k != prompt_field}
         examples.append(Example(prompt, answer, columns, where))
+    if skipped:
+        log.warning("data.empty_prompts=skip: left out %d row(s) of %s whose prompt is empty or only whitespace (%s%s)",
+                    len(skipped), path, ", ".join(skipped[:3]), ", ..." if len(skipped) > 3 else "")
     if not examples:
-        raise ValueError(f"data file {path} has no examples")
+        raise ValueError(f"data file {path} has no examples" + (f" ({len(skipped)} with an empty prompt were left out)"
+                                                                 if skipped else ""))
     return examples
 
 

@@ -1,9 +1,14 @@
 """Running reward functions over a rollout: both forms, with every result checked.
 
 A reward is a user's code; what it does wrong must stop the run with a message naming
-the reward, the sample and its prompt, never become a silent 0 or a traceback from deep
-inside the trainer. :class:`RewardError` carries those; the trainer saves a checkpoint of
-the last good step before it stops (see ``GRPOTrainer``).
+the reward, the sample and its prompt, never become a silent 0, a silent exit or a
+traceback from deep inside the trainer. Every call goes through a
+:class:`~portarl.user_code.UserCodeGuard` (``RewardRunner.guard``: any ``BaseException``,
+``sys.exit()`` included, and a call that outlives ``train.reward_timeout_s`` become a
+:class:`RewardError`), and every value is checked: a number, and finite (a NaN or inf is
+named with its sample at its first occurrence, instead of skipping steps until the
+guards' streak stops the run, or a short run ends with exit 0). The trainer saves a
+checkpoint of the last good step before it stops (see ``GRPOTrainer``).
 
 Forms (decided once, from the signature):
 - per sample ``fn(prompt, completion, answer) -> float``: called once per sample with the
@@ -28,40 +33,23 @@ import torch
 
 from portarl.data import Example
 from portarl.rewards import resolve_reward
+from portarl.user_code import UserCodeError, UserCodeGuard, arity_problem
+
+#: ``train.reward_timeout_s``'s default: see :class:`portarl.trainer.config.TrainSection`.
+DEFAULT_TIMEOUT_S = 300.0
 
 
-class RewardError(RuntimeError):
+class RewardError(UserCodeError):
     """A reward function failed; names the function, the sample index and its prompt."""
 
-    def __init__(self, name: str, index: int | None, prompt: str | None, problem: str):
-        where = "" if index is None else f" on sample {index} (prompt {prompt!r})"
-        super().__init__(f"reward {name!r} {problem}{where}")
-        self.reward_name, self.index, self.prompt = name, index, prompt
 
-    @classmethod
-    def elsewhere(cls, message: str, rank: int) -> "RewardError":
-        """This rank's copy of another rank's failure (the message as that rank raised it)."""
-        err = cls.__new__(cls)
-        RuntimeError.__init__(err, f"{message} (on rank {rank})")
-        err.reward_name, err.index, err.prompt = None, None, None
-        return err
+def reward_failure(name: str, index: int | None, prompt: str | None, problem: str) -> RewardError:
+    """``reward 'name' <problem> on sample <index> (prompt '...')``."""
+    return RewardError(f"reward {name!r}", _sample(index, prompt), problem)
 
 
-def agree_on_failure(ctx, failure: RewardError | None) -> RewardError | None:
-    """Under several ranks, a reward that fails on one rank must stop every rank: the stop
-    saves a checkpoint, which is collective, so a rank that went on alone would hang its
-    peers until the timeout. One flag reduction per step; on a failure the first failing
-    rank's message reaches every rank (rank 0 writes the log)."""
-    from portarl import distributed as pdist
-
-    if not ctx.enabled or not pdist.any_rank(ctx, failure is not None):
-        return failure
-    import torch.distributed as dist
-
-    messages: list = [None] * ctx.world_size
-    dist.all_gather_object(messages, None if failure is None else str(failure))
-    rank = next(r for r, m in enumerate(messages) if m is not None)
-    return failure if failure is not None else RewardError.elsewhere(messages[rank], rank)
+def _sample(index: int | None, prompt: str | None) -> str | None:
+    return None if index is None else f"sample {index} (prompt {prompt!r})"
 
 
 def is_batched(fn) -> bool:
@@ -85,14 +73,17 @@ class RewardFunction:
             sig = inspect.signature(self.fn)
         except (TypeError, ValueError):
             return
-        try:
-            if self.batched:
+        if self.batched:
+            try:
                 sig.bind_partial([], [])  # columns are checked when it is called
-            else:
-                sig.bind("prompt", "completion", "answer")
-        except TypeError as err:
-            form = "fn(prompts, completions, **columns)" if self.batched else "fn(prompt, completion, answer)"
-            raise RewardError(self.name, None, None, f"has the wrong signature for {form}: {err}") from None
+            except TypeError as err:
+                raise reward_failure(self.name, None, None, "has the wrong signature for fn(prompts, completions, "
+                                     f"**columns): {err}") from None
+            return
+        problem = arity_problem(self.fn, ("prompt", "completion", "answer"), "prompt, completion, answer")
+        if problem is not None:
+            raise reward_failure(self.name, None, None, f"has the wrong signature for fn(prompt, completion, answer): "
+                                 f"it {problem}")
 
 
 @dataclass
@@ -103,8 +94,10 @@ class RewardScores:
 
 
 class RewardRunner:
-    def __init__(self, specs, search_dirs=()):
-        """``specs``: ``(name_or_callable, weight)`` pairs or bare names / callables."""
+    def __init__(self, specs, search_dirs=(), timeout_s: float | None = DEFAULT_TIMEOUT_S):
+        """``specs``: ``(name_or_callable, weight)`` pairs or bare names / callables;
+        ``timeout_s``: each call's time limit (``train.reward_timeout_s``; None: none)."""
+        self.guard = UserCodeGuard(timeout_s, "train.reward_timeout_s", error=RewardError)
         self.functions: list[RewardFunction] = []
         for item in specs:
             spec, weight = item if isinstance(item, tuple) else (item, 1.0)
@@ -114,6 +107,16 @@ class RewardRunner:
             rf.check_signature()
             self.functions.append(rf)
 
+    def close(self) -> None:
+        """Stop and join the guard's watchdog thread (a later score starts a new one)."""
+        self.guard.close()
+
+    def __enter__(self) -> "RewardRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def needs_answer(self) -> list[str]:
         return [f.name for f in self.functions if not f.batched]
@@ -122,9 +125,10 @@ class RewardRunner:
         """``examples[i]`` is sample i's row (repeated G times per group)."""
         n = len(completions)
         per_function = {}
-        for rf in self.functions:
-            values = self._batched(rf, examples, completions) if rf.batched else self._per_sample(rf, examples, completions)
-            per_function[rf.name] = values
+        with self.guard.watching():  # the main thread's wake-up handler, once for the batch
+            for rf in self.functions:
+                values = (self._batched if rf.batched else self._per_sample)(rf, examples, completions)
+                per_function[rf.name] = values
         total = torch.zeros(n, dtype=torch.float32)
         metrics = {}
         for rf in self.functions:
@@ -135,8 +139,8 @@ class RewardRunner:
             total += torch.tensor([rf.weight * v if v is not None else 0.0 for v in values], dtype=torch.float32)
         for i in range(n):
             if all(per_function[rf.name][i] is None for rf in self.functions):
-                raise RewardError(", ".join(rf.name for rf in self.functions), i, examples[i].prompt_text,
-                                  "gave no value (every reward function returned None for this sample)")
+                raise reward_failure(", ".join(rf.name for rf in self.functions), i, examples[i].prompt_text,
+                                     "gave no value (every reward function returned None for this sample)")
         return RewardScores(total, per_function, metrics)
 
     @staticmethod
@@ -146,21 +150,22 @@ class RewardRunner:
         if isinstance(value, bool) or not isinstance(value, (int, float)) and not (
                 isinstance(value, torch.Tensor) and value.numel() == 1):
             kind = "None" if value is None else type(value).__name__
-            raise RewardError(rf.name, i, ex.prompt_text, f"returned {kind} ({value!r:.60}), expected a number"
-                              + (" or None" if allow_none else ""))
-        return float(value)
+            raise reward_failure(rf.name, i, ex.prompt_text, f"returned {kind} ({value!r:.60}), expected a number"
+                                 + (" or None" if allow_none else ""))
+        number = float(value)
+        if not math.isfinite(number):  # it would poison the group's advantages: named at its first occurrence
+            raise reward_failure(rf.name, i, ex.prompt_text, f"returned {number}, expected a finite number")
+        return number
 
     def _per_sample(self, rf: RewardFunction, examples, completions) -> list:
         out = []
         for i, (ex, text) in enumerate(zip(examples, completions)):
             if ex.answer is None:
-                raise RewardError(rf.name, i, ex.prompt_text, "needs the row's answer (it has the per-sample form "
-                                  "fn(prompt, completion, answer)) but the row has no answer field; set "
-                                  "data.answer_field or write it as fn(prompts, completions, **columns)")
-            try:
-                value = rf.fn(ex.prompt_text, text, ex.answer)
-            except Exception as err:
-                raise RewardError(rf.name, i, ex.prompt_text, f"raised {type(err).__name__}: {err}") from err
+                raise reward_failure(rf.name, i, ex.prompt_text, "needs the row's answer (it has the per-sample form "
+                                     "fn(prompt, completion, answer)) but the row has no answer field; set "
+                                     "data.answer_field or write it as fn(prompts, completions, **columns)")
+            value = self.guard.call(rf.fn, (ex.prompt_text, text, ex.answer), what=f"reward {rf.name!r}",
+                                    where=_sample(i, ex.prompt_text))
             out.append(self._number(rf, value, i, ex, allow_none=False))
         return out
 
@@ -175,25 +180,18 @@ class RewardRunner:
         try:
             inspect.signature(rf.fn).bind(prompts, comps, **columns)
         except TypeError as err:
-            raise RewardError(rf.name, None, None, f"cannot be called as fn(prompts, completions, "
-                              f"{', '.join(f'{k}=' for k in names)}): {err} (add **kwargs to accept every column)") from None
+            raise reward_failure(rf.name, None, None, f"cannot be called as fn(prompts, completions, "
+                                 f"{', '.join(f'{k}=' for k in names)}): {err} (add **kwargs to accept every column)") from None
         except ValueError:  # no signature to check (a builtin): the call decides
             pass
-        try:
-            values = rf.fn(prompts, comps, **columns)
-        except Exception as err:
-            raise RewardError(rf.name, None, None, f"raised {type(err).__name__}: {err} (on a batch of "
-                              f"{len(prompts)} samples; first prompt {examples[0].prompt_text!r})") from err
+        values = self.guard.call(rf.fn, (prompts, comps), columns, what=f"reward {rf.name!r}",
+                                 where=f"a batch of {len(prompts)} samples (first prompt {examples[0].prompt_text!r})")
         if isinstance(values, torch.Tensor):
             values = values.tolist()
         if not isinstance(values, (list, tuple)):
-            raise RewardError(rf.name, None, None, f"returned {type(values).__name__}, expected a list of "
-                              f"{len(prompts)} numbers or None")
+            raise reward_failure(rf.name, None, None, f"returned {type(values).__name__}, expected a list of "
+                                 f"{len(prompts)} numbers or None")
         if len(values) != len(prompts):
-            raise RewardError(rf.name, None, None, f"returned {len(values)} values for {len(prompts)} samples")
+            raise reward_failure(rf.name, None, None, f"returned {len(values)} values for {len(prompts)} samples")
         return [self._number(rf, v, i, ex, allow_none=True) for i, (v, ex) in enumerate(zip(values, examples))]
 
-
-def finite_or_none(value) -> float | None:
-    """A JSON-safe value for samples.jsonl."""
-    return None if value is None or not math.isfinite(value) else float(value)

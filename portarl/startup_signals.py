@@ -17,6 +17,13 @@ import signal
 _received: list[int] = []  # start-up signals, in order
 
 
+class RunInterrupt(KeyboardInterrupt):
+    """An interrupt of the run's own making (a stop signal's): never a failure of user code
+    (:mod:`portarl.user_code` lets it pass). ``signum``: the signal."""
+
+    signum: int | None = None
+
+
 def startup_handler(signum, frame):
     """SIGINT / SIGTERM before training starts: record it, then interrupt."""
     _received.append(signum)
@@ -33,6 +40,6 @@ def interrupted_during_startup() -> KeyboardInterrupt | None:
 
 
 def _interrupt(signum: int) -> KeyboardInterrupt:
-    err = KeyboardInterrupt(signal.Signals(signum).name)
+    err = RunInterrupt(signal.Signals(signum).name)
     err.signum = signum
     return err

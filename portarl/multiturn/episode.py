@@ -137,7 +137,7 @@ class EpisodeRunner:
         got = self.agent.executor.run("env_reset", key, ep.env_name, row)
         if not got.ok:
             self.agent.executor.forget(key)
-            ep.env_failed = f"Error: the environment's reset failed: {got.error}"
+            ep.env_failed = f"Error: the environment's reset {got.error}"
             ep.counts.env_errors += 1
             ep.counts.first_error = f"environment: reset {got.error}"
             return ep
@@ -205,7 +205,7 @@ class EpisodeRunner:
                 return got.value if isinstance(got.value, str) else json.dumps(got.value, ensure_ascii=False)
             ep.counts.timeouts += got.kind == "timeout"
             ep.counts.code_failures += 1
-            problem = f"tool {call.name!r} {'raised ' if got.kind == 'raised' else ''}{got.error}"
+            problem = f"tool {call.name!r} {got.error}"
             ep.counts.first_error = ep.counts.first_error or problem
         ep.counts.errors += 1
         return f"Error: {problem}"
@@ -215,7 +215,7 @@ class EpisodeRunner:
         got = self.agent.executor.run("env_step", ep.env_key, ep.final_text)
         ep.counts.tool_time.append(got.elapsed_s)
         if not got.ok:
-            self._environment_failed(ep, f"step {'raised ' if got.kind == 'raised' else ''}{got.error}")
+            self._environment_failed(ep, f"step {got.error}")
             return []
         step = got.value
         ep.counts.env_steps += 1
@@ -242,7 +242,7 @@ class EpisodeRunner:
             return
         got = self.agent.executor.run("env_reward", ep.env_key)
         if not got.ok:
-            self._environment_failed(ep, f"get_reward {'raised ' if got.kind == 'raised' else ''}{got.error}")
+            self._environment_failed(ep, f"get_reward {got.error}")
             return
         ep.env_reward = got.value if got.value is not None else float(sum(ep.env_rewards))
         closed = self.agent.executor.run("env_close", ep.env_key)

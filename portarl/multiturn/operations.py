@@ -1,5 +1,5 @@
 """The calls an episode makes into user code, on whichever side runs them: this process
-(``rollout.tool_isolation: thread``, :class:`LocalExecutor`) or a child process
+(``rollout.tool_isolation: none``, :class:`LocalExecutor`) or a child process
 (``process``, :mod:`portarl.multiturn.sandbox`). Both sides run the same
 :class:`Operations`, so a tool or environment behaves the same in either mode; only JSON
 values go in and out.
@@ -8,6 +8,7 @@ values go in and out.
 from __future__ import annotations
 
 from portarl.multiturn.calls import CallOutcome, call_with_limit
+from portarl.user_code import UserCodeGuard
 from portarl.multiturn.environment import check_environment, check_reward, normalize_step
 
 
@@ -50,11 +51,12 @@ OPS = ("tool", "env_reset", "env_step", "env_reward", "env_close")
 
 class LocalExecutor:
     """``run(op, *args) -> CallOutcome``: an operation in this process, time-limited by
-    :func:`~portarl.multiturn.calls.call_with_limit`."""
+    :func:`~portarl.multiturn.calls.call_with_limit` (one guard: the episodes call from
+    one thread)."""
 
     def __init__(self, tools: dict, factories: dict, timeout_s: float):
         self.ops = Operations(tools, factories)
-        self.timeout_s = timeout_s
+        self.guard = UserCodeGuard(timeout_s, "rollout.tool_timeout_s")
 
     def run(self, op: str, *args) -> CallOutcome:
         if op not in OPS:
@@ -62,14 +64,16 @@ class LocalExecutor:
         key = args[0] if op.startswith("env_") and op != "env_reset" else None
         if key is not None and key not in self.ops.envs:
             return CallOutcome(False, kind="lost", error="the environment is gone (an earlier call failed)")
-        return call_with_limit(getattr(self.ops, op), args, timeout_s=self.timeout_s)
+        return call_with_limit(self.guard, getattr(self.ops, op), args)
 
     def forget(self, key: str) -> None:
         """Drop an episode's environment without calling it (it failed or hung)."""
         self.ops.envs.pop(key, None)
 
     def close(self) -> None:
+        """Forget the environments and stop and join the guard's watchdog thread."""
         self.ops.envs.clear()
+        self.guard.close()
 
 
 __all__ = ["LocalExecutor", "OPS", "Operations"]

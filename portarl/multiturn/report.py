@@ -21,15 +21,13 @@ the maxima: under torchrun, the mean of each rank's):
 - ``agent/env_steps``, ``agent/env_errors``: per episode; ``agent/env_reward_mean`` (over
   the episodes whose environment did not fail);
 - ``agent/finish_<reason>_frac`` for each way an episode ends (:mod:`.episode`);
-- ``agent/abandoned_calls`` (thread isolation: calls of this process still running past
-  their limit, since it started) or ``agent/tool_process_restarts`` (process isolation).
+- ``agent/tool_process_restarts`` (process isolation: tool processes killed by a hung call
+  or ended by a crash, since the run started).
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-from portarl.multiturn.calls import abandoned_calls
 
 REASONS = ("stop", "done", "max_turns", "length", "budget", "env_error")
 
@@ -80,9 +78,7 @@ def episode_metrics(episodes, executor) -> dict:
     for reason in REASONS:
         metrics[f"agent/finish_{reason}_frac"] = sum(ep.finish == reason for ep in episodes) / n
     restarts = getattr(executor, "restarts", None)
-    if restarts is None:
-        metrics["agent/abandoned_calls"] = float(abandoned_calls())
-    else:
+    if restarts is not None:
         metrics["agent/tool_process_restarts"] = float(restarts)
     return metrics
 

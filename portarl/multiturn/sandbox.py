@@ -1,11 +1,12 @@
 """``rollout.tool_isolation: process``: tools and environments run in a child process.
 
-Why: a call that hangs in this process can only be abandoned (its thread cannot be
-stopped, :mod:`.calls`); in a child it is killed. A tool that crashes the interpreter (a
-segfault in a C extension, ``os._exit``) takes the child down, not the run.
+Why: in this process a hung call is ended from inside (:mod:`.calls`), which native code
+that holds the interpreter and never returns does not allow; in a child it is killed. A
+tool that crashes the interpreter (a segfault in a C extension, ``os._exit``) takes the
+child down, not the run.
 
-The child (``python -m portarl.multiturn.sandbox``: stdlib and the user's modules only, no torch) loads the tools and
-environment factories from the config's ``module:name`` strings and runs
+The child (``python -m portarl.multiturn.sandbox``: the standard library, portarl's light
+modules and the user's, no torch) loads the tools and environment factories from the config's ``module:name`` strings and runs
 :class:`~portarl.multiturn.operations.Operations` on requests; it speaks JSON lines
 (a spec line, then one request per line, one reply per request) and never unpickles
 anything. The parent (:class:`ProcessExecutor`) waits at most ``rollout.tool_timeout_s``
@@ -118,10 +119,10 @@ class ProcessExecutor:
             self.restarts += 1
             if reply is None:
                 return CallOutcome(False, kind="timeout", elapsed_s=time.perf_counter() - started,
-                                   error=f"did not return within {self.timeout_s:g} s (rollout.tool_timeout_s); its "
+                                   error=f"did not return within rollout.tool_timeout_s={self.timeout_s:g} s; its "
                                          "process was killed")
             return CallOutcome(False, kind="lost", elapsed_s=time.perf_counter() - started,
-                               error=f"its process died (exit code {code})")
+                               error=f"ended its process (exit code {code})")
         if op == "env_reset":
             self.live.add(key)
         elif op == "env_close":

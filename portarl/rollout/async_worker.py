@@ -121,7 +121,8 @@ class Worker:
         # tools / environment: the episodes, and so the tools, run here (portarl.multiturn)
         self.agent = make_agent(cfg, self.codec, spec["search_dirs"])
         self.engine = build_engine(cfg, self.model, tokenizer, self.codec, spec["work_dir"])
-        self.rewards = RewardRunner([(r.name, r.weight) for r in cfg.rewards], search_dirs=spec["search_dirs"])
+        self.rewards = RewardRunner([(r.name, r.weight) for r in cfg.rewards], search_dirs=spec["search_dirs"],
+                                    timeout_s=cfg.train.reward_timeout_s)
         r = cfg.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens)
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             out.write(json.dumps(worker.handle(request)) + "\n")
             out.flush()
     finally:
+        worker.rewards.close()  # the reward watchdog's thread
         worker.engine.close()  # vllm: its engine core and process-wide state; hf: nothing
         if worker.agent is not None:
             worker.agent.close()  # tool_isolation=process: its tool process

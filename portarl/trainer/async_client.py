@@ -44,10 +44,7 @@ class RolloutWorkerError(RuntimeError):
 def reward_error(message: str) -> RewardError:
     """A :class:`RewardError` carrying ``message`` as it is (raised in the worker, or on
     another rank: the reward, sample and prompt are not known here)."""
-    err = RewardError.__new__(RewardError)
-    RuntimeError.__init__(err, message)
-    err.reward_name, err.index, err.prompt = None, None, None
-    return err
+    return RewardError.elsewhere(message)
 
 
 class WorkerClient:

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from portarl.core import GRPOConfig
+from portarl.reward_runner import DEFAULT_TIMEOUT_S
 from portarl.trainer.config_fields import (  # noqa: F401  (ConfigError, apply_override: public here too)
     ConfigError,
     _build,
@@ -78,6 +79,9 @@ class DataConfig:
     chat_template: str = "auto"
     #: A system message put before every prompt (needs a chat template).
     system_prompt: str | None = None
+    #: A row whose prompt is empty or only whitespace: "error" (refused, naming file:line)
+    #: or "skip" (left out; the count and the first rows are logged).
+    empty_prompts: str = "error"
 
     def validate(self):
         _positive_int(self, "data", "synthetic_size", "max_operand")
@@ -86,6 +90,8 @@ class DataConfig:
         _check(self.system_prompt is None or isinstance(self.system_prompt, str), "data.system_prompt",
                "must be a string or null", self.system_prompt)
         _check(bool(self.operators) and set(self.operators) <= set("+-*"), "data.operators", "must use + - *", self.operators)
+        _check(self.empty_prompts in ("error", "skip"), "data.empty_prompts", "must be 'error' or 'skip'",
+               self.empty_prompts)
 
 
 @dataclasses.dataclass
@@ -128,6 +134,13 @@ class TrainSection:
     #: tokens) get 4 rows per micro-batch instead of 64. A row longer than the budget runs
     #: alone (warned). See :mod:`portarl.trainer.micro_batches`; `portarl plan` says what fits.
     max_tokens_per_micro_batch: int | None = 16384
+    #: Seconds one call into user code (a reward function, per sample or per batch; a
+    #: trainer hook) may take before the run stops with a checkpoint and a line naming the
+    #: function, the sample and its prompt (exit 3), in colocated and async mode alike.
+    #: 300: the built-in rewards take milliseconds per batch (measured in docs/checkpoints.md),
+    #: so only a hang or a slow remote judge reaches it; below distributed.timeout_s, so that
+    #: under torchrun the hang is named before the other ranks' collective times out.
+    reward_timeout_s: float = DEFAULT_TIMEOUT_S
 
     def validate(self):
         _check(isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto",
@@ -140,6 +153,7 @@ class TrainSection:
                       "sft_batch_size")
         _positive_int(self, "train", "sft_warmup_steps", "seed", allow_zero=True)
         _number(self, "train", "sft_lr", low=0.0)
+        _number(self, "train", "reward_timeout_s", low=0.0)
 
 
 @dataclasses.dataclass

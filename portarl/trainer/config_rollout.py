@@ -91,9 +91,10 @@ class RolloutConfig:
     #: Multi-turn: seconds one tool or environment call may take; a call past it becomes an
     #: error message in the conversation (agent/tool_errors), never a stopped run.
     tool_timeout_s: float = 30.0
-    #: Multi-turn: where tools and environments run: "thread" (this process; a hung call is
-    #: abandoned) or "process" (a child process, killed when a call hangs or crashes it).
-    tool_isolation: str = "thread"
+    #: Multi-turn: where tools and environments run: "none" (in this process, time-limited by
+    #: the user-code guard) or "process" (a child process, killed when a call hangs or crashes
+    #: it: also for native code that never returns).
+    tool_isolation: str = "none"
     #: Multi-turn: the tool-call format: "auto" (from the chat template; "hermes" when the
     #: template declares no tools, and portarl then describes them in the system message),
     #: "hermes", "qwen_xml", "llama3_json" or "template" (the tokenizer's response_template).
@@ -103,7 +104,7 @@ class RolloutConfig:
         _positive_int(self, "rollout", "max_generation_rounds", "max_turns")
         _positive_int(self, "rollout", *(["max_episode_tokens"] if self.max_episode_tokens is not None else []))
         _number(self, "rollout", "tool_timeout_s", low=0.0)
-        _check(self.tool_isolation in ("thread", "process"), "rollout.tool_isolation", "must be 'thread' or 'process'",
+        _check(self.tool_isolation in ("none", "process"), "rollout.tool_isolation", "must be 'none' or 'process'",
                self.tool_isolation)
         from portarl.multiturn.parsing import FORMATS
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from portarl.data import encode_examples, load_examples
+from portarl.data import encode_examples, load_examples_for
 from portarl.rollout import SamplingParams
 from portarl.rollout.base import seed_of
 
@@ -48,7 +48,7 @@ def load_eval_set(config, codec, context_length: int | None, path: str | None = 
     if not Path(path).exists():
         raise FileNotFoundError(f"eval.data: {path} does not exist; point eval.data (or --data) at a JSONL / Parquet "
                                 "file of prompts and answers")
-    examples = load_examples(path, prompt_field=config.data.prompt_field, answer_field=config.data.answer_field)
+    examples = load_examples_for(config.data, path)
     if config.eval.max_prompts:
         examples = examples[: config.eval.max_prompts]
     if not examples:
@@ -188,10 +188,11 @@ def eval_checkpoint(checkpoint, data: str, *, n: int | None = None, greedy: bool
     examples, ids = load_eval_set(config, codec, ctx, data)
     engine = HFRollout(model, codec.eos_token_id, codec.pad_token_id, stop_token_ids=codec.stop_token_ids,
                        lean_decode=config.rollout.lean_decode)
-    rewards = RewardRunner([(s.name, s.weight) for s in config.rewards], search_dirs=[str(Path.cwd())])
+    rewards = RewardRunner([(s.name, s.weight) for s in config.rewards], search_dirs=[str(Path.cwd())],
+                           timeout_s=config.train.reward_timeout_s)
     try:
-        with torch.no_grad():
+        with rewards, torch.no_grad():  # the reward watchdog's thread is joined on the way out
             return evaluate(engine, model, codec, rewards, examples, ids, config, agent)
     finally:
-        if agent is not None:
+        if agent is not None:  # tool_isolation=process: its tool process
             agent.close()

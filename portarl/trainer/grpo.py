@@ -34,14 +34,15 @@ from pathlib import Path
 import torch
 
 from portarl import distributed as pdist
-from portarl.data import Example, arithmetic_examples, encode_examples, load_examples
+from portarl.data import Example, arithmetic_examples, encode_examples, load_examples_for
 from portarl.device import resolve_device
 from portarl.emulation import resolve_profile
 from portarl.lora import is_lora
-from portarl.reward_runner import RewardError, RewardRunner, agree_on_failure
+from portarl.reward_runner import RewardError, RewardRunner
 from portarl.rollout import SamplingParams
 from portarl.multiturn.agent import make_agent
 from portarl.tokenizer import as_codec, chat_template_option
+from portarl.user_code import UserCodeGuard, agree_on_failure
 from portarl.trainer.checkpoint import CheckpointManager
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
@@ -50,9 +51,10 @@ from portarl.trainer.heap import release_freed_memory
 from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
 from portarl.trainer.async_pipeline import async_rollout
 from portarl.trainer.rollout_phase import run_rollout
-from portarl.trainer import persistence, run_dir
+from portarl.trainer import persistence, run_dir, run_lock
 from portarl.trainer.progress import progress_bar
-from portarl.trainer.runlog import RunLogger, plot_curves, read_metrics, summarize
+from portarl.trainer.runlog import RunLogger, finish_run
+from portarl.trainer.write_failure import writing
 from portarl.trainer.evaluation import Evaluator
 from portarl.trainer.reference import maybe_sync_reference, refuse_reference_sync
 from portarl.trainer.scoring import score
@@ -131,6 +133,7 @@ class GRPOTrainer:
         self.kl_ctl = make_kl_controller(self.config.loss)
         self.degenerate = DegenerateDetector(self.codec.eos_token_id, g.degenerate_min_tokens, g.degenerate_rise)
         self.hooks: dict[str, list] = empty_hooks()
+        self.hook_guard = UserCodeGuard(self.config.train.reward_timeout_s, "train.reward_timeout_s")
         self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]  # optimizer order
         self.stop_reason: str | None = None  # set by a guard with action "stop"
         self.partial_update = None  # the guard error that ended an iteration after some optimizer steps
@@ -172,7 +175,7 @@ class GRPOTrainer:
         self._rewards_from_config = reward_fns is None
         if reward_fns is None:
             reward_fns = [(spec.name, spec.weight) for spec in self.config.rewards]
-        return RewardRunner(reward_fns, search_dirs=self._search_dirs())
+        return RewardRunner(reward_fns, search_dirs=self._search_dirs(), timeout_s=self.config.train.reward_timeout_s)
 
     def _search_dirs(self) -> list[str]:
         """Where ``module:function`` rewards, tools and environments are looked for."""
@@ -216,7 +219,7 @@ class GRPOTrainer:
         return dataclasses.replace(self.config.loss, kl_coef=self.kl_ctl.value)
 
     def _apply_hooks(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
-        return apply_hooks(self.hooks, point, self._hook_step, tensor)
+        return apply_hooks(self.hooks, point, self._hook_step, tensor, self.hook_guard)
 
     # ------------------------------------------------------------- checkpoints
     def _state(self) -> dict:
@@ -244,7 +247,7 @@ class GRPOTrainer:
             scores = self.rewards.score(rows or [examples[i // g] for i in range(len(texts))], texts)
         except RewardError as err:
             failure = err
-        failure = agree_on_failure(self.dist, failure)  # one rank's failure stops every rank
+        failure = agree_on_failure(self.dist, failure, RewardError)  # one rank's failure stops every rank
         if failure is not None:
             raise failure
         self._last_reward_values = scores.per_function
@@ -343,28 +346,37 @@ class GRPOTrainer:
         return anywhere
 
     def close(self) -> None:
-        """Release the rollout engine (vLLM: its processes and device memory). The trainer
-        can train again afterwards; a vllm engine then starts anew."""
+        """Release the rollout engine (vLLM: its processes and device memory) and stop the
+        user-code watchdogs. The trainer can train again afterwards; a vllm engine then
+        starts anew."""
+        self.rewards.close()
+        self.hook_guard.close()
         if self._rollout is not None:
             self._rollout.close()
             self._rollout = None
         if self.agent is not None:  # process isolation: its tool process (started again on use)
             self.agent.close()
 
-    def train(self, resume: bool = False, overwrite: bool = False) -> TrainResult:
+    def train(self, resume: bool = False, overwrite: bool = False, start_if_none: bool = False) -> TrainResult:
         """Train to ``train.steps``. A directory holding another run is refused unless
-        ``resume`` (continue it; mid-run settings applied, others refused) or ``overwrite``
-        (delete it first): see :mod:`portarl.trainer.run_dir`."""
+        ``resume`` (continue it; mid-run settings applied, others refused; no checkpoint
+        there is refused too, unless ``start_if_none``) or ``overwrite`` (delete it first):
+        see :mod:`portarl.trainer.run_dir`."""
+        with run_lock.held(self.output_dir, self.dist.is_main):  # one run per directory (a no-op under the CLI's)
+            return self._train(resume, overwrite, start_if_none)
+
+    def _train(self, resume: bool, overwrite: bool, start_if_none: bool) -> TrainResult:
         cfg = self.config
         changes = run_dir.prepare_run(self, resume=resume, overwrite=overwrite)
         if resume:
-            self.resume()
+            persistence.resume(self, start_if_none)
             run_dir.check_steps_ahead(self.step, cfg.train.steps, self.output_dir)
             run_dir.apply_resumed_changes(self, changes)
         else:
             self.checkpoints.clean_partial()
         if self.dist.is_main:
-            cfg.save(self.output_dir / "config.yaml")
+            with writing(self.output_dir / "config.yaml"):
+                cfg.save(self.output_dir / "config.yaml")
             logger = RunLogger(self.output_dir, total_steps=cfg.train.steps, resume_step=self.step,
                                tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress)
         else:  # only rank 0 writes logs
@@ -383,12 +395,7 @@ class GRPOTrainer:
                 self.agent.close()
         if not self.dist.is_main:
             return TrainResult(self.step, last_ckpt, "")
-        rows = read_metrics(self.output_dir / "metrics.jsonl")
-        summary = summarize(rows)
-        (self.output_dir / "summary.txt").write_text(summary + "\n")
-        if cfg.logging.plot:
-            plot_curves(rows, self.output_dir / "curves.png")
-        return TrainResult(self.step, last_ckpt, summary)
+        return TrainResult(self.step, last_ckpt, finish_run(self.output_dir, cfg.logging.plot))
 
 
 def build_from_config(config: TrainConfig):
@@ -402,5 +409,5 @@ def build_from_config(config: TrainConfig):
     if d.path is None:
         examples = arithmetic_examples(d.synthetic_size, seed=config.train.seed, max_operand=d.max_operand, ops=d.operators)
     else:
-        examples = load_examples(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)
+        examples = load_examples_for(d)
     return model, tokenizer, examples

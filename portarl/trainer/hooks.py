@@ -21,9 +21,15 @@ def empty_hooks() -> dict[str, list]:
     return {p: [] for p in HOOK_POINTS}
 
 
-def apply_hooks(hooks: dict[str, list], point: str, step: int, tensor: torch.Tensor) -> torch.Tensor:
+def apply_hooks(hooks: dict[str, list], point: str, step: int, tensor: torch.Tensor, guard=None) -> torch.Tensor:
+    """Each hook of ``point`` in turn; through ``guard`` (a :class:`~portarl.user_code.UserCodeGuard`)
+    when given: a hook that raises, exits or hangs is a named failure."""
     for fn in hooks[point]:
-        tensor = fn(step, tensor)
+        if guard is None:
+            tensor = fn(step, tensor)
+        else:
+            name = getattr(fn, "__name__", type(fn).__name__)
+            tensor = guard.call(fn, (step, tensor), what=f"hook {name!r} at {point!r}", where=f"step {step}")
     return tensor
 
 

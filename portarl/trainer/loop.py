@@ -1,6 +1,7 @@
 """The GRPO run loop: one :meth:`GRPOTrainer.train_step` after another, with logging,
 the sample log, checkpoints on cadence, and every way a run ends early (a guard's stop, a
-streak of skipped steps, a reward error, a signal) saving what it can first."""
+streak of skipped steps, user code that fails, exits or hangs, a signal) saving what it
+can first."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from portarl.trainer.samples import SampleLog
 from portarl.trainer.setup import forced_backend
 from portarl.trainer.signals import StopRequested
 from portarl.trainer.step_guard import UpdateUnrecoverable
+from portarl.user_code import UserCodeError
 
 
 class TrainingStopped(RuntimeError):
@@ -38,18 +40,15 @@ def run_loop(trainer, logger, last_ckpt: Path | None) -> Path | None:
                         getattr(logger, "writer", None)) if trainer.dist.is_main else None
     while trainer.step < cfg.train.steps:
         with forced_backend(cfg.precision.backend):
+            optimizer_steps = trainer.scheduler.last_epoch
             try:
                 metrics = trainer.train_step()
             except UpdateUnrecoverable as err:  # guards.update_snapshot=false: nothing to restore from
                 message = f"stopping at step {trainer.step + 1}: {err}. Last good checkpoint: {trainer.checkpoints.latest()}"
                 logger.event(trainer.step + 1, "stopped", message)
                 raise TrainingStopped(message, "optimizer_update", trainer.checkpoints.latest()) from None
-            except RewardError as err:
-                # Nothing of this step was applied: the checkpoint is the last good step.
-                last_ckpt = trainer.save_checkpoint()
-                message = f"stopping at step {trainer.step + 1}: {err}. Checkpoint of step {trainer.step}: {last_ckpt}"
-                logger.event(trainer.step + 1, "stopped", message)
-                raise TrainingStopped(message, "reward", last_ckpt) from err
+            except UserCodeError as err:  # a reward or hook raised, exited, hung, or a stop signal ended it
+                raise stop_on_user_code(trainer, logger, err, trainer.scheduler.last_epoch != optimizer_steps) from err
             except RolloutWorkerError as err:  # rollout.mode=async: nothing of this step was applied either
                 last_ckpt = trainer.save_checkpoint()
                 message = f"stopping at step {trainer.step + 1}: {err}. Checkpoint of step {trainer.step}: {last_ckpt}"
@@ -85,6 +84,29 @@ def run_loop(trainer, logger, last_ckpt: Path | None) -> Path | None:
     return last_ckpt
 
 
+def stop_on_user_code(trainer, logger, err: UserCodeError, applied: bool) -> TrainingStopped | StopRequested:
+    """What ends the run when user code failed in step ``trainer.step + 1``. A reward runs
+    before any optimizer step, so nothing of the step was applied and the checkpoint saved
+    now is the last finished step's; a hook that fails after an optimizer step of the
+    iteration (``applied``) leaves weights that belong to no step: nothing is saved, and
+    the last checkpoint is named. A stop signal that ended the call (any rank's) makes it
+    the signal's stop (:class:`StopRequested`, exit 128 + signal), otherwise
+    :class:`TrainingStopped` (exit 3)."""
+    step = trainer.step + 1
+    if applied:
+        last_ckpt = trainer.checkpoints.latest()
+        saved = f"step {step} was partly applied, so it is not saved; last checkpoint: {last_ckpt}"
+    else:
+        last_ckpt = trainer.save_checkpoint()
+        saved = f"Checkpoint of step {trainer.step}: {last_ckpt}"
+    if trainer._stop_requested_anywhere():
+        logger.event(trainer.step, "interrupted", f"stopped on request during step {step} ({err}); {saved}")
+        return StopRequested(trainer._stop_signal, trainer.step, last_ckpt)
+    message = f"stopping at step {step}: {err}. {saved}"
+    logger.event(step, "stopped", message)
+    return TrainingStopped(message, "reward" if isinstance(err, RewardError) else "user_code", last_ckpt)
+
+
 def stop_with_checkpoint(trainer, logger, message: str, tensor_name: str | None):
     """Save a checkpoint (refused when the weights are not finite), log, raise TrainingStopped."""
     trainer.refused_checkpoint = None
@@ -98,4 +120,4 @@ def stop_with_checkpoint(trainer, logger, message: str, tensor_name: str | None)
     raise TrainingStopped(message, tensor_name or "unknown", ckpt)
 
 
-__all__ = ["TrainingStopped", "run_loop", "stop_with_checkpoint"]
+__all__ = ["TrainingStopped", "run_loop", "stop_on_user_code", "stop_with_checkpoint"]

@@ -104,7 +104,7 @@ def longest_prompt(cfg) -> int:
 def prompt_lengths(cfg) -> tuple[int, int, int]:
     """``(longest prompt, examples, prompt tokens in all)`` of ``cfg``'s data, as the
     trainer encodes it (chat template, system prompt); loads the tokenizer, not the model."""
-    from portarl.data import arithmetic_examples, load_examples
+    from portarl.data import arithmetic_examples, load_examples_for
     from portarl.tokenizer import as_codec, chat_template_option
 
     m, d = cfg.model, cfg.data
@@ -127,7 +127,7 @@ def prompt_lengths(cfg) -> tuple[int, int, int]:
     if d.path is None:
         examples = arithmetic_examples(d.synthetic_size, seed=cfg.train.seed, max_operand=d.max_operand, ops=d.operators)
     else:
-        examples = load_examples(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)
+        examples = load_examples_for(d)
     codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)
     lengths = [len(codec.encode_prompt(ex.prompt)) for ex in examples]
     return max(lengths), len(lengths), sum(lengths)

@@ -14,6 +14,7 @@ from pathlib import Path
 from portarl import distributed as pdist
 from portarl.trainer.checkpoint import CheckpointError, rng_state, set_rng_state
 from portarl.trainer.checkpoint import step_of as state_step
+from portarl.trainer.run_dir import no_checkpoint
 from portarl.trainer.setup import make_precision
 from portarl.trainer.step_guard import checkpoint_refusal
 
@@ -60,29 +61,42 @@ def save_checkpoint(trainer) -> Path | None:
     log.info("checkpoint saved: %s", path)
     return path
 
-def resume(trainer) -> int:
-    """Load the latest complete checkpoint; returns its step (0 when there is none)."""
+def _weights_loader(trainer):
+    """Loads a verified checkpoint's weights (and, sharded, the optimizer) into the trainer;
+    a read error skips the checkpoint (:meth:`CheckpointManager.load_newest_verified`), and
+    the next one's weights replace whatever was partly loaded."""
+
+    def load(directory: Path, state: dict) -> None:
+        if trainer.checkpoints.is_sharded(directory):
+            trainer.checkpoints.load_sharded(directory, trainer.model, trainer.optimizer, verify=False)  # just verified
+            state["optimizer"] = trainer.optimizer.state_dict()
+        else:
+            trainer.checkpoints.load_weights(trainer.model, directory, verify=False)
+
+    return load
+
+
+def resume(trainer, start_if_none: bool = False) -> int:
+    """Load the latest complete checkpoint; returns its step. None there: a
+    :class:`~portarl.trainer.run_dir.RunDirError`, or step 0 with ``start_if_none``."""
     if trainer.dist.enabled:
         pdist.barrier(trainer.dist)
     for removed in (trainer.checkpoints.clean_partial() if trainer.dist.is_main else []):
         log.warning("removed an incomplete checkpoint left by an interrupted write: %s", removed)
-    # Newest checkpoint that verifies against its manifest (damaged ones are skipped,
-    # named and moved aside by rank 0); every rank must pick the same one.
-    found = trainer.checkpoints.load_newest_verified(quarantine=trainer.dist.is_main)
+    # Newest checkpoint that verifies against its manifest and whose every file reads
+    # (damaged ones are skipped, named and moved aside by rank 0); every rank must pick the same one.
+    found = trainer.checkpoints.load_newest_verified(quarantine=trainer.dist.is_main, load=_weights_loader(trainer))
     if trainer.dist.enabled:
         chosen = -1 if found is None else state_step(found[0])
         if pdist.first_code(trainer.dist, chosen) != -pdist.first_code(trainer.dist, -chosen):
             raise CheckpointError(f"ranks chose different checkpoints to resume from in {trainer.checkpoints.root} "
                                   f"(rank {trainer.dist.rank}: step {chosen}); is the directory shared by every rank?")
     if found is None:
-        log.info("no checkpoint in %s: starting from scratch", trainer.checkpoints.root)
+        if not start_if_none:
+            raise no_checkpoint(trainer.output_dir)
+        log.info("no checkpoint in %s: starting a new run (--resume-or-start)", trainer.checkpoints.root)
         return 0
     latest, state = found
-    if trainer.checkpoints.is_sharded(latest):
-        trainer.checkpoints.load_sharded(latest, trainer.model, trainer.optimizer, verify=False)  # just verified
-        state["optimizer"] = trainer.optimizer.state_dict()
-    else:
-        trainer.checkpoints.load_weights(trainer.model, latest, verify=False)
     trainer.precision = make_precision(trainer.model, trainer.config, trainer.dist)
     trainer.precision.load_state_dict(state["precision"])
     if trainer.precision.use_master:

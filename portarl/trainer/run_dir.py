@@ -35,6 +35,7 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "events.jsonl", "samples.jsonl", "t
 #: Fields (``section.field``; a trailing dot: the whole section) that ``--resume`` applies.
 MID_RUN_FIELDS = ("train.steps", "train.old_logprobs", "optim.lr", "optim.implementation", "logging.",
                   "checkpoint.every", "checkpoint.keep_last", "device", "eval.", "rollout.timeout_s",
+                  "train.reward_timeout_s",
                   # detector settings only: they never change what the run computes
                   "rollout.identical_warn_frac", "rollout.identical_min_chance")
 
@@ -77,6 +78,20 @@ def check_output_dir(output_dir: str | Path, *, resume: bool = False, overwrite:
     if existing:
         raise RunDirError(f"output directory {directory} already holds a run ({existing}): pass --resume to "
                           "continue it, --overwrite to delete it and start over, or choose another --output-dir")
+
+
+def create_output_dir(output_dir: str | Path) -> Path:
+    """Create ``output_dir`` (and its parents) now, before anything is built: a directory
+    that cannot be created (``/sys/x``, a path under a file, no permission) is one line,
+    not a traceback from the trainer."""
+    directory = Path(output_dir)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename and str(err.filename) != str(directory) else ""
+        raise RunDirError(f"cannot create the output directory {directory}: {err.strerror or err}{where}; choose "
+                          "another --output-dir") from None
+    return directory
 
 
 def clear_run(output_dir: str | Path) -> list[Path]:
@@ -198,6 +213,14 @@ def prepare_run(trainer, *, resume: bool, overwrite: bool) -> list[tuple[str, ob
     if resume:
         return check_resume_config(directory, trainer.config)
     return []
+
+
+def no_checkpoint(output_dir) -> RunDirError:
+    """``--resume`` where there is no checkpoint: a mistyped --output-dir must not silently
+    start a new run from scratch."""
+    return RunDirError(f"--resume: no checkpoint in {Path(output_dir) / 'checkpoints'} to continue from (is --output-dir "
+                       "right?): start a new run without --resume, or pass --resume-or-start to continue when there is "
+                       "a checkpoint and start a new run when there is none")
 
 
 def check_steps_ahead(done: int, steps: int, output_dir) -> None:

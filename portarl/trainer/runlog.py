@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 from portarl.trainer.logfiles import prepare_log
+from portarl.trainer.write_failure import WriteFailed, writing
 
 log = logging.getLogger("portarl.train")
 
@@ -79,8 +80,9 @@ class RunLogger:
         if self._bar_args is not None:
             self._start_bar()
         row = {k: _clean(float(v) if not isinstance(v, (str, int)) else v) for k, v in metrics.items()}
-        self._metrics.write(json.dumps(row) + "\n")
-        self._metrics.flush()
+        with writing(self.metrics_path):
+            self._metrics.write(json.dumps(row) + "\n")
+            self._metrics.flush()
         if self.writer is not None:
             for key, value in metrics.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
@@ -91,8 +93,9 @@ class RunLogger:
 
     def event(self, step: int, kind: str, message: str, **fields) -> None:
         row = {"step": step, "kind": kind, "message": message, **{k: _clean(v) for k, v in fields.items()}}
-        self._events.write(json.dumps(row) + "\n")
-        self._events.flush()
+        with writing(self.events_path):
+            self._events.write(json.dumps(row) + "\n")
+            self._events.flush()
         # Once, through logging only (the bar shows log lines above itself).
         log.log(event_level(kind, fields), "step %d: %s", step, message)
 
@@ -104,8 +107,28 @@ class RunLogger:
             self._redirect = None
         if self.writer is not None:
             self.writer.close()
-        self._metrics.close()
-        self._events.close()
+        failed = None
+        for path, handle in ((self.metrics_path, self._metrics), (self.events_path, self._events)):
+            try:  # both are closed even when a write failed (closing flushes what is left)
+                with writing(path):
+                    handle.close()
+            except WriteFailed as err:
+                failed = failed or err
+        if failed is not None:
+            raise failed
+
+
+def finish_run(output_dir: Path, plot: bool) -> str:
+    """The end of a run: ``summary.txt`` (and ``curves.png``) from ``metrics.jsonl``;
+    returns the summary. A write that fails is a :class:`WriteFailed` naming the file."""
+    rows = read_metrics(output_dir / "metrics.jsonl")
+    summary = summarize(rows)
+    with writing(output_dir / "summary.txt"):
+        (output_dir / "summary.txt").write_text(summary + "\n")
+    if plot:
+        with writing(output_dir / "curves.png"):
+            plot_curves(rows, output_dir / "curves.png")
+    return summary
 
 
 #: Log level of each event kind. Spike and drift detectors inform; they warn only when they

@@ -5,7 +5,9 @@ Metrics say *that* the reward is flat; only the text says *why* (an empty comple
 model writing the next user turn, an answer the reward cannot parse). Each row: step,
 sample index, prompt, completion, each reward function's value (null where the function
 gave none), the total reward, the advantage (null on a skipped step) and the finish reason
-(``stop``: an end token; ``length``: max_new_tokens reached).
+(``stop``: an end token; ``length``: max_new_tokens reached). A value that is not finite
+is null too (JSON has no NaN), and the row's ``nonfinite`` names it with its value
+(``{"advantage": "nan"}``), so a null never hides a NaN.
 
 Multi-turn episodes (tools, environments) add the whole ``conversation`` after the prompt,
 message by message (the model's turns, tool calls, tool results and observations, each
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 log = logging.getLogger("portarl.samples")
@@ -44,17 +47,21 @@ class SampleLog:
         rows = []
         for i in pick(len(samples["completions"]), self.count):
             adv = samples.get("advantages")
-            rows.append({
+            nonfinite: dict[str, str] = {}
+            row = {
                 "step": step, "sample": i, "prompt": samples["prompts"][i], "completion": samples["completions"][i],
-                "rewards": {name: _num(values[i]) for name, values in samples["rewards"].items()},
-                "reward": _num(samples["total"][i]) if samples.get("total") is not None else None,
-                "advantage": _num(adv[i]) if adv is not None else None,
+                "rewards": {name: _num(values[i], f"rewards.{name}", nonfinite)
+                            for name, values in samples["rewards"].items()},
+                "reward": _num(samples["total"][i], "reward", nonfinite) if samples.get("total") is not None else None,
+                "advantage": _num(adv[i], "advantage", nonfinite) if adv is not None else None,
                 "finish_reason": "stop" if samples["finished"][i] else "length",
-            })
+            }
+            if nonfinite:
+                row["nonfinite"] = nonfinite
             episode = (samples.get("episodes") or [None] * (i + 1))[i]
             if episode is not None:
-                rows[-1].update(conversation=episode["messages"], turns=episode["turns"],
-                                finish_reason=episode["finish"])
+                row.update(conversation=episode["messages"], turns=episode["turns"], finish_reason=episode["finish"])
+            rows.append(row)
         with self.path.open("a") as f:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -70,11 +77,15 @@ class SampleLog:
         return rows
 
 
-def _num(value):
+def _num(value, field: str, nonfinite: dict):
+    """A JSON number, or None; a non-finite value is recorded in ``nonfinite[field]``."""
     if value is None:
         return None
     value = float(value)
-    return value if value == value and abs(value) != float("inf") else None
+    if math.isfinite(value):
+        return value
+    nonfinite[field] = str(value)
+    return None
 
 
 def _short(text: str, limit: int = 160) -> str:

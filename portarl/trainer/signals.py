@@ -2,7 +2,10 @@
 send before killing a job) stop a run the same careful way.
 
 - First signal: finish the current step (never half a step), save a checkpoint, exit with
-  ``128 + signal number`` (130 for SIGINT, 143 for SIGTERM, the shell convention). Under
+  ``128 + signal number`` (130 for SIGINT, 143 for SIGTERM, the shell convention). When
+  user code (a reward, :mod:`portarl.user_code`) is running, that call ends at once instead
+  (it may be the reason the step never finishes): the step is abandoned with nothing of it
+  applied, and the checkpoint is of the step before. Under
   torchrun the stop is collective: the trainer all-reduces the request once per step, so
   every rank saves together (DCP saving is a collective).
 - Second signal: abort at once, raising :class:`AbortNow`; the message says truthfully
@@ -23,7 +26,8 @@ import logging
 import signal
 import threading
 
-from portarl.startup_signals import interrupted_during_startup
+from portarl.startup_signals import RunInterrupt, interrupted_during_startup
+from portarl.user_code import call_in_progress, interrupt_active_call
 
 log = logging.getLogger("portarl.train")
 
@@ -39,7 +43,7 @@ def signal_name(signum: int | None) -> str:
     return signal.Signals(signum).name if signum is not None else "an interrupt"
 
 
-class StopRequested(KeyboardInterrupt):
+class StopRequested(RunInterrupt):
     """The run stopped on request after step ``step`` and saved ``checkpoint``."""
 
     def __init__(self, signum: int | None, step: int, checkpoint):
@@ -47,7 +51,7 @@ class StopRequested(KeyboardInterrupt):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
 
 
-class AbortNow(KeyboardInterrupt):
+class AbortNow(RunInterrupt):
     """A second stop signal: the run aborted where it was, without saving."""
 
     def __init__(self, signum: int):
@@ -88,6 +92,11 @@ def graceful_stop(trainer):
         # Python then runs this handler again, nested; it must find the first one recorded.
         trainer._stop_requested = True
         trainer._stop_signal = signum
+        if call_in_progress():  # a reward (user code) is running: it may never return, so it ends now
+            log.warning("%s: ending the user code in progress (step %d is abandoned, nothing of it applied), then "
+                        "saving a checkpoint of step %d (send it again to abort now, without saving)",
+                        signal_name(signum), trainer.step + 1, trainer.step)
+            interrupt_active_call(signum)
         log.warning("%s: finishing step %d, then saving a checkpoint (send it again to abort now, without saving)",
                     signal_name(signum), trainer.step + 1)
 

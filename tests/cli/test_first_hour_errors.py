@@ -69,9 +69,13 @@ CASES = {
     "logging-progress-maybe": (["--set", "logging.progress=maybe"], "logging.progress must be true or false"),
     "yaml-syntax-error": (["--config", "{bad_yaml}"], "YAML syntax error at line 3, column 6"),
     "output-dir-is-a-file": (["--output-dir", "{a_file}"], "is a file, not a directory"),
+    "output-dir-under-a-file": (["--output-dir", "{a_file}/out"], "cannot create the output directory"),
+    "output-dir-in-sysfs": (["--output-dir", "/sys/portarl-out"], "cannot create the output directory /sys/portarl-out"),
     "model-without-tokenizer": (["--set", "model.path={no-tokenizer}"], "has no tokenizer files"),
     "model-with-only-config": (["--set", "model.path={only-config}"], "has no weights"),
     "absent-device": (["--device", "npu"], "npu"),
+    "data-not-utf8": (["--set", "data.path={latin1}"], "{latin1}:2: not valid UTF-8 (byte 0xe9 at byte 16 of the line)"),
+    "data-empty-prompt": (["--set", "data.path={blank}"], "{blank}:3: field 'prompt' is empty or only whitespace"),
 }
 
 
@@ -80,9 +84,15 @@ def _case_args(case, tmp_path, model_dirs) -> tuple[list[str], str, Path]:
     bad_yaml.write_text("train:\n  steps: [3\noptim:\n  lr: 1e-3\n")
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")
-    fill = {"bad_yaml": str(bad_yaml), "a_file": str(a_file), **{k: str(v) for k, v in model_dirs.items()}}
+    latin1 = tmp_path / "latin1.jsonl"  # "é" as Latin-1 on line 2
+    latin1.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9 1+2=", "answer": "3"}\n')
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n'
+                     '{"prompt": " \\n\\t ", "answer": "0"}\n')
+    fill = {"bad_yaml": str(bad_yaml), "a_file": str(a_file), "latin1": str(latin1), "blank": str(blank),
+            **{k: str(v) for k, v in model_dirs.items()}}
     args, needle = CASES[case]
-    args = [a.format(**fill) for a in args]
+    args, needle = [a.format(**fill) for a in args], needle.format(**fill)
     out = tmp_path / "out"
     if "--output-dir" not in args:
         args += ["--output-dir", str(out)]
@@ -154,3 +164,22 @@ def test_version_and_help_do_not_import_torch():
     assert version.returncode == 0 and version.stdout.strip() == f"portarl {portarl.__version__}"
     helped = _portarl("train", "--help")
     assert helped.returncode == 0 and "--overwrite" in helped.stdout and "--resume" in helped.stdout
+
+
+def test_resume_where_there_is_no_checkpoint_is_refused_unless_a_new_run_is_asked_for(tmp_path):
+    """A mistyped --output-dir with --resume used to start a new run from scratch (issue 33
+    item 12); a job script that may run again says --resume-or-start."""
+    missing = tmp_path / "typo"
+    proc = _portarl("train", "--device", "cpu", "--output-dir", str(missing), "--resume", *_sets())
+    _assert_one_line_error(proc, f"--resume: no checkpoint in {missing}/checkpoints", "--resume-or-start")
+    assert not missing.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = _portarl("train", "--device", "cpu", "--output-dir", str(empty), "--resume", *_sets())
+    _assert_one_line_error(proc, f"--resume: no checkpoint in {empty}/checkpoints")
+    assert not (empty / "metrics.jsonl").exists()
+    for _ in range(2):  # a new run, then its continuation
+        done = _portarl("train", "--device", "cpu", "--output-dir", str(empty), "--resume-or-start", "--steps", "1",
+                        *_sets())
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr and (empty / "checkpoints" / "step-000001" / "COMPLETE").exists()

@@ -47,7 +47,7 @@ def test_reset_text_joins_the_prompt_and_rows_name_their_environment(tmp_path):
     assert by_env[3] and all(p.endswith("Count<|im_end|>\n<|im_start|>assistant\n") for p in by_env[3])
 
 
-@pytest.mark.parametrize("isolation", ["thread", "process"])
+@pytest.mark.parametrize("isolation", ["none", "process"])
 def test_a_failing_environment_ends_its_episode_with_a_message_and_the_run_goes_on(tmp_path, isolation):
     trainer = _trainer(tmp_path, ["one", "two"], "environment=agent_tools:BrokenEnv",
                        f"rollout.tool_isolation={isolation}")
@@ -75,7 +75,7 @@ def test_environment_settings_are_checked_when_the_config_loads():
         TrainConfig.load(None, ["tools=['m:f']", "rollout.dynamic_sampling=true"])
     with pytest.raises(ConfigError, match="shaping.overlong_buffer with tools"):
         TrainConfig.load(None, ["tools=['m:f']", "shaping.overlong_buffer=2"])
-    with pytest.raises(ConfigError, match="rollout.tool_isolation must be 'thread' or 'process'"):
+    with pytest.raises(ConfigError, match="rollout.tool_isolation must be 'none' or 'process'"):
         TrainConfig.load(None, ["rollout.tool_isolation=docker"])
     with pytest.raises(ConfigError, match="rollout.max_turns must be an integer > 0"):
         TrainConfig.load(None, ["rollout.max_turns=0"])

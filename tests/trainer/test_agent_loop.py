@@ -116,8 +116,9 @@ def test_samples_show_the_whole_conversation(make):
 FAILURES = [
     ("raises", call_text("divide", a=1, b=0), [],
      "Error: tool 'divide' raised ZeroDivisionError: division by zero", "agent/tool_errors", True),
-    ("hangs", call_text("wait", seconds=3), ["rollout.tool_timeout_s=0.5"],
-     "Error: tool 'wait' did not return within 0.5 s", "agent/tool_timeouts", True),
+    ("hangs", call_text("wait", seconds=60), ["rollout.tool_timeout_s=0.5"],
+     "Error: tool 'wait' did not return within rollout.tool_timeout_s=0.5 s", "agent/tool_timeouts", True),
+    ("exits", call_text("leave"), [], "Error: tool 'leave' called sys.exit(3)", "agent/tool_errors", True),
     ("malformed", '<tool_call>\n{"name": "multiply", "arguments": {"a": 12,}}\n</tool_call>', [],
      "Error: malformed tool call: the text inside <tool_call> is not valid JSON", "agent/malformed_calls", False),
     ("unclosed", '<tool_call>\n{"name": "multiply"', [],
@@ -128,13 +129,13 @@ FAILURES = [
 ]
 
 
-@pytest.mark.parametrize("isolation", ["thread", "process"])
+@pytest.mark.parametrize("isolation", ["none", "process"])
 @pytest.mark.parametrize("name, call, overrides, message, metric, event", FAILURES, ids=[f[0] for f in FAILURES])
 def test_a_failing_call_is_a_message_and_a_metric_and_the_run_goes_on(make, isolation, name, call, overrides, message,
                                                                        metric, event):
-    if isolation == "process" and name not in ("raises", "hangs"):
+    if isolation == "process" and name not in ("raises", "hangs", "exits"):
         pytest.skip("decided before any call runs: the same in both modes")
-    tool = {"raises": "divide", "hangs": "wait"}.get(name, "multiply")
+    tool = {"raises": "divide", "hangs": "wait", "exits": "leave"}.get(name, "multiply")
     trainer = make([call, ANSWER], f"rollout.tool_isolation={isolation}", *overrides, tools=(tool,))
     for step in (1, 2):  # the run goes on
         metrics = trainer.train_step()
@@ -161,7 +162,7 @@ def test_a_tool_that_kills_its_process_is_a_message_in_process_isolation(make):
     trainer = make([call_text("crash"), ANSWER], "rollout.tool_isolation=process", tools=("crash",))
     metrics = trainer.train_step()
     episode = trainer._last_samples["episodes"][0]
-    assert episode["messages"][1]["content"].startswith("<tool_response>\nError: tool 'crash' its process died")
+    assert episode["messages"][1]["content"].startswith("<tool_response>\nError: tool 'crash' ended its process")
     assert metrics["agent/tool_errors"] == 1 and metrics["agent/tool_process_restarts"] == 4
 
 

@@ -5,6 +5,8 @@ environment step contract, and the time-limited call."""
 from __future__ import annotations
 
 import json
+import sys
+import time
 
 import pytest
 
@@ -130,20 +132,22 @@ def test_environment_step_results():
             normalize_step(bad)
 
 
-def test_a_call_with_a_limit_never_raises():
-    assert call_with_limit(multiply, (3, 4), timeout_s=60).value == 12
-    raised = call_with_limit(divide, (1, 0), timeout_s=60)
-    assert not raised.ok and raised.kind == "raised" and raised.error == "ZeroDivisionError: division by zero"
-    not_json = call_with_limit(lambda: {1, 2}, timeout_s=60)
-    assert not not_json.ok and not_json.kind == "not_json" and "returned set" in not_json.error
-    import threading
+def test_a_call_with_a_limit_never_raises_for_what_the_tool_does():
+    from portarl.user_code import UserCodeGuard
 
-    release = threading.Event()
-    hung = call_with_limit(release.wait, timeout_s=0.05)
-    release.set()
-    assert not hung.ok and hung.kind == "timeout" and "within 0.05 s" in hung.error
-    assert json.loads(json.dumps(call_with_limit(lambda: {"a": [1, 2.5, None]}, timeout_s=60).value)) == {
-        "a": [1, 2.5, None]}
+    with UserCodeGuard(0.2, "rollout.tool_timeout_s") as guard:
+        assert call_with_limit(guard, multiply, (3, 4)).value == 12
+        raised = call_with_limit(guard, divide, (1, 0))
+        assert not raised.ok and raised.kind == "raised" and raised.error == "raised ZeroDivisionError: division by zero"
+        exited = call_with_limit(guard, sys.exit, (3,))
+        assert not exited.ok and exited.error == "called sys.exit(3)"
+        not_json = call_with_limit(guard, lambda: {1, 2})
+        assert not not_json.ok and not_json.kind == "not_json" and "returned set" in not_json.error
+        hung = call_with_limit(guard, time.sleep, (60,))  # ended from inside, not abandoned
+        assert not hung.ok and hung.kind == "timeout" and "within rollout.tool_timeout_s=0.2 s" in hung.error
+        assert hung.elapsed_s < 60
+        assert json.loads(json.dumps(call_with_limit(guard, lambda: {"a": [1, 2.5, None]}).value)) == {
+            "a": [1, 2.5, None]}
 
 
 def test_the_tool_process_kills_a_hung_call_and_its_environments_are_lost():

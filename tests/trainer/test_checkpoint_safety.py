@@ -138,6 +138,31 @@ def test_damaged_checkpoint_falls_back_to_newest_that_verifies(trained, make_tra
     mf.verify(root / "step-000004")
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "trainer_state.safetensors"])
+def test_a_file_that_matches_its_manifest_but_cannot_be_read_falls_back_too(trained, make_trainer, caplog, name):
+    """Every checkpoint file follows one rule (issue 33 item 5): a forged manifest vouches for
+    bytes that are no safetensors file; resume moves that checkpoint aside and falls back,
+    with the weights and optimizer state of the step it falls back to."""
+    from safetensors.torch import load_file
+
+    root = trained.checkpoints.root
+    target = root / "step-000003" / name
+    target.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json" + os.urandom(256))
+    mf.write_complete(root / "step-000003", 3, mf.write_manifest(root / "step-000003", 3))
+    mf.verify(root / "step-000003")  # the manifest matches: only reading it shows the damage
+    weights = load_file(str(root / "step-000002" / "model.safetensors"))
+    fresh = make_trainer("train.steps=4", "checkpoint.every=1")
+    with caplog.at_level(logging.WARNING, logger="portarl.train"):
+        assert fresh.resume() == 2
+    unusable = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint unusable"))
+    assert "step-000003" in unusable and name in unusable and "falling back to" in caplog.text
+    assert not (root / "step-000003").exists() and list(root.glob("corrupt-step-000003-*"))
+    live = fresh.model.state_dict()
+    assert all(torch.equal(live[k], v) for k, v in weights.items())
+    fresh.train(resume=True)
+    assert fresh.checkpoints.latest().name == "step-000004"
+
+
 def test_no_verified_checkpoint_stops_clearly(trained, make_trainer):
     for ckpt in trained.checkpoints.complete():
         _truncate(ckpt / "trainer_state.safetensors")

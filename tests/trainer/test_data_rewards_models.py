@@ -42,6 +42,30 @@ def test_data_errors_name_the_place(tmp_path, make_trainer):
         load_examples(tmp_path / "d.csv")
 
 
+def test_empty_prompts_are_refused_or_skipped_with_a_count(tmp_path, caplog):
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "  ", "answer": "0"},
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "\n"}], "answer": "0"},
+            {"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"d.jsonl:2: field 'prompt' is empty or only whitespace: .*"
+                                         r"data.empty_prompts=skip"):
+        load_examples(data)
+    with caplog.at_level("WARNING", logger="portarl.data"):
+        kept = load_examples(data, empty_prompts="skip")
+    assert [e.where for e in kept] == [f"{data}:1", f"{data}:4"]
+    assert f"left out 2 row(s) of {data} whose prompt is empty or only whitespace ({data}:2, {data}:3)" in caplog.text
+
+
+def test_non_utf8_data_names_file_and_line(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_bytes('\ufeff{"prompt": "1+1=", "answer": "2"}\n'.encode() + b'{"prompt": "\xff", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: not valid UTF-8 \(byte 0xff at byte 13 of the line\)"):
+        load_examples(data)
+    data.write_bytes('\ufeff{"prompt": "1+1=", "answer": "2"}\n'.encode())  # a byte-order mark is fine
+    assert load_examples(data)[0].prompt == "1+1="
+
+
 def test_training_on_a_jsonl_file(make_trainer, tmp_path):
     write_jsonl([Example("2+2=", "4"), Example("3+3=", "6")] * 4, tmp_path / "train.jsonl")
     trainer = make_trainer(f"data.path={tmp_path / 'train.jsonl'}", "train.steps=1")

@@ -66,7 +66,8 @@ def _bad(kind):
     ("none", r"reward 'per_sample' returned None \(None\), expected a number on sample 0 \(prompt '1\+1='\)"),
     ("list", r"reward 'per_sample' returned list .* on sample 0"),
     ("length", r"reward 'batched' returned 1 values for 2 samples"),
-    ("signature", r"reward 'two_args' has the wrong signature for fn\(prompt, completion, answer\)"),
+    ("signature", r"reward 'two_args' has the wrong signature for fn\(prompt, completion, answer\): it takes 2 "
+                  r"arguments \(prompt, completion\), portarl passes 3: \(prompt, completion, answer\)"),
 ])
 def test_reward_errors_name_the_reward_and_sample(kind, message):
     with pytest.raises(RewardError, match=message):

@@ -123,3 +123,10 @@ def test_apply_learning_rate_keeps_the_schedule_position():
     opt.step()
     sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.5)
+
+
+def test_library_resume_without_a_checkpoint_is_refused_unless_start_if_none(make_trainer):
+    trainer = make_trainer("train.steps=1")
+    with pytest.raises(RunDirError, match=r"--resume: no checkpoint in .*checkpoints to continue from"):
+        trainer.train(resume=True)
+    assert trainer.train(resume=True, start_if_none=True).steps == 1

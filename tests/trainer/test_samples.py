@@ -37,6 +37,16 @@ def test_sample_log_rows_console_and_tensorboard(tmp_path, caplog):
     assert writer.texts[0][0] == "samples" and writer.texts[0][2] == 3 and "**completion**: `c`" in writer.texts[0][1]
 
 
+def test_a_value_that_is_not_finite_is_null_with_a_reason(tmp_path):
+    """JSON has no NaN: the null is explained in the row, never silent (issue 33 item 11)."""
+    samples = {"prompts": ["p0"], "completions": ["a"], "finished": [True],
+               "rewards": {"judge": [float("inf")], "other": [None]}, "total": [float("nan")], "advantages": [0.5]}
+    [row] = SampleLog(tmp_path, every=1, count=1, echo=False).write(1, samples)
+    assert row["rewards"] == {"judge": None, "other": None} and row["reward"] is None and row["advantage"] == 0.5
+    assert row["nonfinite"] == {"rewards.judge": "inf", "reward": "nan"}
+    assert json.loads((tmp_path / "samples.jsonl").read_text()) == row
+
+
 def test_training_writes_samples_at_the_first_step_and_every_n(make_trainer, tmp_path):
     trainer = make_trainer("train.steps=4", "logging.samples_every=2", "logging.samples_count=3")
     trainer.train()

@@ -18,6 +18,7 @@ Pruning never removes the checkpoint just written (verified as it was written) a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -30,6 +31,7 @@ from portarl.fileperms import normalize_modes
 from portarl.trainer.checkpoint import manifest as mf
 from portarl.trainer.checkpoint import safe_state
 from portarl.trainer.checkpoint.manifest import CheckpointError
+from portarl.trainer.write_failure import writing
 
 log = logging.getLogger("portarl.train")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -87,12 +89,26 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ writing
     def _begin(self, step: int, suffix: str) -> tuple[Path, Path]:
-        self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-step-{step:06d}{suffix}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        with writing(tmp):
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
         return tmp, self.root / f"step-{step:06d}"
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _writing_into(tmp: Path):
+        """A failed write into ``tmp`` (disk full, a file-size limit, no permission: a
+        :class:`~portarl.trainer.write_failure.WriteFailed` naming the file) removes the
+        partial ``.tmp-step-*`` at once; the checkpoints before it are untouched."""
+        try:
+            with writing(tmp):
+                yield
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def _finish(self, step: int, tmp: Path, final: Path) -> Path:
         normalize_modes(tmp)  # safetensors writes 0600; every file gets the umask's mode
@@ -122,11 +138,14 @@ class CheckpointManager:
         """A LoRA (peft) model's ``save_pretrained`` writes its adapter only
         (``adapter_model.safetensors``, ``adapter_config.json``), not the base weights."""
         tmp, final = self._begin(step, f"-{os.getpid()}")
-        model.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        safe_state.save_state(state, tmp)
-        return self._finish(step, tmp, final)
+        with self._writing_into(tmp):
+            with writing(tmp / "model.safetensors"):  # its own file name when the error has one (a LoRA adapter)
+                model.save_pretrained(tmp, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            with writing(tmp / safe_state.STATE_TENSORS):
+                safe_state.save_state(state, tmp)
+            return self._finish(step, tmp, final)
 
     def save_sharded(self, step: int, model, optimizer, tokenizer, state: dict, ctx) -> Path:
         """Every rank writes its shards with torch.distributed.checkpoint (DCP: loadable on any
@@ -145,10 +164,12 @@ class CheckpointManager:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
         pdist.barrier(ctx)
         if ctx.is_main:
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            safe_state.save_state(state, tmp)
-            self._finish(step, tmp, final)
+            with self._writing_into(tmp):
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+                with writing(tmp / safe_state.STATE_TENSORS):
+                    safe_state.save_state(state, tmp)
+                self._finish(step, tmp, final)
         pdist.barrier(ctx)
         return final
 
@@ -179,11 +200,15 @@ class CheckpointManager:
             log.warning("could not move the damaged checkpoint %s aside: %s", directory, err)
             return None
 
-    def load_newest_verified(self, *, quarantine: bool = True) -> tuple[Path, dict] | None:
+    def load_newest_verified(self, *, quarantine: bool = True, load=None) -> tuple[Path, dict] | None:
         """The newest checkpoint that verifies and whose state reads, with that state.
 
-        Each one skipped is logged with the file at fault; when none is usable the error
-        lists every checkpoint and why. ``None`` when there are no checkpoints at all."""
+        ``load(directory, state)``: the rest of loading (the weights), under the same rule:
+        a read error there (:class:`CheckpointError`: ``model.safetensors`` that matches
+        its manifest but cannot be parsed, an adapter, DCP shards) skips that checkpoint
+        too, so every file of a checkpoint falls back alike. Each one skipped is logged with
+        the file at fault and moved aside; when none is usable the error lists every
+        checkpoint and why. ``None`` when there are no checkpoints at all."""
         candidates = list(reversed(self.complete()))
         if not candidates:
             return None
@@ -192,6 +217,8 @@ class CheckpointManager:
             try:
                 mf.verify(directory)
                 state = safe_state.load_state(directory)
+                if load is not None:
+                    load(directory, state)
             except (CheckpointError, safe_state.UnsafeStateError) as err:
                 failures.append(str(err))
                 moved = self.quarantine(directory) if quarantine else None
@@ -228,7 +255,11 @@ class CheckpointManager:
 
         meta = directory / "dcp" / ".metadata"  # checked here first: DCP would wrap our error in its own
         load_metadata_safely(meta.read_bytes(), str(meta))
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(directory / "dcp")), planner=SafeLoadPlanner())
+        try:  # a shard that cannot be read fails on every rank (DCP gathers the ranks' errors)
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(directory / "dcp")), planner=SafeLoadPlanner())
+        except dcp.CheckpointException as err:
+            raise CheckpointError(f"checkpoint {directory}: the DCP shards cannot be read ({err})", directory,
+                                  "dcp") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     @staticmethod
