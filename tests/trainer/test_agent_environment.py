@@ -64,23 +64,19 @@ def test_a_failing_environment_ends_its_episode_with_a_message_and_the_run_goes_
         trainer.close()
 
 
-def test_environment_settings_are_checked_when_the_config_loads():
-    with pytest.raises(ConfigError, match="built-in reward 'environment' needs an environment"):
-        TrainConfig.load(None, ["rewards=[{name: environment}]"])
-    with pytest.raises(ConfigError, match="environment must be 'module:factory' or a mapping"):
-        TrainConfig.load(None, ["environment=[1, 2]"])
-    with pytest.raises(ConfigError, match="tools must be a list of 'module:function'"):
-        TrainConfig.load(None, ["tools=[calculator]"])
-    with pytest.raises(ConfigError, match="rollout.dynamic_sampling with tools"):
-        TrainConfig.load(None, ["tools=['m:f']", "rollout.dynamic_sampling=true"])
-    with pytest.raises(ConfigError, match="shaping.overlong_buffer with tools"):
-        TrainConfig.load(None, ["tools=['m:f']", "shaping.overlong_buffer=2"])
-    with pytest.raises(ConfigError, match="rollout.tool_isolation must be 'none' or 'process'"):
-        TrainConfig.load(None, ["rollout.tool_isolation=docker"])
-    with pytest.raises(ConfigError, match="rollout.max_turns must be an integer > 0"):
-        TrainConfig.load(None, ["rollout.max_turns=0"])
-    with pytest.raises(ConfigError, match="rollout.tool_format must be one of"):
-        TrainConfig.load(None, ["rollout.tool_format=xml"])
+@pytest.mark.parametrize("overrides, message", [
+    (["rewards=[{name: environment}]"], "built-in reward 'environment' needs an environment"),
+    (["environment=[1, 2]"], "environment must be 'module:factory' or a mapping"),
+    (["tools=[calculator]"], "tools must be a list of 'module:function'"),
+    (["tools=['m:f']", "rollout.dynamic_sampling=true"], "rollout.dynamic_sampling with tools"),
+    (["tools=['m:f']", "shaping.overlong_buffer=2"], "shaping.overlong_buffer with tools"),
+    (["rollout.tool_isolation=docker"], "rollout.tool_isolation must be 'none' or 'process'"),
+    (["rollout.max_turns=0"], "rollout.max_turns must be an integer > 0"),
+    (["rollout.tool_format=xml"], "rollout.tool_format must be one of"),
+])
+def test_environment_settings_are_checked_when_the_config_loads(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.load(None, overrides)
 
 
 def test_a_row_naming_an_unknown_environment_is_refused(tmp_path):
