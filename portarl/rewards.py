@@ -11,6 +11,8 @@ Built in:
 - ``math_exact``: 1.0 when the completion's final answer equals the reference answer
   (the content of the last ``\\boxed{...}`` if there is one, else the last number), else 0.
 - ``format``: 1.0 when the completion is a bare number or ends in ``\\boxed{number}``.
+- ``environment``: the reward the episode's environment gave (multi-turn rollouts with an
+  ``environment``: the environment owns the reward; docs/agents.md).
 """
 
 from __future__ import annotations
@@ -52,7 +54,17 @@ def format_reward(prompt: str, completion: str, answer: str) -> float:
     return 1.0 if _NUMBER.fullmatch(text) or re.search(r"\\boxed\{-?\d+(?:\.\d+)?\}$", text) else 0.0
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"math_exact": math_exact, "format": format_reward}
+def environment_reward(prompts, completions, env_reward=None, **columns) -> list:
+    """Batched: each episode's environment reward (the ``env_reward`` column that
+    multi-turn rollouts with an environment add: :mod:`portarl.multiturn.environment`)."""
+    if env_reward is None:
+        raise ValueError("the built-in reward 'environment' reads the env_reward column of multi-turn episodes with "
+                         "an environment (config: environment: module:factory)")
+    return list(env_reward)
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"math_exact": math_exact, "format": format_reward,
+                                        "environment": environment_reward}
 
 
 def resolve_reward(spec: str | RewardFn, search_dirs: list[str | Path] | tuple = ()) -> RewardFn:

@@ -113,6 +113,11 @@ class TextCodec:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else self.eos_token_id
         self.system_prompt = system_prompt
+        #: Multi-turn rollouts (:func:`portarl.multiturn.agent.configure_codec` sets
+        #: them): the tools' JSON schemas for a template that declares ``tools``, or the text
+        #: that describes them in the system message for one that does not.
+        self.tools: list[dict] | None = None
+        self.tool_system: str | None = None
         own = getattr(tokenizer, "chat_template", None)
         if chat_template in ("auto", "none"):
             self.template = own if chat_template == "auto" else None
@@ -130,22 +135,33 @@ class TextCodec:
             [self.end_of_turn_id] if self.end_of_turn_id not in (None, self.eos_token_id) else [])
 
     def uses_template(self, prompt) -> bool:
-        return self.template is not None and (
-            self.always_template or not isinstance(prompt, str) or self.system_prompt is not None)
+        return self.template is not None and (self.always_template or not isinstance(prompt, str)
+                                              or self.system_prompt is not None or bool(self.tools or self.tool_system))
 
     def messages(self, prompt) -> list[dict]:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
+        if self.tool_system:
+            if messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{self.tool_system}"}
+            else:
+                messages.insert(0, {"role": "system", "content": self.tool_system})
         return messages
 
     def _apply(self, messages, **kwargs):
+        if self.tools:
+            kwargs.setdefault("tools", self.tools)
         out = self.tokenizer.apply_chat_template(
             messages, chat_template=None if self.template is getattr(self.tokenizer, "chat_template", None) else self.template,
             **kwargs)
         if not isinstance(out, (str, list)):  # transformers >= 5 returns a BatchEncoding by default
             out = out["input_ids"]
         return out
+
+    def render_text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """``messages`` rendered by the chat template as text (tools included when set)."""
+        return self._apply(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
     def _end_of_turn(self) -> int | None:
         """The first token after an assistant message's content in the rendered template,

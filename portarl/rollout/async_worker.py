@@ -38,37 +38,18 @@ seed for every sample: the identical-samples detector must fire).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
 import signal
 import sys
-import threading
 import time
+
+from portarl.lifeline import die_with_parent as _die_with_parent
 
 FAULT_ENV = "PORTARL_ROLLOUT_WORKER_FAULT"
 
 log = logging.getLogger("portarl.rollout.worker")
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when the trainer dies (Linux), else poll the parent id."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0:  # PR_SET_PDEATHSIG
-            if os.getppid() != parent:  # the parent died before prctl took effect
-                os._exit(1)
-            return
-    except OSError:
-        pass
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="portarl-worker-watchdog", daemon=True).start()
 
 
 def one_line(text: str, limit: int = 600) -> str:
@@ -118,6 +99,7 @@ class Worker:
         import torch
 
         from portarl.models import build_model
+        from portarl.multiturn.agent import make_agent
         from portarl.reward_runner import RewardRunner
         from portarl.rollout import SamplingParams
         from portarl.tokenizer import as_codec, chat_template_option
@@ -136,6 +118,8 @@ class Worker:
         d = cfg.data
         self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template),
                               system_prompt=d.system_prompt)
+        # tools / environment: the episodes, and so the tools, run here (portarl.multiturn)
+        self.agent = make_agent(cfg, self.codec, spec["search_dirs"])
         self.engine = build_engine(cfg, self.model, tokenizer, self.codec, spec["work_dir"])
         self.rewards = RewardRunner([(r.name, r.weight) for r in cfg.rewards], search_dirs=spec["search_dirs"],
                                     timeout_s=cfg.train.reward_timeout_s)
@@ -158,6 +142,7 @@ class Worker:
     def generate(self, request: dict) -> dict:
         from portarl.data import Example
         from portarl.rollout import request_seeds
+        from portarl.trainer.episodes import play, reward_examples
 
         idle = time.perf_counter() - self.idle_since
         step, cfg = int(request["step"]), self.config
@@ -172,14 +157,22 @@ class Worker:
         mode = "constant" if self.fault == "constant_seed" else cfg.rollout.seed_mode
         prompts = request["prompts"]
         seeds = request_seeds(cfg.train.seed, step, len(prompts), g, mode)
-        started = time.perf_counter()
-        batch = self.engine.generate([p for p in prompts for _ in range(g)], seeds, self.sampling)
-        gen_s = time.perf_counter() - started
-        texts = [self.codec.decode(c) for c in batch.completion_ids]
         examples = [Example(e["prompt"] if isinstance(e["prompt"], str) else tuple(e["prompt"]), e["answer"],
                             e["columns"], e["where"]) for e in request["examples"]]
-        scores = self.rewards.score([examples[i // g] for i in range(len(texts))], texts)
-        reply = {"op": "batch", "step": step, "version": self.version, "seeds": seeds,
+        started = time.perf_counter()
+        if self.agent is None:
+            batch = self.engine.generate([p for p in prompts for _ in range(g)], seeds, self.sampling)
+            texts = [self.codec.decode(c) for c in batch.completion_ids]
+            rows, episode = [examples[i // g] for i in range(len(texts))], {}
+        else:  # multi-turn episodes: the tools and environments run in this process (or its tool process)
+            batch, texts, metrics, events = play(self.agent, self.engine, self.sampling, examples,
+                                                 [p for p in prompts for _ in range(g)], seeds, g)
+            rows = reward_examples(examples, g, batch, bool(self.agent.factories))
+            episode = {"model_mask": batch.model_mask, "episodes": batch.episodes, "agent_metrics": metrics,
+                       "agent_events": [list(e) for e in events]}
+        gen_s = time.perf_counter() - started
+        scores = self.rewards.score(rows, texts)
+        reply = {"op": "batch", "step": step, "version": self.version, "seeds": seeds, **episode,
                  "prompt_ids": batch.prompt_ids, "completion_ids": batch.completion_ids, "logprobs": batch.logprobs,
                  "finished": batch.finished, "texts": texts, "total": scores.total.tolist(),
                  "per_function": scores.per_function, "reward_metrics": scores.metrics,
@@ -238,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         worker.rewards.close()  # the reward watchdog's thread
         worker.engine.close()  # vllm: its engine core and process-wide state; hf: nothing
+        if worker.agent is not None:
+            worker.agent.close()  # tool_isolation=process: its tool process
     return 0
 
 

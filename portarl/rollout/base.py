@@ -41,12 +41,20 @@ class SamplingParams:
 @dataclasses.dataclass
 class RolloutBatch:
     """One row per sample: ``prompt_ids`` and ``completion_ids`` (eos included when
-    generated, no padding), ``logprobs`` (one per completion token), ``finished``."""
+    generated, no padding), ``logprobs`` (one per completion token), ``finished``.
+
+    Multi-turn episodes (:mod:`portarl.multiturn`): ``completion_ids`` is everything
+    after the prompt, the model's turns and what was appended between them; ``model_mask``
+    marks the tokens the model produced (the loss covers these only; ``logprobs`` holds 0.0
+    elsewhere) and ``episodes`` each episode's record (conversation, turns, finish reason).
+    Both None for single-turn rollouts: every completion token is the model's."""
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     finished: list[bool]
+    model_mask: list[list[bool]] | None = None
+    episodes: list[dict] | None = None
 
 
 def seed_of(key: str) -> int:

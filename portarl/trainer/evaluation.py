@@ -8,7 +8,9 @@ training rewards (the ``rewards`` section, weights included; no length shaping a
 term: the task reward only). Metrics (``eval/*``): ``eval/reward/mean`` (weighted total),
 ``eval/reward/<function>`` (each function's mean), ``eval/reward/best_of_n`` (mean over
 prompts of the best sample; n > 1), ``eval/completion/len_mean``,
-``eval/completion/finished_frac``, ``eval/prompts``.
+``eval/completion/finished_frac``, ``eval/prompts``. With tools or an environment each
+completion is a multi-turn episode, as in training, and ``eval/agent/*`` are its metrics
+(:mod:`portarl.multiturn.report`).
 
 During training the metrics join the step's row (metrics.jsonl, TensorBoard, the summary,
 curves.png), and the checkpoint with the best ``eval.best_metric`` (higher is better) is
@@ -55,10 +57,12 @@ def load_eval_set(config, codec, context_length: int | None, path: str | None = 
     return examples, ids
 
 
-def evaluate(engine, model, codec, rewards, examples, prompt_ids, config) -> dict[str, float]:
+def evaluate(engine, model, codec, rewards, examples, prompt_ids, config, agent=None) -> dict[str, float]:
     """Generate ``eval.n`` completions per prompt with ``engine`` (synced to ``model``),
     score them with ``rewards`` (a :class:`~portarl.reward_runner.RewardRunner`), return
-    the ``eval/*`` metrics (see the module docstring)."""
+    the ``eval/*`` metrics (see the module docstring). ``agent`` (tools / environment):
+    each completion is a multi-turn episode, scored on its final turn and conversation as
+    in training, with its ``eval/agent/*`` metrics."""
     e, r = config.eval, config.rollout
     n = e.n
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
@@ -66,17 +70,29 @@ def evaluate(engine, model, codec, rewards, examples, prompt_ids, config) -> dic
     prompts = [ids for ids in prompt_ids for _ in range(n)]
     seeds = eval_seeds(config.train.seed, len(prompt_ids), n)
     engine.sync_weights(model)
-    completions, finished = [], []
+    completions, finished, texts, rows, agent_metrics = [], [], [], [], []
     step = EVAL_CHUNK * n
     for start in range(0, len(prompts), step):
-        batch = engine.generate(prompts[start : start + step], seeds[start : start + step], params)
+        if agent is None:
+            batch = engine.generate(prompts[start : start + step], seeds[start : start + step], params)
+            texts += [codec.decode(c) for c in batch.completion_ids]
+        else:
+            from portarl.trainer.episodes import play, reward_examples
+
+            chunk = examples[start // n : (start + step) // n]
+            batch, chunk_texts, chunk_metrics, _ = play(agent, engine, params, chunk, prompts[start : start + step],
+                                                        seeds[start : start + step], n)
+            texts += chunk_texts
+            rows += reward_examples(chunk, n, batch, bool(agent.factories))
+            agent_metrics.append((len(chunk_texts), chunk_metrics))
         completions += batch.completion_ids
         finished += batch.finished
     engine.sleep()
-    texts = [codec.decode(c) for c in completions]
-    scores = rewards.score([examples[i // n] for i in range(len(texts))], texts)
+    scores = rewards.score(rows or [examples[i // n] for i in range(len(texts))], texts)
     total = scores.total.double()
     metrics = {f"eval/{k}": float(v) for k, v in scores.metrics.items()}
+    for key in agent_metrics[0][1] if agent_metrics else ():  # episode-weighted over chunks
+        metrics[f"eval/{key}"] = sum(k * m[key] for k, m in agent_metrics) / len(texts)
     metrics["eval/reward/mean"] = float(total.mean())
     if n > 1:
         metrics["eval/reward/best_of_n"] = float(total.view(-1, n).max(dim=1).values.mean())
@@ -114,7 +130,7 @@ class Evaluator:
 
     def run(self, trainer) -> dict[str, float]:
         return evaluate(trainer.rollout, trainer.model, trainer.codec, trainer.rewards, self.examples,
-                        self.prompt_ids, self.config)
+                        self.prompt_ids, self.config, trainer.agent)
 
     def keep_best(self, trainer, metrics: dict) -> str | None:
         """Save the checkpoint of this step under ``best/`` when ``eval.best_metric``
@@ -165,11 +181,18 @@ def eval_checkpoint(checkpoint, data: str, *, n: int | None = None, greedy: bool
     model.to(resolve_device(device))
     codec = as_codec(tokenizer, chat_template=chat_template_option(config.data.chat_template),
                      system_prompt=config.data.system_prompt)
+    from portarl.multiturn.agent import make_agent
+
+    agent = make_agent(config, codec, [str(Path.cwd())])  # tools / environment: episodes, as in training
     ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     examples, ids = load_eval_set(config, codec, ctx, data)
     engine = HFRollout(model, codec.eos_token_id, codec.pad_token_id, stop_token_ids=codec.stop_token_ids,
                        lean_decode=config.rollout.lean_decode)
     rewards = RewardRunner([(s.name, s.weight) for s in config.rewards], search_dirs=[str(Path.cwd())],
                            timeout_s=config.train.reward_timeout_s)
-    with rewards, torch.no_grad():  # the reward watchdog's thread is joined on the way out
-        return evaluate(engine, model, codec, rewards, examples, ids, config)
+    try:
+        with rewards, torch.no_grad():  # the reward watchdog's thread is joined on the way out
+            return evaluate(engine, model, codec, rewards, examples, ids, config, agent)
+    finally:
+        if agent is not None:  # tool_isolation=process: its tool process
+            agent.close()

@@ -40,6 +40,7 @@ from portarl.emulation import resolve_profile
 from portarl.lora import is_lora
 from portarl.reward_runner import RewardError, RewardRunner
 from portarl.rollout import SamplingParams
+from portarl.multiturn.agent import make_agent
 from portarl.tokenizer import as_codec, chat_template_option
 from portarl.user_code import UserCodeGuard, agree_on_failure
 from portarl.trainer.checkpoint import CheckpointManager
@@ -106,6 +107,8 @@ class GRPOTrainer:
         self.tokenizer = tokenizer
         d = self.config.data
         self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)
+        # tools / environment: multi-turn episodes (portarl.multiturn); sets the codec's tools
+        self.agent = make_agent(self.config, self.codec, self._search_dirs())
         self.rewards = self._resolve_rewards(reward_fns)
         self.examples: list[Example] = list(train_data)
         self._prompt_ids = self._check_examples()
@@ -175,8 +178,11 @@ class GRPOTrainer:
         self._rewards_from_config = reward_fns is None
         if reward_fns is None:
             reward_fns = [(spec.name, spec.weight) for spec in self.config.rewards]
-        dirs = [os.getcwd()] + [d for d in [getattr(self.config, "source_dir", None)] if d]
-        return RewardRunner(reward_fns, search_dirs=dirs, timeout_s=self.config.train.reward_timeout_s)
+        return RewardRunner(reward_fns, search_dirs=self._search_dirs(), timeout_s=self.config.train.reward_timeout_s)
+
+    def _search_dirs(self) -> list[str]:
+        """Where ``module:function`` rewards, tools and environments are looked for."""
+        return [os.getcwd()] + [d for d in [getattr(self.config, "source_dir", None)] if d]
 
     def _check_examples(self) -> dict[int, list[int]]:
         """Every prompt encoded now (file:line in the error), answers present where needed,
@@ -232,14 +238,16 @@ class GRPOTrainer:
         return persistence.resume(self)
 
     # ---------------------------------------------------------------- one step
-    def _rewards(self, examples: list[Example], texts: list[str]) -> tuple[torch.Tensor, dict]:
+    def _rewards(self, examples: list[Example], texts: list[str], rows: list[Example] | None = None
+                 ) -> tuple[torch.Tensor, dict]:
         """The reward call: weighted total per completion (fp32, on the CPU) and ``reward/*``
         metrics (:mod:`portarl.reward_runner`; a failing reward raises :class:`RewardError`).
-        Keeps each function's values for the sample log."""
+        Keeps each function's values for the sample log. ``rows``: one row per sample
+        (multi-turn episodes add columns: :func:`portarl.trainer.episodes.reward_examples`)."""
         g = self.config.rollout.group_size
         scores = failure = None
         try:
-            scores = self.rewards.score([examples[i // g] for i in range(len(texts))], texts)
+            scores = self.rewards.score(rows or [examples[i // g] for i in range(len(texts))], texts)
         except RewardError as err:
             failure = err
         failure = agree_on_failure(self.dist, failure, RewardError)  # one rank's failure stops every rank
@@ -350,6 +358,8 @@ class GRPOTrainer:
         if self._rollout is not None:
             self._rollout.close()
             self._rollout = None
+        if self.agent is not None:  # process isolation: its tool process (started again on use)
+            self.agent.close()
 
     def train(self, resume: bool = False, overwrite: bool = False, start_if_none: bool = False) -> TrainResult:
         """Train to ``train.steps``. A directory holding another run is refused unless
@@ -385,6 +395,8 @@ class GRPOTrainer:
                 last_ckpt = run_loop(self, logger, last_ckpt)
         finally:
             logger.close()
+            if self.agent is not None:  # tool_isolation=process: its child, stopped and joined
+                self.agent.close()
         if not self.dist.is_main:
             return TrainResult(self.step, last_ckpt, "")
         return TrainResult(self.step, last_ckpt, finish_run(self.output_dir, cfg.logging.plot))

@@ -17,6 +17,8 @@ import torch
 
 from portarl.data import Example
 from portarl.rollout import identical_group_fraction, request_seeds
+from portarl.multiturn.trajectory import model_only
+from portarl.trainer.episodes import play
 
 
 @dataclasses.dataclass
@@ -62,10 +64,17 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
     prompts = [trainer._prompt_ids.get(id(ex)) or trainer.codec.encode_prompt(ex.prompt) for ex in examples for _ in range(g)]
     started, cpu_started = time.perf_counter(), time.process_time()
     trainer.rollout.sync_weights(trainer.model)
-    rollout = trainer.rollout.generate(prompts, seeds, trainer.sampling)
+    episode_metrics, episode_events = {}, []
+    if getattr(trainer, "agent", None) is not None:  # tools / environment: multi-turn episodes (trainer/episodes.py)
+        rollout, texts, episode_metrics, episode_events = play(trainer.agent, trainer.rollout, trainer.sampling,
+                                                               examples, prompts, seeds, g, trainer.dist)
+    else:
+        rollout = trainer.rollout.generate(prompts, seeds, trainer.sampling)
+        texts = [trainer.codec.decode(c) for c in rollout.completion_ids]
     trainer.rollout.sleep()  # the trainer computes now: the engine frees what it can (vLLM: KV cache)
-    texts = [trainer.codec.decode(c) for c in rollout.completion_ids]
     metrics, events = rollout_metrics(trainer, step, rollout, seeds)
+    metrics.update(episode_metrics)
+    events += episode_events
     metrics["time/rollout_s"] = time.perf_counter() - started  # what async mode overlaps (bench async)
     metrics["time/rollout_cpu_s"] = time.process_time() - cpu_started
     return RolloutPhase(examples, rollout, texts, metrics, events)
@@ -119,9 +128,11 @@ def rollout_metrics(trainer, step: int, rollout, seeds: list[int]) -> tuple[dict
     g = cfg.rollout.group_size
     metrics: dict = {"step": step, "phase": "grpo"}
     identical = identical_group_fraction(rollout.completion_ids, g)
-    degenerate_frac, degenerate_event = trainer.degenerate.update(rollout.completion_ids)
+    # Multi-turn: the model's own tokens (tool and environment tokens are context, with no log-prob)
+    mask = getattr(rollout, "model_mask", None)
+    degenerate_frac, degenerate_event = trainer.degenerate.update(model_only(rollout.completion_ids, mask))
     lengths = [len(c) for c in rollout.completion_ids]
-    tokens = [-lp for row in rollout.logprobs for lp in row]
+    tokens = [-lp for row in model_only(rollout.logprobs, mask) for lp in row]
     metrics.update({
         "rollout/identical_group_frac": identical, "rollout/degenerate_frac": degenerate_frac,
         "rollout/sample_neg_logp": sum(tokens) / len(tokens) if tokens else 0.0,

@@ -8,6 +8,11 @@ gave none), the total reward, the advantage (null on a skipped step) and the fin
 (``stop``: an end token; ``length``: max_new_tokens reached). A value that is not finite
 is null too (JSON has no NaN), and the row's ``nonfinite`` names it with its value
 (``{"advantage": "nan"}``), so a null never hides a NaN.
+
+Multi-turn episodes (tools, environments) add the whole ``conversation`` after the prompt,
+message by message (the model's turns, tool calls, tool results and observations, each
+with the tokens it took), its ``turns``, and the episode's finish reason
+(:mod:`portarl.multiturn.episode`); ``completion`` is the final model turn.
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ class SampleLog:
             }
             if nonfinite:
                 row["nonfinite"] = nonfinite
+            episode = (samples.get("episodes") or [None] * (i + 1))[i]
+            if episode is not None:
+                row.update(conversation=episode["messages"], turns=episode["turns"], finish_reason=episode["finish"])
             rows.append(row)
         with self.path.open("a") as f:
             for row in rows:

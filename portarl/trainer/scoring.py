@@ -37,6 +37,7 @@ import torch
 
 from portarl import distributed as pdist
 from portarl.core import compute_advantages, kl_penalized_rewards
+from portarl.trainer.episodes import reward_examples
 from portarl.trainer.guards import NonFiniteError, check_finite
 from portarl.trainer.micro_batches import micro_batches
 from portarl.trainer.reference import reference_model
@@ -113,7 +114,10 @@ def score(trainer, phase, metrics: dict) -> Scored:
         rewards, reward_metrics = phase.rewards, {}
     else:
         if phase.scores is None:
-            rewards, reward_metrics = trainer._rewards(examples, phase.texts)
+            agent = getattr(trainer, "agent", None)
+            rows = None if agent is None else reward_examples(  # multi-turn: per-sample columns
+                examples, g, rollout, bool(agent.factories))
+            rewards, reward_metrics = trainer._rewards(examples, phase.texts, rows)
         else:  # scored by the rollout worker (rollout.mode=async)
             trainer._last_reward_values = phase.scores.per_function
             rewards, reward_metrics = phase.scores.total, dict(phase.scores.metrics)
@@ -122,11 +126,12 @@ def score(trainer, phase, metrics: dict) -> Scored:
     trainer._last_samples = {"prompts": [examples[i // g].prompt_text for i in range(len(phase.texts))],
                              "completions": phase.texts, "finished": rollout.finished,
                              "rewards": getattr(trainer, "_last_reward_values", {}), "total": rewards.tolist(),
-                             "advantages": None}
+                             "advantages": None, "episodes": getattr(rollout, "episodes", None)}
     metrics.update(reward_metrics)
     rewards = trainer._apply_hooks("reward", rewards)
     guard.check("reward", rewards)
-    batch = build_batch(rollout.prompt_ids, rollout.completion_ids, trainer.codec.pad_token_id, trainer.device)
+    batch = build_batch(rollout.prompt_ids, rollout.completion_ids, trainer.codec.pad_token_id, trainer.device,
+                        model_mask=getattr(rollout, "model_mask", None))  # multi-turn: the model's tokens only
     rollout_logp = padded(rollout.logprobs, batch.labels.shape[1], 0.0, torch.float32).to(trainer.device)
     old_logp = None
     if old_logprobs_recompute_reason(trainer) is not None:

@@ -50,9 +50,13 @@ def padded(rows: list[list], width: int, fill, dtype: torch.dtype) -> torch.Tens
     return torch.tensor([list(r) + [fill] * (width - len(r)) for r in rows], dtype=dtype)
 
 
-def build_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device) -> TokenBatch:
+def build_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device,
+                model_mask: list[list[bool]] | None = None) -> TokenBatch:
     """The batch tensors, each built from padded lists in one call (:func:`padded`), not
-    one small tensor per row: this runs every step on the host."""
+    one small tensor per row: this runs every step on the host. ``model_mask`` (multi-turn
+    episodes): per completion token, whether the model produced it; ``mask`` then covers
+    those tokens only (tool and environment tokens are in the sequence, read as context,
+    and out of the loss, the mismatch correction and the guards)."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     width_p = max(len(p) for p in prompts)
@@ -63,8 +67,10 @@ def build_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: 
                   width_p + width_c, 0, torch.long)
     labels = padded(completions, width_c, -100, torch.long)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    return TokenBatch(ids.to(device), attn.to(device), positions.to(device), labels.to(device),
-                      (labels != -100).to(device), width_p)
+    mask = labels != -100
+    if model_mask is not None:
+        mask &= padded(model_mask, width_c, False, torch.bool)
+    return TokenBatch(ids.to(device), attn.to(device), positions.to(device), labels.to(device), mask.to(device), width_p)
 
 
 def _is_sharded(model) -> bool:

@@ -24,3 +24,9 @@ def test_a_shipped_config_loads_and_its_data_exists(path):
     cfg = TrainConfig.load(path)
     if cfg.data.path is not None:
         assert Path(cfg.data.path).is_file(), f"{path.relative_to(ROOT)}: data.path {cfg.data.path} does not exist"
+    if cfg.tools or cfg.environment is not None:  # the tools it names load, with their schemas (docs/agents.md)
+        from portarl.multiturn.environment import load_factories
+        from portarl.multiturn.tools import load_tools
+
+        assert len(load_tools(cfg.tools, [cfg.source_dir])) == len(cfg.tools)
+        load_factories(cfg.environment, [cfg.source_dir])

@@ -1,0 +1,291 @@
+"""Multi-turn episodes: generate, read the tool calls, run the tools or step the
+environment, append what comes back, generate again.
+
+One :meth:`EpisodeRunner.run` plays a batch of episodes in lock step: each turn, every
+episode still running is one row of a single ``engine.generate`` call (any engine: ``hf``,
+``vllm``, a replay), so the engine batches them as it batches single turns. Turn ``t`` of
+the sample with seed ``s`` draws with seed ``s`` at turn 0 (an episode that never calls a
+tool samples exactly what a single-turn rollout samples) and ``seed_of("s/turn/t")`` after.
+
+An episode ends (``finish`` reason) at:
+
+- ``stop``: a reply without a tool call (no environment), the model's final answer;
+- ``done``: the environment said so;
+- ``max_turns``: ``rollout.max_turns`` model turns, the last one still calling a tool or
+  answered by the environment;
+- ``length``: a turn cut at ``rollout.max_new_tokens`` without an end token;
+- ``budget``: ``rollout.max_episode_tokens``, or the next turn would not fit the engine's
+  context (the model's ``max_position_embeddings``; vllm's ``vllm_max_model_len``);
+- ``env_error``: the environment raised, hung or answered something malformed.
+
+``stop`` and ``done`` count as finished (``RolloutBatch.finished``, what
+``shaping.mask_truncated_completions`` and the sample log's finish reason read); the
+others as truncated.
+
+Every call into user code goes through the agent's executor with ``rollout.tool_timeout_s``:
+an exception, a hang, a result that is not JSON, an unknown tool, arguments that do not fit
+its signature, or a call that does not parse becomes an ``Error: ...`` message the model
+reads in its next turn and a metric (:mod:`.report`); the run goes on.
+
+Under torchrun every rank's engine forward is collective, so every rank must run the same
+generate calls: ``agree(n)`` (the maximum over ranks) sets each turn's row count and a rank
+with fewer running episodes pads its batch with copies of a prompt whose samples it drops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from portarl.rollout.base import RolloutBatch, seed_of
+from portarl.multiturn.environment import environment_of
+from portarl.multiturn.render import tool_result_messages
+from portarl.multiturn.report import Counts, episode_metrics, episode_record, errors_event
+from portarl.multiturn.trajectory import Trajectory
+
+FINISHED = ("stop", "done")
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    return seed if turn == 0 else seed_of(f"{seed}/turn/{turn}")
+
+
+def context_limit(engine) -> int | None:
+    """Positions the engine can hold (prompt and completion): vllm's max_model_len, the HF
+    model's max_position_embeddings; None when it does not say."""
+    limit = getattr(engine, "max_model_len", None)
+    if limit is None:
+        limit = getattr(getattr(getattr(engine, "model", None), "config", None), "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) else None
+
+
+@dataclasses.dataclass
+class Episode:
+    seed: int
+    row: dict
+    traj: Trajectory
+    env_name: str | None = None
+    env_key: str | None = None      # set while its environment lives
+    env_failed: str | None = None   # reset failed: one turn, then the episode ends
+    messages: list = dataclasses.field(default_factory=list)
+    turns: int = 0
+    finish: str | None = None
+    final_text: str = ""
+    env_rewards: list = dataclasses.field(default_factory=list)
+    env_reward: float | None = None
+    counts: Counts = dataclasses.field(default_factory=Counts)
+
+
+class EpisodeRunner:
+    """Plays episodes with ``engine`` for ``agent`` (see the module docstring)."""
+
+    def __init__(self, agent, engine, params, *, agree=None):
+        self.agent, self.engine, self.params = agent, engine, params
+        self.codec = agent.codec
+        self.agree = agree or (lambda n: n)
+        self.limit = context_limit(engine)
+        self._next_key = 0
+
+    # ----------------------------------------------------------------- the loop
+    def run(self, examples, prompt_ids: list[list[int]], seeds: list[int]) -> tuple[RolloutBatch, dict, list]:
+        """One episode per entry (``examples[i]``: its data row, ``prompt_ids[i]`` its
+        encoded prompt). Returns the batch (with ``model_mask`` and ``episodes``), the
+        ``agent/*`` metrics and the events."""
+        episodes = [self._start(ex, ids, seed) for ex, ids, seed in zip(examples, prompt_ids, seeds)]
+        for ep, ex in zip(episodes, examples):
+            if self.limit is not None and len(ep.traj.prompt_ids) + self.params.max_new_tokens > self.limit:
+                raise ValueError(f"{ex.where or 'a data row'}: the prompt is {len(ep.traj.prompt_ids)} tokens (with "
+                                 "the tools' description and the environment's reset text); with rollout.max_new_tokens="
+                                 f"{self.params.max_new_tokens} it does not fit the engine's {self.limit} positions "
+                                 "(raise rollout.vllm_max_model_len with vllm, or shorten the prompt)")
+        for turn in range(self.agent.max_turns):
+            for ep in episodes:
+                if ep.finish is None and ep.turns and self.limit is not None and \
+                        len(ep.traj.context()) + self.params.max_new_tokens > self.limit:
+                    ep.finish = "budget"
+            running = [ep for ep in episodes if ep.finish is None]
+            rows = self.agree(len(running))
+            if rows == 0:
+                break
+            contexts = [ep.traj.context() for ep in running]
+            turn_seeds = [turn_seed(ep.seed, turn) for ep in running]
+            spare = rows - len(running)  # torchrun: rows only this rank lacks, sampled and dropped
+            out = self.engine.generate(contexts + [episodes[0].traj.prompt_ids] * spare, turn_seeds + [0] * spare,
+                                       self.params)
+            for i, ep in enumerate(running):
+                self._after_turn(ep, out.completion_ids[i], out.logprobs[i], out.finished[i],
+                                 last=turn + 1 == self.agent.max_turns)
+        for ep in episodes:
+            ep.finish = ep.finish or "max_turns"
+            self._end_environment(ep)
+        batch = RolloutBatch([ep.traj.prompt_ids for ep in episodes], [ep.traj.ids for ep in episodes],
+                             [ep.traj.logprobs for ep in episodes], [ep.finish in FINISHED for ep in episodes],
+                             model_mask=[ep.traj.model_mask for ep in episodes],
+                             episodes=[episode_record(ep) for ep in episodes])
+        metrics = episode_metrics(episodes, self.agent.executor)
+        event = errors_event(episodes)
+        return batch, metrics, [event] if event else []
+
+    def _start(self, example, prompt_ids, seed) -> Episode:
+        row = {**example.columns, "prompt": example.prompt}
+        ep = Episode(seed, row, Trajectory(list(prompt_ids)))
+        if not self.agent.factories:
+            return ep
+        ep.env_name = environment_of(row, self.agent.factories)
+        key = f"episode-{self._next_key}"
+        self._next_key += 1
+        got = self.agent.executor.run("env_reset", key, ep.env_name, row)
+        if not got.ok:
+            self.agent.executor.forget(key)
+            ep.env_failed = f"Error: the environment's reset {got.error}"
+            ep.counts.env_errors += 1
+            ep.counts.first_error = f"environment: reset {got.error}"
+            return ep
+        ep.env_key = key
+        if got.value:  # appended to the last user message, as TRL's environment_factory does
+            ep.traj.prompt_ids = self.codec.encode_prompt(_with_observation(example.prompt, got.value))
+        return ep
+
+    def _after_turn(self, ep: Episode, ids, logprobs, ended: bool, last: bool) -> None:
+        ids, logprobs = list(ids), list(logprobs)
+        budget = self.agent.max_episode_tokens
+        cut = budget is not None and len(ep.traj.ids) + len(ids) > budget
+        if cut:
+            keep = max(0, budget - len(ep.traj.ids))
+            ids, logprobs = ids[:keep], logprobs[:keep]
+        ep.traj.add_model(ids, logprobs)
+        ep.turns += 1
+        ep.final_text = self.codec.decode(ids)
+        ep.messages.append({"role": "assistant", "content": ep.final_text, "tokens": len(ids)})
+        if cut or not ids:
+            ep.finish = "budget"
+        elif not ended:
+            ep.finish = "length"
+        elif ep.env_failed:
+            ep.messages.append({"role": "user", "content": ep.env_failed, "tokens": 0})
+            ep.finish = "env_error"
+        if ep.finish:
+            return
+        parsed = self.agent.parse(self._raw_text(ids)) if self.agent.tools else None
+        if parsed is not None and parsed.wants_tools:
+            ep.messages[-1]["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in parsed.calls]
+            if last:
+                ep.finish = "max_turns"
+                return
+            messages = tool_result_messages(self._run_calls(ep, parsed), self.agent.template_tools)
+        elif ep.env_key is not None:
+            messages = self._step_environment(ep, last)
+        else:
+            ep.finish = "stop"
+        if ep.finish is None:
+            self._append(ep, messages, ids[-1])
+
+    # -------------------------------------------------------------- tool calls
+    def _run_calls(self, ep: Episode, parsed) -> list[tuple[str, str]]:
+        results = []
+        for why in parsed.malformed:
+            ep.counts.malformed += 1
+            results.append(("error", f"Error: malformed tool call: {why}"))
+        for call in parsed.calls:
+            ep.counts.calls += 1
+            results.append((call.name, self._call(ep, call)))
+        return results
+
+    def _call(self, ep: Episode, call) -> str:
+        tool = self.agent.tools.get(call.name)
+        if tool is None:
+            problem = f"unknown tool {call.name!r} (tools: {', '.join(self.agent.tools)})"
+        elif (why := tool.bind_error(call.arguments)) is not None:
+            problem = f"bad arguments for tool {call.name!r}: {why}"
+        else:
+            got = self.agent.executor.run("tool", call.name, call.arguments)
+            ep.counts.tool_time.append(got.elapsed_s)
+            if got.ok:
+                ep.counts.succeeded += 1
+                return got.value if isinstance(got.value, str) else json.dumps(got.value, ensure_ascii=False)
+            ep.counts.timeouts += got.kind == "timeout"
+            ep.counts.code_failures += 1
+            problem = f"tool {call.name!r} {got.error}"
+            ep.counts.first_error = ep.counts.first_error or problem
+        ep.counts.errors += 1
+        return f"Error: {problem}"
+
+    # ------------------------------------------------------------- environment
+    def _step_environment(self, ep: Episode, last: bool) -> list[dict]:
+        got = self.agent.executor.run("env_step", ep.env_key, ep.final_text)
+        ep.counts.tool_time.append(got.elapsed_s)
+        if not got.ok:
+            self._environment_failed(ep, f"step {got.error}")
+            return []
+        step = got.value
+        ep.counts.env_steps += 1
+        if step["reward"] is not None:
+            ep.env_rewards.append(step["reward"])
+        message = {"role": step["role"], "content": step["observation"]}
+        if step["done"] or last:
+            if step["observation"] is not None:  # shown in the sample log, not appended: nothing reads it
+                ep.messages.append({**message, "tokens": 0})
+            ep.finish = "done" if step["done"] else "max_turns"
+            return []
+        return [message]
+
+    def _environment_failed(self, ep: Episode, problem: str) -> None:
+        self.agent.executor.forget(ep.env_key)
+        ep.env_key = None
+        ep.counts.env_errors += 1
+        ep.counts.first_error = ep.counts.first_error or f"environment: {problem}"
+        ep.messages.append({"role": "user", "content": f"Error: the environment's {problem}", "tokens": 0})
+        ep.finish = "env_error"
+
+    def _end_environment(self, ep: Episode) -> None:
+        if ep.env_key is None:
+            return
+        got = self.agent.executor.run("env_reward", ep.env_key)
+        if not got.ok:
+            self._environment_failed(ep, f"get_reward {got.error}")
+            return
+        ep.env_reward = got.value if got.value is not None else float(sum(ep.env_rewards))
+        closed = self.agent.executor.run("env_close", ep.env_key)
+        if not closed.ok:
+            ep.counts.env_errors += 1
+            ep.counts.first_error = ep.counts.first_error or f"environment: close {closed.error}"
+        self.agent.executor.forget(ep.env_key)
+        ep.env_key = None
+
+    # ---------------------------------------------------------------- helpers
+    def _append(self, ep: Episode, messages: list[dict], last_token: int) -> None:
+        """Append ``messages`` (their ids, the next generation prompt included); the first
+        message's ``tokens`` counts them all. No room left in the budget: the episode ends,
+        the messages shown in the sample log but not appended (nothing would read them)."""
+        ids = self.agent.renderer.continuation_ids(messages, last_token)
+        budget = self.agent.max_episode_tokens
+        fits = budget is None or len(ep.traj.ids) + len(ids) < budget
+        for k, m in enumerate(messages):
+            ep.messages.append({**m, "tokens": len(ids) if fits and k == 0 else 0})
+        if fits:
+            ep.traj.add_context(ids)
+        else:
+            ep.finish = "budget"
+
+    def _raw_text(self, ids) -> str:
+        """The turn's text with special tokens kept (a format's tags may be special tokens),
+        its final stop token removed."""
+        stops = set(getattr(self.codec, "stop_token_ids", []) or [])
+        while ids and ids[-1] in stops:
+            ids = ids[:-1]
+        return self.codec.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def _with_observation(prompt, text: str):
+    """The prompt with ``text`` appended to its last user message (a plain prompt: to itself)."""
+    if isinstance(prompt, str):
+        return f"{prompt}\n\n{text}"
+    messages = [dict(m) for m in prompt]
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    if last is None:
+        return messages + [{"role": "user", "content": text}]
+    messages[last]["content"] = f"{messages[last]['content']}\n\n{text}"
+    return messages
+
+
+__all__ = ["Episode", "EpisodeRunner", "FINISHED", "context_limit", "turn_seed"]

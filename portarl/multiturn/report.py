@@ -1,0 +1,108 @@
+"""What a batch of episodes reports: the ``agent/*`` metrics, one event when user code
+failed (a tool or environment that raised, hung, returned something that is not JSON or
+killed its process), and each episode's record for the sample log (its conversation, turn
+by turn, with the tokens each message took).
+
+Metrics (per step; means over episodes, so one process and several ranks, whose metrics
+are averaged, read alike, except ``agent/tool_success_frac``, ``agent/env_reward_mean`` and
+the maxima: under torchrun, the mean of each rank's):
+
+- ``agent/turns_mean``, ``agent/turns_max``: model turns per episode;
+- ``agent/tokens_per_turn``: model tokens per turn; ``agent/model_token_frac``: the share
+  of the tokens after the prompt that the model produced (the rest is context: not trained on);
+- ``agent/tool_calls``: calls parsed per episode; ``agent/tool_success_frac``: the share of
+  calls that returned a result; ``agent/tool_used_frac``: episodes with at least one;
+- ``agent/tool_errors``: calls answered with an error, per episode (the tool raised, hung or
+  returned something that is not JSON, or the model named an unknown tool or wrong
+  arguments); ``agent/tool_timeouts``: of them, past ``rollout.tool_timeout_s``;
+  ``agent/malformed_calls``: calls that did not parse, per episode;
+- ``agent/tool_time_s``: seconds in tool calls and environment steps per episode;
+  ``agent/tool_time_max_s``: the longest single call;
+- ``agent/env_steps``, ``agent/env_errors``: per episode; ``agent/env_reward_mean`` (over
+  the episodes whose environment did not fail);
+- ``agent/finish_<reason>_frac`` for each way an episode ends (:mod:`.episode`);
+- ``agent/tool_process_restarts`` (process isolation: tool processes killed by a hung call
+  or ended by a crash, since the run started).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+REASONS = ("stop", "done", "max_turns", "length", "budget", "env_error")
+
+
+@dataclasses.dataclass
+class Counts:
+    calls: int = 0
+    succeeded: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    malformed: int = 0
+    code_failures: int = 0          # tool calls that raised / hung / returned non-JSON / lost their process
+    env_steps: int = 0
+    env_errors: int = 0
+    tool_time: list = dataclasses.field(default_factory=list)
+    first_error: str | None = None  # the first failure of a tool's or environment's code, for the event
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def episode_metrics(episodes, executor) -> dict:
+    counts = [ep.counts for ep in episodes]
+    calls = sum(c.calls for c in counts)
+    times = [t for c in counts for t in c.tool_time]
+    rewards = [ep.env_reward for ep in episodes if ep.env_reward is not None]
+    n = max(1, len(episodes))
+    metrics = {
+        "agent/turns_mean": _mean(ep.turns for ep in episodes),
+        "agent/turns_max": float(max((ep.turns for ep in episodes), default=0)),
+        "agent/tokens_per_turn": _mean(ep.traj.model_tokens / max(1, ep.turns) for ep in episodes),
+        "agent/model_token_frac": _mean(ep.traj.model_tokens / max(1, len(ep.traj.ids)) for ep in episodes),
+        "agent/tool_calls": calls / n,
+        "agent/tool_success_frac": sum(c.succeeded for c in counts) / calls if calls else 0.0,
+        "agent/tool_used_frac": sum(c.succeeded > 0 for c in counts) / n,
+        "agent/tool_errors": sum(c.errors for c in counts) / n,
+        "agent/tool_timeouts": sum(c.timeouts for c in counts) / n,
+        "agent/malformed_calls": sum(c.malformed for c in counts) / n,
+        "agent/tool_time_s": sum(times) / n,
+        "agent/tool_time_max_s": max(times, default=0.0),
+        "agent/env_steps": sum(c.env_steps for c in counts) / n,
+        "agent/env_errors": sum(c.env_errors for c in counts) / n,
+    }
+    if rewards:
+        metrics["agent/env_reward_mean"] = _mean(rewards)
+    for reason in REASONS:
+        metrics[f"agent/finish_{reason}_frac"] = sum(ep.finish == reason for ep in episodes) / n
+    restarts = getattr(executor, "restarts", None)
+    if restarts is not None:
+        metrics["agent/tool_process_restarts"] = float(restarts)
+    return metrics
+
+
+def errors_event(episodes) -> tuple | None:
+    """``("tool_errors", message, fields)`` when a tool or environment failed in this batch."""
+    counts = [ep.counts for ep in episodes]
+    failures = sum(c.code_failures for c in counts)
+    env_errors = sum(c.env_errors for c in counts)
+    if not failures and not env_errors:
+        return None
+    first = next((c.first_error for c in counts if c.first_error), "?")
+    timeouts = sum(c.timeouts for c in counts)
+    message = (f"{failures} tool / environment call(s) failed in this batch ({timeouts} past rollout.tool_timeout_s, "
+               f"{env_errors} environment error(s)); each became an error message in its conversation and the run "
+               f"goes on. First: {first}")
+    return ("tool_errors", message, {"value": failures, "timeouts": timeouts, "env_errors": env_errors})
+
+
+def episode_record(ep) -> dict:
+    """An episode for the sample log: its messages after the prompt and how it ended."""
+    return {"turns": ep.turns, "finish": ep.finish, "messages": ep.messages, "env_reward": ep.env_reward,
+            "tool_calls": ep.counts.calls, "tool_errors": ep.counts.errors, "malformed_calls": ep.counts.malformed,
+            "final": ep.final_text}
+
+
+__all__ = ["Counts", "REASONS", "episode_metrics", "episode_record", "errors_event"]

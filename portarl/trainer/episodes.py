@@ -1,0 +1,51 @@
+"""The trainer's side of multi-turn rollouts (``tools`` / ``environment`` in the config):
+the episodes of a step played with the trainer's engine, the rows the rewards see, and
+the model-token mask the loss uses. The episodes themselves are
+:mod:`portarl.multiturn`; this module is the few places the trainer calls it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from portarl import distributed as pdist
+from portarl.data import Example
+from portarl.multiturn.episode import EpisodeRunner
+
+
+def lock_step(dist):
+    """``agree(n)``: the largest running-episode count over ranks (each turn's rows), so
+    every rank runs the same generate calls (FSDP forwards are collective)."""
+    if not dist.enabled:
+        return None
+    return lambda n: int(pdist.all_reduce(dist, torch.tensor([float(n)]), op=torch.distributed.ReduceOp.MAX).item())
+
+
+def play(agent, engine, sampling, examples: list[Example], prompts, seeds, group_size: int, dist=None):
+    """The episodes of ``examples`` (each ``group_size`` times, prompts and seeds per sample):
+    ``(rollout, texts, metrics, events)``; ``texts`` are the final model turns (what
+    per-sample rewards read)."""
+    runner = EpisodeRunner(agent, engine, sampling, agree=lock_step(dist) if dist is not None else None)
+    per_sample = [ex for ex in examples for _ in range(group_size)]
+    rollout, metrics, events = runner.run(per_sample, prompts, seeds)
+    return rollout, [ep["final"] for ep in rollout.episodes], metrics, events
+
+
+def reward_examples(examples: list[Example], group_size: int, rollout, with_environment: bool) -> list[Example]:
+    """One row per sample for the rewards: its data row plus the columns ``conversation``
+    (the messages after the prompt: role, content, and the parsed ``tool_calls`` of a model
+    turn that made some) and, with an environment, ``env_reward`` (the episode's
+    environment reward, :mod:`portarl.multiturn.environment`; 0.0 when the environment
+    failed), which the built-in reward ``environment`` returns."""
+    out = []
+    for i, record in enumerate(rollout.episodes):
+        ex = examples[i // group_size]
+        columns = {**ex.columns, "conversation": [{k: m[k] for k in ("role", "content", "tool_calls") if k in m}
+                                                  for m in record["messages"]]}
+        if with_environment:
+            columns["env_reward"] = record["env_reward"] if record["env_reward"] is not None else 0.0
+        out.append(Example(ex.prompt, ex.answer, columns, ex.where))
+    return out
+
+
+__all__ = ["lock_step", "play", "reward_examples"]
