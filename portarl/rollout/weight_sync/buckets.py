@@ -61,9 +61,16 @@ class Bucket:
         self.tensors.append(tensor)
         self.numel += tensor.numel()
 
-    def pack(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """One contiguous 1-D buffer on ``device`` holding every tensor's elements in order."""
-        flat = torch.empty(self.numel, dtype=self.dtype, device=device)
+    def pack(self, device: torch.device | str = "cpu", out: torch.Tensor | None = None) -> torch.Tensor:
+        """One contiguous 1-D buffer on ``device`` holding every tensor's elements in order:
+        the tensor itself when the bucket is one contiguous tensor there (no copy), else a
+        copy into ``out`` (a reusable byte buffer of at least :attr:`nbytes`) or a new buffer."""
+        if len(self.tensors) == 1 and self.tensors[0].is_contiguous() and self.tensors[0].device == torch.device(device):
+            return self.tensors[0].reshape(-1)
+        if out is not None and out.numel() >= self.nbytes:
+            flat = out[:self.nbytes].view(self.dtype)
+        else:
+            flat = torch.empty(self.numel, dtype=self.dtype, device=device)
         offset = 0
         for tensor in self.tensors:
             n = tensor.numel()

@@ -225,10 +225,17 @@ class SyncGroup:
     def wait_key(self, key: str, peers, what: str) -> bytes:
         return self.wait_until(lambda: self.store.get(key) if self.store.check([key]) else None, peers, what)
 
-    def broadcast(self, flat: torch.Tensor, peers, what: str) -> None:
-        """Broadcast ``flat`` (any dtype, sent as its bytes) from rank 0, watching ``peers``."""
-        done = self.comm.broadcast(flat)
+    def start_broadcast(self, flat: torch.Tensor):
+        """Start broadcasting ``flat`` (any dtype, sent as its bytes) from rank 0; returns
+        the completion poll for :meth:`wait_broadcast`."""
+        return self.comm.broadcast(flat)
+
+    def wait_broadcast(self, done, peers, what: str) -> None:
         self.wait_until(lambda: True if done() else None, peers, what)
+
+    def broadcast(self, flat: torch.Tensor, peers, what: str) -> None:
+        """Broadcast ``flat`` from rank 0 and wait for it, watching ``peers``."""
+        self.wait_broadcast(self.start_broadcast(flat), peers, what)
 
     # ------------------------------------------------------------- ending
     def fail(self, reason: str) -> None:

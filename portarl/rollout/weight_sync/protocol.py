@@ -88,6 +88,14 @@ class WeightSender:
         self.round = 0
         self.version: int | None = None
         self._last_buckets = 0
+        self._buffers: list = [None, None]
+
+    def _buffer(self, slot: int):
+        """Two reusable pack buffers of one bucket each: bucket ``i + 1`` is packed into one
+        while bucket ``i`` is sent from the other (no fresh allocation per bucket)."""
+        if self._buffers[slot] is None or self._buffers[slot].numel() < self.bucket_bytes:
+            self._buffers[slot] = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.group.device)
+        return self._buffers[slot]
 
     def send(self, version: int, items, *, wait_ack: bool = True, on_bucket=None) -> SyncStats:
         """Publish ``items`` (``(name, tensor)`` pairs, consumed once, in order) as
@@ -106,22 +114,31 @@ class WeightSender:
             if r > 2:  # every receiver finished round r-2 before it took part in round r-1
                 for key in (group.key("round", r - 2, "commit"), group.key("round", r - 2, "ack")):
                     group.store.delete_key(key)
+            pending = None  # the bucket on the wire while the next one is packed (double buffering)
             for index, bucket in enumerate(buckets_of(items, self.bucket_bytes)):
                 t0 = time.perf_counter()
-                flat = bucket.pack(group.device)
+                flat = bucket.pack(group.device, out=self._buffer(index % 2))
                 check = crc32(flat) if self.checksum else None
                 stats.pack_seconds += time.perf_counter() - t0
                 if on_bucket is not None:
                     on_bucket(index, bucket.names)
-                group.store.set(group.key("round", r, "bucket", index), header(r, version, index, bucket, check))
                 t0 = time.perf_counter()
-                group.broadcast(flat, peers, f"the transfer of bucket {index} of version {version}")
+                if pending is not None:
+                    pending()
+                group.store.set(group.key("round", r, "bucket", index), header(r, version, index, bucket, check))
+                done = group.start_broadcast(flat)
+                pending = lambda done=done, index=index, flat=flat: group.wait_broadcast(  # noqa: E731
+                    done, peers, f"the transfer of bucket {index} of version {version}")
                 stats.transfer_seconds += time.perf_counter() - t0
                 if r > 1:
                     group.store.delete_key(group.key("round", r - 1, "bucket", index))
                 stats.buckets += 1
                 stats.tensors += len(bucket.names)
                 stats.bytes += bucket.nbytes
+            if pending is not None:
+                t0 = time.perf_counter()
+                pending()
+                stats.transfer_seconds += time.perf_counter() - t0
             if not stats.buckets:
                 raise ValueError(f"weight version {version} has no tensors")
             for index in range(stats.buckets, self._last_buckets if r > 1 else 0):
