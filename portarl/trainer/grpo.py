@@ -305,7 +305,7 @@ class GRPOTrainer:
             losses = run_sft(self.model, self.codec, self.examples, steps=cfg.sft_warmup_steps,
                              batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, device=self.device, seed=cfg.seed,
                              on_step=on_step, logits_policy=self.config.precision.logits,
-                             precision=self.precision)
+                             precision=self.precision, dist=self.dist)
         finally:
             if bar is not None:
                 bar.close()
