@@ -311,6 +311,10 @@ class GRPOTrainer:
                 bar.close()
         if bar is not None and losses:
             log.info("sft warm-up: %d steps, loss %.4f -> %.4f", len(losses), losses[0], losses[-1])
+        if self._initial_reference is not None and losses:  # FSDP2: the sharded copy was made before the
+            with torch.no_grad():  # warm-up; one process builds its reference after it: anchor the warmed-up model
+                for ref, param in zip(self._initial_reference.parameters(), self.model.parameters(), strict=True):
+                    ref.copy_(param)  # shard to shard (the same FSDP2 layout), in the reference's dtype
         self.sft_done = True
 
     def request_stop(self) -> None:
