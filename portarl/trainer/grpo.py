@@ -320,12 +320,16 @@ class GRPOTrainer:
             losses = run_sft(self.model, self.codec, self.examples, steps=cfg.sft_warmup_steps,
                              batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, device=self.device, seed=cfg.seed,
                              on_step=on_step, logits_policy=self.config.precision.logits,
-                             precision=self.precision)
+                             precision=self.precision, dist=self.dist)
         finally:
             if bar is not None:
                 bar.close()
         if bar is not None and losses:
             log.info("sft warm-up: %d steps, loss %.4f -> %.4f", len(losses), losses[0], losses[-1])
+        if self._initial_reference is not None and losses:  # FSDP2: the sharded copy was made before the
+            with torch.no_grad():  # warm-up; one process builds its reference after it: anchor the warmed-up model
+                for ref, param in zip(self._initial_reference.parameters(), self.model.parameters(), strict=True):
+                    ref.copy_(param)  # shard to shard (the same FSDP2 layout), in the reference's dtype
         self.sft_done = True
 
     def request_stop(self) -> None:

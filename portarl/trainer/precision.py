@@ -10,6 +10,13 @@
 - ``fp16`` adds loss scaling (fp16 gradients underflow otherwise): a fixed scale, or a
   dynamic one that halves on overflow (that step is skipped, as an overflow, not a NaN
   failure) and doubles after ``growth_interval`` clean steps.
+- Under torchrun (:func:`sharded_plan`) FSDP2's mixed-precision policy keeps the fp32
+  parameters and computes in bf16 / fp16, so the plan holds no masters; fp16 keeps its loss
+  scale. The overflow decision is rank-consistent by construction: it is read from the
+  global gradient norm (a reduction over every rank's shard), so every rank skips the same
+  steps and changes the scale the same way. ``torch.amp.GradScaler`` would not be: it
+  checks each rank's local shard for inf (``torch/amp/grad_scaler.py``, no collective),
+  which is why FSDP1 has ``ShardedGradScaler`` (an all-reduce of ``found_inf``).
 """
 
 from __future__ import annotations
@@ -95,3 +102,13 @@ class PrecisionPlan:
             with torch.no_grad():
                 for m, saved in zip(self.masters, state["masters"]):
                     m.copy_(saved)
+
+
+def sharded_plan(model: torch.nn.Module, dtype: str, loss_scale, growth_interval: int = 200) -> PrecisionPlan:
+    """The plan under FSDP2: parameters are fp32 shards (no masters here); ``fp16`` keeps
+    its loss scale, fixed or dynamic, exactly as on one process."""
+    plan = PrecisionPlan(model, "fp32", False, None, growth_interval)
+    if dtype == "fp16" and loss_scale is not None:
+        plan.dynamic = loss_scale == "dynamic"
+        plan.scale = 2.0**16 if plan.dynamic else float(loss_scale)
+    return plan

@@ -78,7 +78,9 @@ def _is_sharded(model) -> bool:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
         return False
-    return isinstance(model, FSDPModule)
+    from portarl.lora import base_model
+
+    return isinstance(base_model(model), FSDPModule)  # a peft model: FSDP2 shards the model inside it
 
 
 #: Set to 1 to score through full-vocabulary logits (the pre-fused path; for A/B measurements).

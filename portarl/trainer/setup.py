@@ -12,12 +12,12 @@ import os
 import torch
 
 from portarl import distributed as pdist
-from portarl.lora import apply_lora, is_lora
+from portarl.lora import apply_lora, base_model, is_lora
 from portarl.rollout import ENGINES
 from portarl.trainer.checkpointing import enable_checkpointing, wants_checkpointing
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.trainer.optimizer import make_adamw
-from portarl.trainer.precision import DTYPES, PrecisionPlan
+from portarl.trainer.precision import DTYPES, PrecisionPlan, sharded_plan
 from portarl.trainer.update import lr_lambda, optimizer_steps_total
 
 log = logging.getLogger("portarl.train")
@@ -27,21 +27,18 @@ def check_distributed_config(cfg: TrainConfig, world: int) -> None:
     if cfg.train.prompts_per_step % world:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the "
                           f"{world} ranks (each rank rolls out whole groups)")
-    if cfg.precision.dtype == "fp16":
-        raise ConfigError("precision.dtype=fp16 is not supported with several ranks yet (fp16 loss scaling under "
-                          "FSDP2); use bf16")
-    if cfg.train.sft_warmup_steps:
-        raise ConfigError("train.sft_warmup_steps must be 0 with several ranks: run `portarl sft` once and set "
-                          "model.path to its output")
+    if cfg.train.sft_warmup_steps and cfg.train.sft_batch_size % world:
+        raise ConfigError(f"train.sft_batch_size={cfg.train.sft_batch_size} must be a multiple of the {world} ranks "
+                          "(each rank takes an equal share of every warm-up batch)")
+    if cfg.model.lora is not None and cfg.rollout.mode == "async":
+        raise ConfigError("model.lora with rollout.mode=async and several ranks is not supported yet (the merged "
+                          "weights would be folded from FSDP2 shards); use rollout.mode=colocated, or one process")
     if cfg.rollout.engine != "hf" and cfg.rollout.mode != "async":
         raise ConfigError("rollout.engine must be 'hf' with several ranks in rollout.mode=colocated for now (with "
                           "rollout.mode=async the one rollout worker runs vLLM)")
     if cfg.rollout.engine != "hf" and cfg.eval.data is not None:
         raise ConfigError("eval.data with rollout.engine=vllm and several ranks: evaluation would start a vLLM engine "
                           "on every rank; unset eval.data and score checkpoints with `portarl eval` afterwards")
-    if cfg.model.lora is not None:
-        raise ConfigError("model.lora: LoRA is not supported with FSDP2 yet; run with one process "
-                          "(no torchrun), or unset model.lora")
 
 
 def place_model(model, cfg: TrainConfig, dist, device):
@@ -49,26 +46,33 @@ def place_model(model, cfg: TrainConfig, dist, device):
     torchrun FSDP2-sharded (with fp32 parameters and a ``param_dtype`` compute policy when
     fp32 master weights are asked for), plus a sharded frozen reference copy when the loss
     has a KL term (``None`` otherwise, and always ``None`` on one process). With
-    ``model.lora`` the model is wrapped with its adapters first (:mod:`portarl.lora`)."""
+    ``model.lora`` the model is wrapped with its adapters first (:mod:`portarl.lora`); its
+    reference is the model with the adapter disabled (no copy), and under torchrun FSDP2
+    shards the peft model's Hugging Face model (the adapters ride in their layers' shards;
+    only they require gradients, so the optimizer state is the adapter's alone)."""
     dtype = DTYPES[cfg.precision.dtype]
     if is_lora(model):  # resume and export rebuild the adapter from model.lora: it must be the one
         raise ValueError("the model is already a peft model: pass the base model and set model.lora (portarl "
                          "applies the adapter, so that --resume and portarl export can rebuild it)")
+    if dist.enabled:
+        check_distributed_config(cfg, dist.world_size)
+    if cfg.model.lora is not None:
+        model = apply_lora(model, cfg.model.lora, seed=cfg.model.init_seed)
+        if cfg.train.sft_warmup_steps and cfg.loss.kl_coef > 0:
+            log.warning("model.lora with train.sft_warmup_steps: the warm-up trains the adapter, and the KL "
+                        "reference is the base model (adapter disabled), i.e. the model before the warm-up")
     if not dist.enabled:
-        if cfg.model.lora is not None:
-            model = apply_lora(model, cfg.model.lora, seed=cfg.model.init_seed)
-            if cfg.train.sft_warmup_steps and cfg.loss.kl_coef > 0:
-                log.warning("model.lora with train.sft_warmup_steps: the warm-up trains the adapter, and the KL "
-                            "reference is the base model (adapter disabled), i.e. the model before the warm-up")
         _checkpoint_layers(model, cfg)
         return model.to(device, dtype=dtype), None
-    check_distributed_config(cfg, dist.world_size)
-    reference = copy.deepcopy(model).to(device, dtype=dtype) if cfg.loss.kl_coef > 0 else None
+    needs_copy = cfg.loss.kl_coef > 0 and not is_lora(model)
+    reference = copy.deepcopy(model).to(device, dtype=dtype) if needs_copy else None
     _checkpoint_layers(model, cfg)  # before fully_shard (portarl.trainer.checkpointing); the reference never needs it
     if cfg.precision.use_master:
-        model = pdist.shard(model.to(device, dtype=torch.float32), param_dtype=dtype)
+        # fp32 parameters (the masters) holding the low-precision values one process starts its masters from
+        model.to(device, dtype=dtype).to(torch.float32)
+        pdist.shard(base_model(model), param_dtype=dtype)
     else:
-        model = pdist.shard(model.to(device, dtype=dtype))
+        pdist.shard(base_model(model).to(device, dtype=dtype))
     if reference is not None:
         for p in reference.parameters():
             p.requires_grad_(False)
@@ -87,9 +91,9 @@ def _checkpoint_layers(model, cfg: TrainConfig) -> None:
 
 
 def make_precision(model, cfg: TrainConfig, dist) -> PrecisionPlan:
-    if dist.enabled:  # FSDP2 holds the fp32 master copy (mixed-precision policy) when asked
-        return PrecisionPlan(model, "fp32", False, None)
     p = cfg.precision
+    if dist.enabled:  # FSDP2 holds the fp32 master copy (mixed-precision policy) when asked
+        return sharded_plan(model, p.dtype, p.loss_scale)
     return PrecisionPlan(model, p.dtype, p.use_master, p.loss_scale)
 
 

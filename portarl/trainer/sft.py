@@ -10,6 +10,7 @@ import random
 
 import torch
 
+from portarl import distributed as pdist
 from portarl.data import Example
 from portarl.tokenizer import TextCodec
 from portarl.trainer.sequences import build_batch, completion_logprobs
@@ -27,34 +28,60 @@ def sft_batch(codec: TextCodec, examples: list[Example], device):
 
 
 def run_sft(model, codec: TextCodec, examples: list[Example], *, steps: int, batch_size: int, lr: float,
-            device, seed: int = 0, on_step=None, logits_policy: str = "fp32", precision=None) -> list[float]:
+            device, seed: int = 0, on_step=None, logits_policy: str = "fp32", precision=None,
+            dist=None) -> list[float]:
     """``steps`` AdamW steps on random batches; returns the losses. ``on_step(step, loss)``.
 
     ``precision`` (a :class:`~portarl.trainer.precision.PrecisionPlan`, the trainer's): step
     its fp32 masters with fp32 AdamW state and its loss scale, as GRPO does, and leave the
     masters holding the warm-up's result. Without it AdamW steps the parameters in their own
-    dtype (fine for fp32; fp16 would divide by eps = 0)."""
+    dtype (fine for fp32; fp16 would divide by eps = 0).
+
+    ``dist`` (under torchrun, FSDP2): every rank draws the same batch and takes its equal
+    share of the rows; the loss is normalised by the global answer-token count and scaled
+    by the world size (FSDP2 averages gradients over ranks), so the update is one process's
+    on the whole batch. Overflow and non-finite checks read the global gradient norm, the
+    same on every rank."""
     rng = random.Random(seed)
     params = [p for p in model.parameters() if p.requires_grad]
     targets = precision.optimizer_params() if precision is not None else params
     optimizer = torch.optim.AdamW(targets, lr=lr, weight_decay=0.0)
+    sharded = dist is not None and dist.enabled
     losses = []
     model.train()
     for step in range(1, steps + 1):
-        batch = sft_batch(codec, rng.sample(examples, min(batch_size, len(examples))), device)
+        rows = rng.sample(examples, min(batch_size, len(examples)))
+        if sharded:
+            if len(rows) % dist.world_size:
+                raise ValueError(f"the SFT batch of {len(rows)} examples does not split over {dist.world_size} ranks: "
+                                 "make train.sft_batch_size (and the data) a multiple of the ranks")
+            share = len(rows) // dist.world_size
+            rows = rows[dist.rank * share:(dist.rank + 1) * share]
+        batch = sft_batch(codec, rows, device)
         logp = completion_logprobs(model, batch, temperature=1.0, logits_policy=logits_policy)
-        loss = -(logp * batch.mask).sum() / batch.mask.sum()
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"SFT loss is {loss.item()} at step {step}")
+        if sharded:
+            local = -(logp * batch.mask).sum()
+            totals = pdist.all_reduce(dist, torch.stack([local.detach(), batch.mask.sum().to(local.dtype)]))
+            loss, reported = local / totals[1] * dist.world_size, totals[0] / totals[1]
+        else:
+            loss = reported = -(logp * batch.mask).sum() / batch.mask.sum()
+        if not torch.isfinite(reported):
+            raise FloatingPointError(f"SFT loss is {reported.item()} at step {step}")
         if precision is None:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            if sharded and not torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm):
+                raise FloatingPointError(f"SFT gradient is not finite at step {step}")
             optimizer.step()
         else:
             precision.zero_grad()
             precision.scale_loss(loss).backward()
-            overflow = not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+            if sharded:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+                overflow = not bool(torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            else:
+                overflow = not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
             if overflow and precision.dynamic:
                 precision.update_scale(overflow=True)  # fp16: a lower loss scale, this batch skipped
             elif overflow:
@@ -66,7 +93,7 @@ def run_sft(model, codec: TextCodec, examples: list[Example], *, steps: int, bat
                 precision.after_step()
                 precision.update_scale(overflow=False)
             precision.zero_grad()
-        losses.append(float(loss.detach()))
+        losses.append(float(reported.detach()))
         if on_step is not None:
-            on_step(step, float(loss.detach()))
+            on_step(step, float(reported.detach()))
     return losses

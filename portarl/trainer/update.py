@@ -225,7 +225,9 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
     bad_old, finite_loss, finite = int(host[0]), bool(host[1]), math.isfinite(host[2])
     metrics_out = dict(zip(keys, host[3:]))
     if dist.enabled:
-        for name, failed in (("old_logp", bad_old), ("loss", not finite_loss), ("gradient", not finite)):
+        # an fp16 overflow under the dynamic scale is a skipped step, not a guard failure (below)
+        for name, failed in (("old_logp", bad_old), ("loss", not finite_loss),
+                             ("gradient", not finite and not precision.dynamic)):
             if failed:
                 trainer.guard.record(name)
         trainer.guard.sync()

@@ -73,13 +73,14 @@ def test_lora_config_defaults_and_errors_name_the_field():
             TrainConfig.load(None, [bad])
 
 
-def test_lora_refused_under_fsdp2_with_a_clear_message():
+def test_lora_passes_the_distributed_checks():
+    """LoRA runs under FSDP2 (tests/distributed/test_torchrun_options.py trains it on 2 ranks)."""
     from portarl.trainer.setup import check_distributed_config
 
-    cfg = TrainConfig.load(None, [*FAST, "model.lora.r=4"])
-    with pytest.raises(ConfigError, match="LoRA is not supported with FSDP2.*one process"):
+    check_distributed_config(TrainConfig.load(None, [*FAST, "model.lora.r=4"]), 2)
+    cfg = TrainConfig.load(None, [*FAST, "model.lora.r=4", "rollout.mode=async"])
+    with pytest.raises(ConfigError, match="model.lora with rollout.mode=async and several ranks"):
         check_distributed_config(cfg, 2)
-    check_distributed_config(TrainConfig.load(None, FAST), 2)  # the same config without LoRA passes
 
 
 def test_missing_peft_is_one_line_naming_the_extra(monkeypatch, tmp_path, capsys):
