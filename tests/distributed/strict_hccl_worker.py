@@ -28,7 +28,8 @@ from portarl.backends.npu import torch_npu_api  # noqa: E402
 def host_collectives(ctx) -> None:
     """portarl's host-side collectives with the values the trainer passes them (CPU tensors,
     Python numbers, JSON), each checked for its result."""
-    from portarl.reward_runner import RewardError, agree_on_failure
+    from portarl.reward_runner import RewardError, reward_failure
+    from portarl.user_code import agree_on_failure
 
     rank = ctx.rank
     assert pdist.any_rank(ctx, rank == 1) and not pdist.any_rank(ctx, False)  # guard / stop flags
@@ -41,8 +42,8 @@ def host_collectives(ctx) -> None:
     assert rewards.tolist() == [1.0, 2.0, 11.0, 12.0]
     assert pdist.mean_metrics(ctx, {"loss": float(rank), "step": 1})["loss"] == 0.5
     assert pdist.broadcast_json(ctx, {"batch": [1, 2]} if rank == 0 else None) == {"batch": [1, 2]}
-    failure = RewardError("probe", None, None, "grader down") if rank == 1 else None
-    assert "grader down" in str(agree_on_failure(ctx, failure))
+    failure = reward_failure("probe", None, None, "grader down") if rank == 1 else None
+    assert "grader down" in str(agree_on_failure(ctx, failure, RewardError))
     pdist.barrier(ctx)
 
 

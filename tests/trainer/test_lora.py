@@ -201,6 +201,7 @@ def test_merged_state_dict_has_base_names_and_the_peft_logits(make_trainer):
 
 
 def test_vllm_sync_sends_merged_weights_under_base_names(make_trainer):
+    from portarl.rollout import vllm_sync
     from portarl.rollout.vllm import VLLMRollout
 
     trainer = make_trainer(*LORA)
@@ -215,6 +216,7 @@ def test_vllm_sync_sends_merged_weights_under_base_names(make_trainer):
 
     engine = object.__new__(VLLMRollout)  # no vLLM here: the sync path only
     engine.llm, engine.sleep_mode, engine._asleep, engine.weights_version = FakeLLM(), False, False, 0
+    engine.sync_path = vllm_sync.RELOAD  # what start-up chooses for a worker with reload_weights
     engine.sync_weights(trainer.model)
     merged = merged_state_dict(trainer.model)
     plain, _, _ = build_from_config(trainer.config)

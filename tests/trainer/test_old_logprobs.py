@@ -104,11 +104,13 @@ def test_replayed_rollouts_keep_the_forward_recorded_ones_do_not(make_trainer, m
 def test_engine_with_stale_or_foreign_weights_keeps_the_forward(make_trainer):
     """A copy-holding engine (vLLM's bookkeeping): synced from the trainer's model and no
     optimizer step since -> reuse; stale or synced from another model -> recompute."""
+    from portarl.rollout import vllm_sync
     from portarl.rollout.vllm import VLLMRollout
 
     trainer = make_trainer()
     engine = VLLMRollout.__new__(VLLMRollout)  # the version bookkeeping only; no vLLM needed
     engine.weights_version = engine.trainer_version = 0
+    engine.sync_path = vllm_sync.RELOAD  # what start-up chooses for a worker with reload_weights
     engine.wake_up = lambda: None
     engine.llm = type("LLM", (), {"collective_rpc": lambda *a, **k: None, "reset_prefix_cache": lambda self: None})()
     trainer.rollout = engine

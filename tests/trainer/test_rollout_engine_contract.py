@@ -82,10 +82,11 @@ def test_reduce_sample_is_refused(tmp_path):
 
 
 def test_npu_turns_the_nz_weight_format_off(tmp_path):
-    kw = engine_kwargs(tmp_path, npu=True, additional_config={"rl_config": {"enabled": True}})
+    # bf16: vllm-ascend's attention takes fp16 / bf16 only (an fp32 engine is refused first)
+    kw = engine_kwargs(tmp_path, npu=True, dtype=torch.bfloat16, additional_config={"rl_config": {"enabled": True}})
     assert kw["additional_config"] == {"rl_config": {"enabled": True}, "weight_nz_mode": 0}
     with pytest.raises(ValueError, match="weight_nz_mode"):
-        engine_kwargs(tmp_path, npu=True, additional_config={"weight_nz_mode": 2})
+        engine_kwargs(tmp_path, npu=True, dtype=torch.bfloat16, additional_config={"weight_nz_mode": 2})
     # off the NPU the option is vllm-ascend's alone: passed through untouched
     assert engine_kwargs(tmp_path, additional_config={"x": 1})["additional_config"] == {"x": 1}
 
