@@ -40,7 +40,6 @@ import os
 import sys
 
 
-
 def leave_process(code: int) -> None:
     """Step 4: end this rank now with ``code``, skipping interpreter finalisation. Only for
     a process that joined a torchrun job (:func:`portarl.distributed.joined_a_job`); an
