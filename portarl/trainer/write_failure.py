@@ -87,7 +87,7 @@ def intact_checkpoint(trainer) -> str:
     latest = trainer.checkpoints.latest()
     if latest is None:
         return "there is no checkpoint yet"
-    from portarl.trainer.checkpoint import step_of
+    from portarl.trainer.checkpoint.manifest import step_of
 
     return f"the last intact checkpoint is {latest} (step {step_of(latest)})"
 

@@ -17,12 +17,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 MANIFEST = "MANIFEST.json"
 COMPLETE = "COMPLETE"
+#: A checkpoint's directory name: ``step-<N>``.
+STEP_DIR = re.compile(r"^step-(\d+)$")
 _CHUNK = 1 << 22
+
+
+def step_of(directory: Path) -> int:
+    """The step a checkpoint directory (``step-<N>``) holds."""
+    return int(STEP_DIR.match(directory.name).group(1))
 
 
 class CheckpointError(RuntimeError):
