@@ -31,6 +31,7 @@ import torch
 
 from portarl.rollout import RolloutBatch, request_seeds
 from portarl.rollout.base import seed_of
+from portarl.trainer.prompts import prompts_for_step
 
 
 @dataclasses.dataclass
@@ -58,8 +59,6 @@ def round_seeds(run_seed: int, step: int, round_index: int, num_prompts: int, gr
 
 def round_prompts(trainer, step: int, round_index: int) -> list:
     """Round 0: the step's prompts; round r > 0: a draw seeded by (run seed, step, r)."""
-    from portarl.trainer.rollout_phase import prompts_for_step
-
     if round_index == 0:
         return prompts_for_step(trainer, step)
     rng = random.Random(f"{trainer.config.train.seed}/prompts/{step}/round{round_index}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 import time
 
 import torch
@@ -19,6 +18,7 @@ from portarl.data import Example
 from portarl.rollout import identical_group_fraction, request_seeds
 from portarl.multiturn.trajectory import model_only
 from portarl.trainer.episodes import play
+from portarl.trainer.prompts import prompts_for_step
 
 
 @dataclasses.dataclass
@@ -32,12 +32,6 @@ class RolloutPhase:
     #: scoring computes them.
     rewards: torch.Tensor | None = None
     scores: object = None        # RewardScores when the rollout side scored the batch (async mode)
-
-
-def prompts_for_step(trainer, step: int) -> list[Example]:
-    rng = random.Random(f"{trainer.config.train.seed}/prompts/{step}")
-    n = trainer.config.train.prompts_per_step
-    return rng.sample(trainer.examples, n) if n <= len(trainer.examples) else [rng.choice(trainer.examples) for _ in range(n)]
 
 
 def run_rollout(trainer, step: int) -> RolloutPhase:
