@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from portarl.bench.stability.record import CONFIG, ROLLOUTS, START_MODEL, load_run, read_manifest
-from portarl.bench.stability.runs import parse_runs
+from portarl.bench.stability.runs import check_run_devices, parse_runs
 
 
 def _source(directory: Path) -> tuple[Path, dict, str]:
@@ -82,7 +82,6 @@ def dump_recorded_step(directory: str | Path, step: int, out: str | Path, *, run
     """Dump step ``step`` of the recording in ``directory`` under setting ``run`` (a
     ``--runs`` entry, default: the directory's own run). Returns the index path."""
     from portarl import envinfo
-    from portarl.bench.stability.cli import check_run_devices
     from portarl.bench.stability.dump import dump_modules
     from portarl.rollout import ReplayRollout
     from portarl.rollout.replay import load_rollouts
