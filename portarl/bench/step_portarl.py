@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from portarl.bench import step_work
-from portarl.bench.step import finish, gate, set_threads, step_record, timed
+from portarl.bench.step_side import finish, gate, set_threads, step_record, timed
 from portarl.bench.step_work import REWARDS, Work
 
 
