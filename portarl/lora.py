@@ -136,7 +136,7 @@ def load_adapter(model, directory: Path) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from portarl.trainer.checkpoint.manifest import CheckpointError
+    from portarl.errors import CheckpointError
 
     path = directory / ADAPTER_WEIGHTS
     if not path.is_file():

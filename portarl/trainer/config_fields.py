@@ -12,10 +12,7 @@ import math
 import yaml
 
 from portarl.core.yaml_numbers import non_bool_field, number_from_yaml_string
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field (``section.field``)."""
+from portarl.errors import ConfigError
 
 
 def _check(cond: bool, field: str, message: str, value) -> None:

@@ -21,6 +21,8 @@ import re
 import shutil
 from pathlib import Path
 
+from portarl.errors import CheckpointError
+
 MANIFEST = "MANIFEST.json"
 COMPLETE = "COMPLETE"
 #: A checkpoint's directory name: ``step-<N>``.
@@ -31,15 +33,6 @@ _CHUNK = 1 << 22
 def step_of(directory: Path) -> int:
     """The step a checkpoint directory (``step-<N>``) holds."""
     return int(STEP_DIR.match(directory.name).group(1))
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint failed verification or could not be read; the message names it and the file."""
-
-    def __init__(self, message: str, checkpoint: Path | None = None, file: str | None = None):
-        super().__init__(message)
-        self.checkpoint = checkpoint
-        self.file = file
 
 
 def fsync_dir(directory: Path) -> None:
