@@ -61,8 +61,8 @@ def main() -> None:
         rollout_s = time.process_time() - started
         lengths = [len(c) for c in phase.rollout.completion_ids]
         snapshot = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-        if trainer._uses_reference():
-            trainer.ref_model = trainer._make_reference()  # the initial model, shared by every run
+        if trainer.uses_reference():
+            trainer.ref_model = trainer.make_reference()  # the initial model, shared by every run
 
         tokens: dict = {}
 

@@ -59,8 +59,8 @@ def run_portarl(steps: int, threads: int, work: Work, mode: str = "colocated") -
         data = [Example(p, a) for p, a in step_work.prompts(work, work.prompts_per_step * (steps + 2))]
         trainer = GRPOTrainer(policy, tok, None, data, cfg, device="cpu")
         del policy
-        if trainer._uses_reference():
-            trainer.ref_model = trainer._make_reference()
+        if trainer.uses_reference():
+            trainer.ref_model = trainer.make_reference()
         phases: dict = {}
         import portarl.trainer.grpo as grpo_module
 

@@ -93,7 +93,7 @@ class AsyncBatch(NamedTuple):
 
 def check_async_trainer(trainer) -> None:
     """What async mode cannot do (yet), refused before the worker starts."""
-    if trainer._rollout is not None:
+    if trainer.rollout_if_built is not None:
         raise ValueError("rollout.mode=async builds its own engine in a worker process: do not pass rollout_engine")
     if trainer.config.rollout.engine == "vllm":  # else the worker dies at start-up with it in its log
         from portarl.rollout.vllm import vllm_unavailable_reason
@@ -101,7 +101,7 @@ def check_async_trainer(trainer) -> None:
         reason = vllm_unavailable_reason()
         if reason is not None:
             raise ValueError(f"rollout.engine=vllm with rollout.mode=async: the rollout worker runs vLLM, but {reason}")
-    if not trainer._rewards_from_config:
+    if not trainer.rewards_from_config:
         raise ValueError("rollout.mode=async computes rewards in the worker process, which can only load the config's "
                          "rewards (rewards: [{name: module:function}]): pass reward_fns=None")
 
@@ -194,8 +194,7 @@ class AsyncRollout:
     def _request(self, step: int) -> None:
         examples = self.trainer_prompts(step)
         self.client.send({"op": "generate", "step": step,
-                          "prompts": [self.trainer._prompt_ids.get(id(ex)) or self.trainer.codec.encode_prompt(ex.prompt)
-                                      for ex in examples],
+                          "prompts": [self.trainer.encoded_prompt(ex) for ex in examples],
                           "examples": [_example_json(ex) for ex in examples]})
 
     def trainer_prompts(self, step: int):

@@ -79,12 +79,12 @@ def _generate_round(trainer, step: int, round_index: int) -> list[_Group]:
     g = cfg.rollout.group_size
     examples = round_prompts(trainer, step, round_index)
     seeds = round_seeds(cfg.train.seed, step, round_index, len(examples), g, cfg.rollout.seed_mode)
-    prompts = [trainer._prompt_ids.get(id(ex)) or trainer.codec.encode_prompt(ex.prompt) for ex in examples for _ in range(g)]
+    prompts = [trainer.encoded_prompt(ex) for ex in examples for _ in range(g)]
     rollout = trainer.rollout.generate(prompts, seeds, trainer.sampling)
     texts = [trainer.codec.decode(c) for c in rollout.completion_ids]
-    rewards, _ = trainer._rewards(examples, texts)
-    rewards = shape_rewards(cfg, rewards, rollout.completion_ids, {})
-    per_function = trainer._last_reward_values
+    scores = trainer.score_rewards(examples, texts)
+    rewards = shape_rewards(cfg, scores.total, rollout.completion_ids, {})
+    per_function = scores.per_function
     groups = []
     for i, ex in enumerate(examples):
         rows = slice(i * g, (i + 1) * g)

@@ -111,12 +111,12 @@ class GRPOTrainer:
         self.agent = make_agent(self.config, self.codec, self._search_dirs())
         self.rewards = self._resolve_rewards(reward_fns)
         self.examples: list[Example] = list(train_data)
-        self._prompt_ids = self._check_examples()
+        self._prompt_ids = self._check_examples()  # by id(example): encoded_prompt()
         if self.config.eval.data is not None and self.dist.enabled:
             raise ConfigError("eval.data under torchrun is not supported yet: evaluate checkpoints with "
                               "`portarl eval --checkpoint C --data F`, or train in one process")
         self.evaluator = Evaluator(self) if self.config.eval.data is not None else None  # checks the file now
-        self._last_samples = None
+        self.last_samples = None  # what the sample log shows of the last step (trainer.scoring fills it)
         self.output_dir = Path(self.config.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = CheckpointManager(self.output_dir, self.config.checkpoint.keep_last)
@@ -147,15 +147,16 @@ class GRPOTrainer:
         self.consecutive_skips = 0
         self.streak_first_bad: str | None = None
         self.ref_model = None
-        self._hook_step = 0
+        self.hook_step = 0  # the step the test hooks see (run_hooks)
         self.guard = StepGuard(self.dist)
-        self._local_offset = 0
+        self.budget_warned = False  # micro_batches' token-budget warning: once per run
         install_fault_injection(self.hooks, os.environ.get(FAULT_ENV), self.dist.rank)
         self.emulate = resolve_profile(self.config.precision.numerics)
         if self.emulate:
             log.warning("NPU numerics EMULATION on (%s): not portarl's fp32 path and not Ascend hardware",
                         ", ".join(sorted(self.emulate)))
-        self._stop_requested, self._stop_signal = False, None  # the signal: an int once one arrives
+        # A stop asked for (request_stop, a signal: trainer.signals) and the signal, an int once one arrives.
+        self.stop_requested, self.stop_signal = False, None
         if self.config.precision.dtype != "fp32" and not self.config.precision.use_master:
             log.warning("precision.master_weights_fp32=false with %s: the optimizer steps the %s weights themselves, "
                         "so updates below their resolution are lost (see update/lost_frac); the default 'auto' keeps "
@@ -174,8 +175,13 @@ class GRPOTrainer:
     def rollout(self, engine) -> None:
         self._rollout = engine
 
+    @property
+    def rollout_if_built(self):
+        """The rollout engine if one was built or passed in, else None (builds nothing)."""
+        return self._rollout
+
     def _resolve_rewards(self, reward_fns) -> RewardRunner:
-        self._rewards_from_config = reward_fns is None
+        self.rewards_from_config = reward_fns is None  # the config's rewards (what async mode's worker can load)
         if reward_fns is None:
             reward_fns = [(spec.name, spec.weight) for spec in self.config.rewards]
         return RewardRunner(reward_fns, search_dirs=self._search_dirs(), timeout_s=self.config.train.reward_timeout_s)
@@ -203,10 +209,17 @@ class GRPOTrainer:
                         "(the same prompt can appear twice in a step)", n, len(self.examples))
         return {id(ex): p for ex, p in zip(self.examples, ids)}
 
-    def _uses_reference(self) -> bool:
+    def encoded_prompt(self, example: Example) -> list[int]:
+        """``example``'s prompt ids: encoded and checked when the data loaded, else now."""
+        return self._prompt_ids.get(id(example)) or self.codec.encode_prompt(example.prompt)
+
+    def uses_reference(self) -> bool:
+        """Whether the loss needs a reference model (``loss.kl_coef > 0``)."""
         return self.config.loss.kl_coef > 0
 
-    def _make_reference(self):
+    def make_reference(self):
+        """A frozen reference copy of the policy (FSDP2: the sharded copy made at start;
+        LoRA: none, the adapter disabled is the reference)."""
         if self._initial_reference is not None or is_lora(self.model):  # FSDP2: the sharded copy; LoRA: none
             return self._initial_reference  # (LoRA's reference is the adapter disabled: trainer/reference.py)
         ref = copy.deepcopy(self.model)
@@ -221,13 +234,11 @@ class GRPOTrainer:
             return self.config.loss
         return dataclasses.replace(self.config.loss, kl_coef=self.kl_ctl.value)
 
-    def _apply_hooks(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
-        return apply_hooks(self.hooks, point, self._hook_step, tensor, self.hook_guard)
+    def run_hooks(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` through the test hooks at ``point`` (:mod:`portarl.trainer.hooks`)."""
+        return apply_hooks(self.hooks, point, self.hook_step, tensor, self.hook_guard)
 
     # ------------------------------------------------------------- checkpoints
-    def _state(self) -> dict:
-        return persistence.trainer_state(self)
-
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint of this step (:func:`persistence.save_checkpoint`: refused
         while a weight or fp32 master is not finite)."""
@@ -238,11 +249,11 @@ class GRPOTrainer:
         return persistence.resume(self)
 
     # ---------------------------------------------------------------- one step
-    def _rewards(self, examples: list[Example], texts: list[str], rows: list[Example] | None = None
-                 ) -> tuple[torch.Tensor, dict]:
-        """The reward call: weighted total per completion (fp32, on the CPU) and ``reward/*``
-        metrics (:mod:`portarl.reward_runner`; a failing reward raises :class:`RewardError`).
-        Keeps each function's values for the sample log. ``rows``: one row per sample
+    def score_rewards(self, examples: list[Example], texts: list[str], rows: list[Example] | None = None):
+        """The reward call: the runner's scores (:mod:`portarl.reward_runner`): ``total``, the
+        weighted total per completion (fp32, on the CPU), ``metrics`` (``reward/*``) and
+        ``per_function`` (each function's values, for the sample log). A failing reward on
+        any rank raises :class:`RewardError` on every rank. ``rows``: one row per sample
         (multi-turn episodes add columns: :func:`portarl.trainer.episodes.reward_examples`)."""
         g = self.config.rollout.group_size
         scores = failure = None
@@ -253,8 +264,7 @@ class GRPOTrainer:
         failure = agree_on_failure(self.dist, failure, RewardError)  # one rank's failure stops every rank
         if failure is not None:
             raise failure
-        self._last_reward_values = scores.per_function
-        return scores.total, scores.metrics
+        return scores
 
     def train_step(self) -> dict:
         """Run iteration ``self.step + 1``; returns its metrics (``skipped`` = 1 when skipped).
@@ -263,7 +273,7 @@ class GRPOTrainer:
         :func:`update.run_update`; the guards (:mod:`portarl.trainer.step_guard`) run
         through all three."""
         step = self.step + 1
-        self._hook_step = step
+        self.hook_step = step
         started, cpu_started = time.perf_counter(), time.process_time()
         phase = run_rollout(self, step)
         release_freed_memory()  # the rollout's caches, before scoring and the update allocate
@@ -271,7 +281,7 @@ class GRPOTrainer:
         skipped, overflow = False, False
         self.guard.reset()
         self.partial_update = None
-        self._last_samples = None
+        self.last_samples = None
         try:
             scored = score(self, phase, metrics)
             release_freed_memory()
@@ -335,9 +345,9 @@ class GRPOTrainer:
     def request_stop(self) -> None:
         """Finish the current step, save a checkpoint, and raise StopRequested (a
         KeyboardInterrupt), as on SIGINT or SIGTERM."""
-        self._stop_requested = True
+        self.stop_requested = True
 
-    def _stop_requested_anywhere(self) -> bool:
+    def stop_requested_anywhere(self) -> bool:
         """A stop is collective: a rank that saw Ctrl-C (or a scheduler's signal) before the
         others must not save alone, since saving is a collective (DCP) and the others would
         wait in the next step's collectives forever. One all-reduce per step.
@@ -347,10 +357,10 @@ class GRPOTrainer:
         the all-reduce (after it sent its False) must survive to the next step's agreement.
         Assigning the collective's False over it lost such a signal, and the run trained on."""
         if not self.dist.enabled:
-            return self._stop_requested
-        anywhere = pdist.any_rank(self.dist, self._stop_requested)
+            return self.stop_requested
+        anywhere = pdist.any_rank(self.dist, self.stop_requested)
         if anywhere:
-            self._stop_requested = True
+            self.stop_requested = True
         return anywhere
 
     def close(self) -> None:
@@ -390,7 +400,7 @@ class GRPOTrainer:
         else:  # only rank 0 writes logs
             logger = SilentLogger()
         last_ckpt = self.checkpoints.latest()
-        self._stop_requested, self._stop_signal = False, None
+        self.stop_requested, self.stop_signal = False, None
         if not cfg.precision.use_master and cfg.precision.dtype != "fp32":
             logger.event(self.step, "precision_warning", f"precision.master_weights_fp32=false with {cfg.precision.dtype}: "
                          "updates below the weights' resolution are lost (update/lost_frac)")

@@ -176,8 +176,8 @@ def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice
 
 def _warn_over_budget(trainer, budget: int, prompt_lens: list[int], completion_lens: list[int]) -> None:
     longest = max((p + max(1, c) for p, c in zip(prompt_lens, completion_lens)), default=0)
-    if longest > budget and not getattr(trainer, "_budget_warned", False):
-        trainer._budget_warned = True  # once per run
+    if longest > budget and not getattr(trainer, "budget_warned", False):
+        trainer.budget_warned = True  # once per run
         log.warning("train.max_tokens_per_micro_batch=%d is below the longest sequence (%d tokens): each such "
                     "sequence runs as a micro-batch of its own; raise the budget to at least %d", budget, longest,
                     longest)

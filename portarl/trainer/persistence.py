@@ -117,7 +117,7 @@ def resume(trainer, start_if_none: bool = False) -> int:
     if state.get("kl_ctl") is not None:  # absent in checkpoints written before the KL controller
         trainer.kl_ctl.load_state_dict(state["kl_ctl"])
     if state["ref_model"] is not None and not trainer.dist.enabled:
-        trainer.ref_model = trainer._make_reference()
+        trainer.ref_model = trainer.make_reference()
         trainer.ref_model.load_state_dict(state["ref_model"])
     log.info("resumed from %s (step %d)", latest, trainer.step)
     return trainer.step

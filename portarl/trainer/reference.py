@@ -25,7 +25,7 @@ def reference_model(trainer):
             yield trainer.model
         return
     if trainer.ref_model is None:
-        trainer.ref_model = trainer._make_reference()
+        trainer.ref_model = trainer.make_reference()
     yield trainer.ref_model
 
 

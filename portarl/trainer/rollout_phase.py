@@ -3,7 +3,7 @@ one seed per sample, generation by the rollout engine, and the rollout's own met
 events (identical groups, degenerate completions, lengths).
 
 Each rank rolls out whole groups: its slice of the step's prompts starts at
-``trainer._local_offset`` (prompt index), which scoring uses to take its advantages.
+:attr:`RolloutPhase.offset` (prompt index), which scoring uses to take its advantages.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ class RolloutPhase:
     #: scoring computes them.
     rewards: torch.Tensor | None = None
     scores: object = None        # RewardScores when the rollout side scored the batch (async mode)
+    #: Each reward function's values per sample, with ``rewards`` (dynamic sampling).
+    reward_values: dict | None = None
+    #: The index of this rank's first prompt in the step's prompts (its slice of the groups).
+    offset: int = 0
 
 
 def run_rollout(trainer, step: int) -> RolloutPhase:
@@ -42,20 +46,18 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
     if cfg.rollout.dynamic_sampling:  # DAPO: rounds until prompts_per_step informative groups
         from portarl.trainer.dynamic_sampling import collect
 
-        trainer._local_offset = 0
         examples, seeds, rollout, texts, rewards, per_function, ds_metrics, ds_events = collect(trainer, step)
-        trainer._last_reward_values = per_function
         metrics, events = rollout_metrics(trainer, step, rollout, seeds)
         metrics.update(ds_metrics)
-        return RolloutPhase(examples, rollout, texts, metrics, ds_events + events, rewards=rewards)
+        return RolloutPhase(examples, rollout, texts, metrics, ds_events + events, rewards=rewards,
+                            reward_values=per_function, offset=0)
     everyone = prompts_for_step(trainer, step)
     seeds = request_seeds(cfg.train.seed, step, len(everyone), g, cfg.rollout.seed_mode)
     per_rank = len(everyone) // trainer.dist.world_size
-    trainer._local_offset = trainer.dist.rank * per_rank
-    examples = everyone[trainer._local_offset : trainer._local_offset + per_rank]  # whole groups per rank
-    seeds = seeds[trainer._local_offset * g : (trainer._local_offset + per_rank) * g]
-    # Encoded (and checked) once when the data loaded (GRPOTrainer._check_examples).
-    prompts = [trainer._prompt_ids.get(id(ex)) or trainer.codec.encode_prompt(ex.prompt) for ex in examples for _ in range(g)]
+    offset = trainer.dist.rank * per_rank
+    examples = everyone[offset : offset + per_rank]  # whole groups per rank
+    seeds = seeds[offset * g : (offset + per_rank) * g]
+    prompts = [trainer.encoded_prompt(ex) for ex in examples for _ in range(g)]  # encoded when the data loaded
     started, cpu_started = time.perf_counter(), time.process_time()
     trainer.rollout.sync_weights(trainer.model)
     episode_metrics, episode_events = {}, []
@@ -71,15 +73,15 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
     events += episode_events
     metrics["time/rollout_s"] = time.perf_counter() - started  # what async mode overlaps (bench async)
     metrics["time/rollout_cpu_s"] = time.process_time() - cpu_started
-    return RolloutPhase(examples, rollout, texts, metrics, events)
+    return RolloutPhase(examples, rollout, texts, metrics, events, offset=offset)
 
 
 def async_phase(trainer, step: int) -> RolloutPhase:
     got = trainer.async_rollout.batch(step)  # this rank's whole groups of the step's batch
-    trainer._local_offset = got.offset
     metrics, events = rollout_metrics(trainer, step, got.rollout, got.seeds)
     metrics.update(got.metrics)
-    return RolloutPhase(got.examples, got.rollout, got.texts, metrics, got.events + events, scores=got.scores)
+    return RolloutPhase(got.examples, got.rollout, got.texts, metrics, got.events + events, scores=got.scores,
+                        offset=got.offset)
 
 
 def identical_cause(seeds: list[int], completions: list[list[int]], logprobs: list[list[float]], g: int,

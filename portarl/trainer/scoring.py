@@ -24,7 +24,7 @@ worker sampled its own copy of the weights, up to ``rollout.max_staleness`` step
 (proximal) log-probs the trainer's current policy's, and with one optimizer step per batch
 those are the training forward's, detached (decoupled PPO): no extra forward either.
 
-The reward call is ``GRPOTrainer._rewards`` (:mod:`portarl.reward_runner`: per-sample and
+The reward call is ``GRPOTrainer.score_rewards`` (:mod:`portarl.reward_runner`: per-sample and
 TRL-style batched rewards with dataset columns, errors naming the reward and the sample),
 except in async mode, where the worker scored the batch (``RolloutPhase.scores``).
 """
@@ -79,7 +79,7 @@ def old_logprobs_recompute_reason(trainer) -> str | None:
         return "train.old_logprobs=recompute"
     if cfg.train.ppo_epochs * cfg.train.mini_batches > 1:
         return "several optimizer steps per rollout (train.ppo_epochs x train.mini_batches > 1)"
-    if trainer._uses_reference() and cfg.loss.kl_in_reward:
+    if trainer.uses_reference() and cfg.loss.kl_in_reward:
         return "loss.kl_in_reward needs old log-probs before the update"
     if trainer.emulate:
         return "precision.numerics emulation"
@@ -111,36 +111,38 @@ def score(trainer, phase, metrics: dict) -> Scored:
     guard = trainer.guard
     rollout, examples = phase.rollout, phase.examples
     if phase.rewards is not None:  # dynamic sampling scored (and shaped) them while choosing groups
-        rewards, reward_metrics = phase.rewards, {}
+        rewards, reward_metrics, reward_values = phase.rewards, {}, phase.reward_values
     else:
         if phase.scores is None:
             agent = getattr(trainer, "agent", None)
             rows = None if agent is None else reward_examples(  # multi-turn: per-sample columns
                 examples, g, rollout, bool(agent.factories))
-            rewards, reward_metrics = trainer._rewards(examples, phase.texts, rows)
+            scores = trainer.score_rewards(examples, phase.texts, rows)
+            rewards, reward_metrics = scores.total, scores.metrics
         else:  # scored by the rollout worker (rollout.mode=async)
-            trainer._last_reward_values = phase.scores.per_function
-            rewards, reward_metrics = phase.scores.total, dict(phase.scores.metrics)
+            scores = phase.scores
+            rewards, reward_metrics = scores.total, dict(scores.metrics)
+        reward_values = scores.per_function
         rewards = shape_rewards(cfg, rewards, rollout.completion_ids, reward_metrics)  # DAPO overlong penalty
     # What the sample log shows (samples.jsonl): filled in as the phase goes.
-    trainer._last_samples = {"prompts": [examples[i // g].prompt_text for i in range(len(phase.texts))],
-                             "completions": phase.texts, "finished": rollout.finished,
-                             "rewards": getattr(trainer, "_last_reward_values", {}), "total": rewards.tolist(),
-                             "advantages": None, "episodes": getattr(rollout, "episodes", None)}
+    trainer.last_samples = {"prompts": [examples[i // g].prompt_text for i in range(len(phase.texts))],
+                            "completions": phase.texts, "finished": rollout.finished,
+                            "rewards": reward_values, "total": rewards.tolist(),
+                            "advantages": None, "episodes": getattr(rollout, "episodes", None)}
     metrics.update(reward_metrics)
-    rewards = trainer._apply_hooks("reward", rewards)
+    rewards = trainer.run_hooks("reward", rewards)
     guard.check("reward", rewards)
     batch = build_batch(rollout.prompt_ids, rollout.completion_ids, trainer.codec.pad_token_id, trainer.device,
                         model_mask=getattr(rollout, "model_mask", None))  # multi-turn: the model's tokens only
     rollout_logp = padded(rollout.logprobs, batch.labels.shape[1], 0.0, torch.float32).to(trainer.device)
     old_logp = None
     if old_logprobs_recompute_reason(trainer) is not None:
-        old_logp = trainer._apply_hooks("old_logp", no_grad_logprobs(trainer, trainer.model, batch))
+        old_logp = trainer.run_hooks("old_logp", no_grad_logprobs(trainer, trainer.model, batch))
         check_old_logp(trainer, batch, old_logp)
     ref_logp = None
-    if trainer._uses_reference():
+    if trainer.uses_reference():
         with reference_model(trainer) as ref:  # a frozen copy, or (LoRA) the model with its adapter disabled
-            ref_logp = trainer._apply_hooks("ref_logp", no_grad_logprobs(trainer, ref, batch))
+            ref_logp = trainer.run_hooks("ref_logp", no_grad_logprobs(trainer, ref, batch))
         try:
             guard.check("ref_logp", ref_logp, batch.mask)
         except NonFiniteError:
@@ -162,10 +164,10 @@ def score(trainer, phase, metrics: dict) -> Scored:
     adv = compute_advantages(rewards, g, cfg.loss.advantage_estimator, drop_zero_std=drop,
                              **cfg.loss.advantage_options())
     metrics.update({f"adv/{k}": float(v) for k, v in adv.metrics.items()})
-    mine = slice(trainer._local_offset * g, (trainer._local_offset + len(examples)) * g)
-    advantages = trainer._apply_hooks("advantage", adv.advantages[mine].to(trainer.device))
+    mine = slice(phase.offset * g, (phase.offset + len(examples)) * g)
+    advantages = trainer.run_hooks("advantage", adv.advantages[mine].to(trainer.device))
     check_finite("advantage", advantages)
-    trainer._last_samples["advantages"] = advantages.cpu().tolist()
+    trainer.last_samples["advantages"] = advantages.cpu().tolist()
     # Dropped groups (DAPO dynamic sampling) are masked out, not removed, so every rank
     # runs the same number of micro-batches (FSDP forwards are collective).
     keep = adv.keep[mine].to(trainer.device)

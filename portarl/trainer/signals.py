@@ -75,7 +75,7 @@ def abort_message(err: AbortNow, trainer) -> str:
 @contextlib.contextmanager
 def graceful_stop(trainer):
     """While training: the first SIGINT/SIGTERM asks ``trainer`` to stop after the current
-    step (``trainer._stop_requested``, ``trainer._stop_signal``); a second raises
+    step (``trainer.stop_requested``, ``trainer.stop_signal``); a second raises
     :class:`AbortNow`. Previous handlers are restored on exit."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -85,13 +85,13 @@ def graceful_stop(trainer):
         raise missed
 
     def handler(signum, frame):
-        if trainer._stop_requested:
+        if trainer.stop_requested:
             raise AbortNow(signum)
         # The request is recorded before anything is said: a second signal can arrive while
         # this handler still runs (a user who saw the message, a scheduler's follow-up), and
         # Python then runs this handler again, nested; it must find the first one recorded.
-        trainer._stop_requested = True
-        trainer._stop_signal = signum
+        trainer.stop_requested = True
+        trainer.stop_signal = signum
         if call_in_progress():  # a reward (user code) is running: it may never return, so it ends now
             log.warning("%s: ending the user code in progress (step %d is abandoned, nothing of it applied), then "
                         "saving a checkpoint of step %d (send it again to abort now, without saving)",

@@ -76,7 +76,7 @@ def run_update(trainer, scored, metrics: dict, events: list) -> bool:
     overflow = False
     index = 0
     for epoch in range(cfg.ppo_epochs):
-        for k, rows in enumerate(mini_batch_rows(n, cfg.mini_batches, cfg.seed, trainer._hook_step, epoch)):
+        for k, rows in enumerate(mini_batch_rows(n, cfg.mini_batches, cfg.seed, trainer.hook_step, epoch)):
             index += 1
             try:
                 step_metrics, overflow = optimizer_step(
@@ -192,7 +192,7 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
         out = logprobs(trainer, trainer.model, part, with_entropy=want_entropy)
         logp, entropy = out if want_entropy else (out, None)
         if old_logp is None:  # the current policy is the old (proximal) one: scoring.old_logprobs_recompute_reason
-            old = trainer._apply_hooks("old_logp", logp.detach())
+            old = trainer.run_hooks("old_logp", logp.detach())
             old_bad = old_bad + (~torch.isfinite(old) & part.mask).sum()
             on_policy.append((part, old))
         else:
@@ -202,7 +202,7 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
             ref_logp=rows_of(ref_logp, rows, part), rollout_logp=rows_of(rollout_logp, rows, part),
             entropy=entropy, **norms,
         )
-        loss = trainer._apply_hooks("loss", loss)
+        loss = trainer.run_hooks("loss", loss)
         loss_ok = loss_ok & torch.isfinite(loss.detach())
         # FSDP2 averages gradients over ranks; each rank's loss is its share of the global
         # loss, so scale by the world size to reduce to the global batch's gradient.
@@ -216,7 +216,7 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
     grads.drop_untouched()
     params = precision.params
     if trainer.hooks["grad"] and params[0].grad is not None:
-        params[0].grad = trainer._apply_hooks("grad", params[0].grad)
+        params[0].grad = trainer.run_hooks("grad", params[0].grad)
     precision.unscale_grads()  # fp16: inf / NaN survive the unscale, so the norm below sees an overflow
     targets = precision.optimizer_params()
     norm, global_norm = grad_norm_of(targets)
@@ -248,8 +248,8 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
     metrics_out["grad_norm"] = host[2]
     judge_spikes(trainer, metrics_out)  # before the update: "skip" / "stop" must leave the weights as they are
     metrics_out.update(guarded_optimizer_step(trainer))
-    if trainer._rollout is not None:  # an engine not built yet has nothing stale (async mode: the worker's engine;
-        trainer._rollout.mark_trainer_updated()  # building one here would start a second vLLM in the trainer)
+    if trainer.rollout_if_built is not None:  # an engine not built yet has nothing stale (async mode: the worker's
+        trainer.rollout_if_built.mark_trainer_updated()  # engine; building one here would start a second vLLM)
     trainer.scheduler.step()
     precision.update_scale(overflow=False)
     precision.zero_grad()

@@ -101,7 +101,7 @@ def test_async_keeps_per_sample_seeds_and_the_detector_fires_on_a_constant_seed(
     events = _jsonl(tmp_path / "ok" / "run" / "events.jsonl")
     assert not [e for e in events if e["kind"] == "identical_samples"]
     assert trainer.step == 3
-    assert trainer._rollout is None, "async mode built a rollout engine in the trainer (with vllm: a second vLLM)"
+    assert trainer.rollout_if_built is None, "async mode built a rollout engine in the trainer (with vllm: a second vLLM)"
 
     monkeypatch.setenv(FAULT_ENV, "constant_seed")
     _run(tmp_path / "bad", "train.steps=2", "rollout.mode=async")

@@ -76,7 +76,7 @@ def test_nan_logits_are_named(make_trainer):
 
 def test_nan_in_ref_logp_is_named(make_trainer):
     trainer = make_trainer("loss.kl_coef=0.01")
-    trainer.ref_model = trainer._make_reference()
+    trainer.ref_model = trainer.make_reference()
     trainer.hooks["ref_logp"].append(_nan_at(1))
     assert trainer.train_step()["guard/nonfinite_tensor"] == "ref_logp"
 

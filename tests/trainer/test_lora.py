@@ -137,7 +137,7 @@ def test_reference_is_the_base_model_with_the_adapter_disabled(make_trainer):
     assert not torch.allclose(policy_logp[mask], ref_logp[mask]), "the adapter changed nothing: the test cannot fail"
     params_before = sum(p.numel() for p in trainer.model.parameters())
     trainer.train()  # kl_coef > 0: the reference is used every step
-    assert trainer.ref_model is None and trainer._make_reference() is None
+    assert trainer.ref_model is None and trainer.make_reference() is None
     assert sum(p.numel() for p in trainer.model.parameters()) == params_before
     assert cfg.loss.kl_coef > 0
 

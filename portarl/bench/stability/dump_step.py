@@ -112,7 +112,7 @@ def dump_recorded_step(directory: str | Path, step: int, out: str | Path, *, run
                 if progress:
                     progress(f"replaying update {s}/{step - 1} ({spec.label})")
                 trainer.train_step()
-            trainer._hook_step = step
+            trainer.hook_step = step
             phase = run_rollout(trainer, step)
             trainer.guard.reset()
             scored = score(trainer, phase, {})
