@@ -232,3 +232,58 @@ def test_an_arrow_up_the_layers_is_found(tmp_path):
                                            ("portarl", "base")])
 def test_layer_names(module, layer):
     assert layer_of(module) == layer
+
+
+# ---------------------------------------------------------------- the trainer's private attributes
+#: The only module that may touch a private attribute of the trainer object.
+TRAINER_MODULE = PACKAGE / "trainer" / "grpo.py"
+#: Where the trainer is used: the package, the repository's benchmarks and examples, the tests.
+TRAINER_USERS = [PACKAGE, PACKAGE.parent / "bench", PACKAGE.parent / "examples", PACKAGE.parent / "tests"]
+#: The names the trainer object goes by outside grpo.py: ``trainer`` (every phase function's
+#: parameter), ``x.trainer`` (an object holding it), and the class itself (an unbound method).
+_TRAINER_NAMES = {"trainer", "GRPOTrainer"}
+
+
+def _is_trainer(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id in _TRAINER_NAMES) or (
+        isinstance(node, ast.Attribute) and node.attr == "trainer")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_trainer_accesses(path: Path) -> list[str]:
+    """``trainer._x``, ``self.trainer._x``, ``GRPOTrainer._x`` and ``getattr(trainer, "_x")``
+    (also ``setattr``, ``hasattr``, ``delattr``) in ``path``, as ``file:line: text``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        name = None
+        if isinstance(node, ast.Attribute) and _is_trainer(node.value) and _private(node.attr):
+            name = node.attr
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
+              and _is_trainer(node.args[0]) and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str) and _private(node.args[1].value)):
+            name = node.args[1].value
+        if name is not None:
+            found.append((node.lineno, f"{path}:{node.lineno}: {name}"))
+    return [text for _, text in sorted(found)]
+
+
+def test_no_module_reaches_into_the_trainers_private_attributes():
+    """The phases take the trainer's public state (documented on :class:`GRPOTrainer`) and
+    return explicit values; only grpo.py touches what is private to it."""
+    files = [p for root in TRAINER_USERS if root.exists() for p in sorted(root.rglob("*.py"))
+             if p != TRAINER_MODULE and p != Path(__file__).resolve()]
+    found = [hit for p in files for hit in private_trainer_accesses(p)]
+    assert not found, "private attributes of the trainer used outside trainer/grpo.py:\n" + "\n".join(found)
+
+
+def test_a_private_trainer_access_is_found(tmp_path):
+    phase = tmp_path / "phase.py"
+    phase.write_text("def run(trainer, step):\n    trainer.step = step\n    n = trainer._offset\n"
+                     "    self.trainer._rollout.close()\n    getattr(trainer, '_warned', False)\n"
+                     "    GRPOTrainer._stop(trainer)\n    trainer.__class__\n    other._x\n")
+    assert private_trainer_accesses(phase) == [f"{phase}:{line}: {name}" for line, name in [
+        (3, "_offset"), (4, "_rollout"), (5, "_warned"), (6, "_stop")]]
