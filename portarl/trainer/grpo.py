@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from portarl import distributed as pdist
-from portarl.data import Example, arithmetic_examples, encode_examples, load_examples_for
+from portarl.data import Example, arithmetic_examples, load_examples_for
 from portarl.device import resolve_device
 from portarl.emulation import resolve_profile
 from portarl.lora import is_lora
@@ -53,13 +53,12 @@ from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hoo
 from portarl.trainer.async_pipeline import async_rollout
 from portarl.trainer.rollout_phase import run_rollout
 from portarl.trainer import persistence, run_dir, run_lock
-from portarl.trainer.progress import progress_bar
 from portarl.trainer.runlog import RunLogger, finish_run
 from portarl.trainer.write_failure import writing
 from portarl.trainer.evaluation import Evaluator
 from portarl.trainer.reference import maybe_sync_reference, refuse_reference_sync
 from portarl.trainer.scoring import score
-from portarl.trainer.sft import run_sft
+from portarl.trainer.sft import warm_up
 from portarl.trainer.step_guard import (
     StepGuard,
     finish_metrics,
@@ -69,6 +68,7 @@ from portarl.trainer.step_guard import (
 )
 from portarl.trainer.setup import (
     SilentLogger,
+    check_examples,
     make_optimizer,
     make_precision,
     make_rollout_engine,
@@ -111,7 +111,9 @@ class GRPOTrainer:
         self.agent = make_agent(self.config, self.codec, self._search_dirs())
         self.rewards = self._resolve_rewards(reward_fns)
         self.examples: list[Example] = list(train_data)
-        self._prompt_ids = self._check_examples()  # by id(example): encoded_prompt()
+        # Every prompt encoded and checked now, by id(example): encoded_prompt()
+        self._prompt_ids = check_examples(self.examples, self.codec, self.model, self.config, self.rewards.needs_answer,
+                                          self.dist.is_main)
         if self.config.eval.data is not None and self.dist.enabled:
             raise ConfigError("eval.data under torchrun is not supported yet: evaluate checkpoints with "
                               "`portarl eval --checkpoint C --data F`, or train in one process")
@@ -189,25 +191,6 @@ class GRPOTrainer:
     def _search_dirs(self) -> list[str]:
         """Where ``module:function`` rewards, tools and environments are looked for."""
         return [os.getcwd()] + [d for d in [getattr(self.config, "source_dir", None)] if d]
-
-    def _check_examples(self) -> dict[int, list[int]]:
-        """Every prompt encoded now (file:line in the error), answers present where needed,
-        and sampling with replacement announced. Returns ids by ``id(example)``."""
-        if not self.examples:
-            raise ValueError("train_data is empty")
-        ctx = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        ids = encode_examples(self.examples, self.codec, context_length=ctx,
-                              max_new_tokens=self.config.rollout.max_new_tokens)
-        need = self.rewards.needs_answer + (["train.sft_warmup_steps"] if self.config.train.sft_warmup_steps else [])
-        missing = next((ex for ex in self.examples if ex.answer is None), None)
-        if need and missing is not None:
-            raise ValueError(f"{missing.where or 'an example'}: no answer field (data.answer_field="
-                             f"{self.config.data.answer_field!r}), which {', '.join(need)} needs")
-        n = self.config.train.prompts_per_step
-        if n > len(self.examples) and self.dist.is_main:
-            log.warning("train.prompts_per_step=%d is larger than the %d examples: prompts are drawn with replacement "
-                        "(the same prompt can appear twice in a step)", n, len(self.examples))
-        return {id(ex): p for ex, p in zip(self.examples, ids)}
 
     def encoded_prompt(self, example: Example) -> list[int]:
         """``example``'s prompt ids: encoded and checked when the data loaded, else now."""
@@ -311,31 +294,10 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------- loop
     def warmup_sft(self, logger: RunLogger | None = None) -> None:
-        cfg = self.config.train
+        """The supervised warm-up (``train.sft_warmup_steps``), once: :func:`sft.warm_up`."""
         if self.sft_done:
             return
-
-        # Its own progress bar (the GRPO bar starts at the first GRPO step); log lines without one.
-        bar = progress_bar(cfg.sft_warmup_steps, "sft warm-up",
-                           enabled=logger is not None and self.config.logging.progress and self.dist.is_main)
-
-        def on_step(step, loss):
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}")
-            elif logger is not None and (step % 10 == 0 or step == cfg.sft_warmup_steps):
-                log.info("sft warm-up %d/%d: loss %.4f", step, cfg.sft_warmup_steps, loss)
-
-        try:
-            losses = run_sft(self.model, self.codec, self.examples, steps=cfg.sft_warmup_steps,
-                             batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, device=self.device, seed=cfg.seed,
-                             on_step=on_step, logits_policy=self.config.precision.logits,
-                             precision=self.precision, dist=self.dist)
-        finally:
-            if bar is not None:
-                bar.close()
-        if bar is not None and losses:
-            log.info("sft warm-up: %d steps, loss %.4f -> %.4f", len(losses), losses[0], losses[-1])
+        losses = warm_up(self, logger)
         if self._initial_reference is not None and losses:  # FSDP2: the sharded copy was made before the
             with torch.no_grad():  # warm-up; one process builds its reference after it: anchor the warmed-up model
                 for ref, param in zip(self._initial_reference.parameters(), self.model.parameters(), strict=True):

@@ -12,6 +12,7 @@ import os
 import torch
 
 from portarl import distributed as pdist
+from portarl.data import encode_examples
 from portarl.lora import apply_lora, base_model, is_lora
 from portarl.rollout import ENGINES
 from portarl.trainer.checkpointing import enable_checkpointing, wants_checkpointing
@@ -104,6 +105,27 @@ def make_optimizer(params, cfg: TrainConfig):
     optimizer = make_adamw(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                            implementation=o.implementation)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, optimizer_steps_total(cfg)))
+
+
+def check_examples(examples: list, codec, model, cfg: TrainConfig, needs_answer: list[str], is_main: bool
+                   ) -> dict[int, list[int]]:
+    """Every prompt encoded now (file:line in the error), answers present where the rewards
+    (``needs_answer``) or the SFT warm-up need them, and sampling with replacement announced.
+    Returns the prompt ids by ``id(example)``."""
+    if not examples:
+        raise ValueError("train_data is empty")
+    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    ids = encode_examples(examples, codec, context_length=ctx, max_new_tokens=cfg.rollout.max_new_tokens)
+    need = needs_answer + (["train.sft_warmup_steps"] if cfg.train.sft_warmup_steps else [])
+    missing = next((ex for ex in examples if ex.answer is None), None)
+    if need and missing is not None:
+        raise ValueError(f"{missing.where or 'an example'}: no answer field (data.answer_field="
+                         f"{cfg.data.answer_field!r}), which {', '.join(need)} needs")
+    n = cfg.train.prompts_per_step
+    if n > len(examples) and is_main:
+        log.warning("train.prompts_per_step=%d is larger than the %d examples: prompts are drawn with replacement "
+                    "(the same prompt can appear twice in a step)", n, len(examples))
+    return {id(ex): p for ex, p in zip(examples, ids)}
 
 
 def make_rollout_engine(trainer):

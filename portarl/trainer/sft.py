@@ -6,6 +6,7 @@ The loss is the mean negative log-prob of the answer tokens (and EOS), computed 
 
 from __future__ import annotations
 
+import logging
 import random
 
 import torch
@@ -13,7 +14,10 @@ import torch
 from portarl import distributed as pdist
 from portarl.data import Example
 from portarl.tokenizer import TextCodec
+from portarl.trainer.progress import progress_bar
 from portarl.trainer.sequences import build_batch, completion_logprobs
+
+log = logging.getLogger("portarl.train")
 
 
 def sft_batch(codec: TextCodec, examples: list[Example], device):
@@ -96,4 +100,32 @@ def run_sft(model, codec: TextCodec, examples: list[Example], *, steps: int, bat
         losses.append(float(reported.detach()))
         if on_step is not None:
             on_step(step, float(reported.detach()))
+    return losses
+
+
+def warm_up(trainer, logger=None) -> list[float]:
+    """A GRPO run's supervised warm-up of ``trainer.model`` (``train.sft_warmup_steps``): its
+    own progress bar (the GRPO bar starts at the first GRPO step), or log lines without one
+    (``logger`` None: silent). Returns the losses."""
+    cfg = trainer.config.train
+    bar = progress_bar(cfg.sft_warmup_steps, "sft warm-up",
+                       enabled=logger is not None and trainer.config.logging.progress and trainer.dist.is_main)
+
+    def on_step(step, loss):
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}")
+        elif logger is not None and (step % 10 == 0 or step == cfg.sft_warmup_steps):
+            log.info("sft warm-up %d/%d: loss %.4f", step, cfg.sft_warmup_steps, loss)
+
+    try:
+        losses = run_sft(trainer.model, trainer.codec, trainer.examples, steps=cfg.sft_warmup_steps,
+                         batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, device=trainer.device, seed=cfg.seed,
+                         on_step=on_step, logits_policy=trainer.config.precision.logits,
+                         precision=trainer.precision, dist=trainer.dist)
+    finally:
+        if bar is not None:
+            bar.close()
+    if bar is not None and losses:
+        log.info("sft warm-up: %d steps, loss %.4f -> %.4f", len(losses), losses[0], losses[-1])
     return losses
