@@ -171,7 +171,7 @@ def resolve_padding_free(cfg, model) -> Layout | None:
         log.debug("padding-free micro-batches: on (%s)", why)  # the default: no line (errors stay one line)
         return layout_of(_hf_base(model).config, kind)
     if value is True:
-        from portarl.trainer.config_fields import ConfigError
+        from portarl.trainer.config.fields import ConfigError
 
         raise ConfigError(f"train.padding_free=true: {why}; set train.padding_free=auto (padded where unsupported) "
                          "or false, or model.attn_implementation=sdpa")

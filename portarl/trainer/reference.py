@@ -34,7 +34,7 @@ def refuse_reference_sync(config, model, distributed: bool) -> str | None:
     if not config.reference.sync:
         return None
     if config.model.lora is not None or is_lora(model):
-        from portarl.trainer.config_algorithms import REFERENCE_SYNC_LORA
+        from portarl.trainer.config.algorithms import REFERENCE_SYNC_LORA
 
         return REFERENCE_SYNC_LORA
     if distributed:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from portarl.trainer.config_fields import _check, _number, _positive_int
+from portarl.trainer.config.fields import _check, _number, _positive_int
 
 #: Why reference.sync is refused with LoRA (the config check and the trainer's, for a model
 #: passed in with adapters).

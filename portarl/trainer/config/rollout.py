@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from portarl.trainer.config_fields import _check, _number, _positive_int
+from portarl.trainer.config.fields import _check, _number, _positive_int
 
 
 @dataclasses.dataclass

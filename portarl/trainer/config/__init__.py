@@ -4,7 +4,7 @@
 Sections: ``model``, ``data``, ``rollout``, ``rewards``, ``train``, ``optim``,
 ``precision``, ``guards``, ``checkpoint``, ``logging``, ``loss`` (a
 :class:`portarl.core.GRPOConfig`), ``shaping``, ``reference``, ``eval``
-(:mod:`portarl.trainer.config_algorithms`). The defaults are the built-in demo: the tiny Qwen2 on
+(:mod:`portarl.trainer.config.algorithms`). The defaults are the built-in demo: the tiny Qwen2 on
 single-digit addition.
 """
 
@@ -19,7 +19,7 @@ import yaml
 
 from portarl.core import GRPOConfig
 from portarl.reward_runner import DEFAULT_TIMEOUT_S
-from portarl.trainer.config_fields import (  # noqa: F401  (ConfigError, apply_override: public here too)
+from portarl.trainer.config.fields import (  # noqa: F401  (ConfigError, apply_override: public here too)
     ConfigError,
     _build,
     _check,
@@ -29,10 +29,10 @@ from portarl.trainer.config_fields import (  # noqa: F401  (ConfigError, apply_o
     _positive_int,
     apply_override,
 )
-from portarl.trainer.config_algorithms import REFERENCE_SYNC_LORA, EvalConfig, ReferenceConfig, ShapingConfig  # noqa: F401
-from portarl.trainer.config_lora import LORA_DEFAULT_TARGETS, LoraSection, lora_section  # noqa: F401
-from portarl.trainer.config_rollout import RolloutConfig  # noqa: F401  (public here too)
-from portarl.trainer.config_safety import GuardsConfig, PrecisionConfig  # noqa: F401  (public here too)
+from portarl.trainer.config.algorithms import REFERENCE_SYNC_LORA, EvalConfig, ReferenceConfig, ShapingConfig  # noqa: F401
+from portarl.trainer.config.lora import LORA_DEFAULT_TARGETS, LoraSection, lora_section  # noqa: F401
+from portarl.trainer.config.rollout import RolloutConfig  # noqa: F401  (public here too)
+from portarl.trainer.config.safety import GuardsConfig, PrecisionConfig  # noqa: F401  (public here too)
 
 
 @dataclasses.dataclass

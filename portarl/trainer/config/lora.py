@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from portarl.trainer.config_fields import _build, _check, _coerce_numbers, _number, _positive_int
+from portarl.trainer.config.fields import _build, _check, _coerce_numbers, _number, _positive_int
 
 #: LoRA's default targets: the attention and MLP projections of Llama / Qwen2 / Mistral.
 LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

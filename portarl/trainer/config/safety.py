@@ -9,7 +9,7 @@ import dataclasses
 import math
 from typing import Any
 
-from portarl.trainer.config_fields import ConfigError, _check, _number, _positive_int
+from portarl.trainer.config.fields import ConfigError, _check, _number, _positive_int
 
 
 @dataclasses.dataclass
