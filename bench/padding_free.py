@@ -42,11 +42,11 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    import portarl.trainer.update as update
+    import portarl.trainer.phases.update as update
     from portarl.trainer import GRPOTrainer, TrainConfig, build_from_config
-    from portarl.trainer.micro_batches import micro_batches
-    from portarl.trainer.rollout_phase import run_rollout
-    from portarl.trainer.scoring import score
+    from portarl.trainer.phases.micro_batches import micro_batches
+    from portarl.trainer.phases.rollout import run_rollout
+    from portarl.trainer.phases.scoring import score
 
     load_start = _load()
     with tempfile.TemporaryDirectory() as tmp:

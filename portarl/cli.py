@@ -161,7 +161,7 @@ def _cmd_eval(args) -> int:
     from portarl.lora import LoraUnavailable
     from portarl.reward_runner import RewardError
     from portarl.trainer.checkpoint import CheckpointError
-    from portarl.trainer.evaluation import eval_checkpoint
+    from portarl.trainer.phases.evaluation import eval_checkpoint
 
     greedy = None if args.greedy is None else args.greedy == "true"
     try:

@@ -255,7 +255,7 @@ def cmd_sft(args) -> int:
     from portarl.lora import apply_lora, save_merged
     from portarl.tokenizer import as_codec
     from portarl.trainer.progress import progress_bar
-    from portarl.trainer.sft import run_sft
+    from portarl.trainer.phases.sft import run_sft
 
     config = ready.config
     steps = args.steps or config.train.sft_warmup_steps or 100

@@ -9,7 +9,7 @@ sync and export; each of those calls one helper here instead of knowing peft's l
   the guards (which all collect trainable parameters) see the adapter only. The adapter's
   random init is seeded, so two runs with the same config start identical.
 - The KL reference is the same model with the adapter disabled
-  (:func:`portarl.trainer.reference.reference_model`): no second copy of the weights.
+  (:func:`portarl.trainer.phases.reference.reference_model`): no second copy of the weights.
 - :func:`merged_state_dict` gives ``W + scaling * B @ A`` under the base model's own
   parameter names, computed on the side: the training model is never merged in place
   (merging and unmerging in low precision would drift the base weights).

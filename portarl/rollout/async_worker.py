@@ -18,7 +18,7 @@ Requests, handled strictly in order:
 - ``{"op": "generate", "step": s, "prompts": [[ids]], "examples": [...]}``: G samples per
   prompt with the weights loaded last. Seeds come from (run seed, step, prompt, sample)
   through :func:`portarl.rollout.request_seeds`, exactly as in colocated mode
-  (:func:`portarl.trainer.rollout_phase.run_rollout`): the failure reported for other
+  (:func:`portarl.trainer.phases.rollout.run_rollout`): the failure reported for other
   frameworks' async modes, identical completions step after step, came from a worker
   whose seeds never advanced. Rewards are computed here (the trainer gets scored
   batches); the reply carries the weight version that generated it.
@@ -142,7 +142,7 @@ class Worker:
     def generate(self, request: dict) -> dict:
         from portarl.data import Example
         from portarl.rollout import request_seeds
-        from portarl.trainer.episodes import play, reward_examples
+        from portarl.trainer.phases.episodes import play, reward_examples
 
         idle = time.perf_counter() - self.idle_since
         step, cfg = int(request["step"]), self.config

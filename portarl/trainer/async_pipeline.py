@@ -20,7 +20,7 @@ regenerated with the current weights.
 Off-policy correction (on by default): the old (proximal) log-probs are the trainer's
 current policy's: with one optimizer step per batch, the training forward's own, detached
 (no extra forward); with mini-batches or PPO epochs, a no-grad forward before the first
-step (:func:`portarl.trainer.scoring.old_logprobs_recompute_reason`). The
+step (:func:`portarl.trainer.phases.scoring.old_logprobs_recompute_reason`). The
 rollout log-probs are the behaviour policy's, so the existing rollout-mismatch correction
 (``loss.mismatch_mode``, default ``token_truncate``: truncated importance sampling with
 C = 2) weighs every token by min(pi_old / pi_behaviour, C) and its ``mismatch/*`` metrics
@@ -198,7 +198,7 @@ class AsyncRollout:
                           "examples": [_example_json(ex) for ex in examples]})
 
     def trainer_prompts(self, step: int):
-        from portarl.trainer.rollout_phase import prompts_for_step
+        from portarl.trainer.phases.rollout import prompts_for_step
 
         return prompts_for_step(self.trainer, step)
 

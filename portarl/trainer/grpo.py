@@ -2,11 +2,11 @@
 
 Per iteration (``step``), see :meth:`GRPOTrainer.train_step`:
 
-- :mod:`portarl.trainer.rollout_phase`: ``prompts_per_step`` prompts (seeded by run seed
+- :mod:`portarl.trainer.phases.rollout`: ``prompts_per_step`` prompts (seeded by run seed
   and step), G completions each from the rollout engine (a seed per sample);
-- :mod:`portarl.trainer.scoring`: rewards, old (and reference) log-probs through
+- :mod:`portarl.trainer.phases.scoring`: rewards, old (and reference) log-probs through
   :mod:`portarl.ops`, advantages;
-- :mod:`portarl.trainer.update`: ``ppo_epochs`` optimizer steps, each accumulating
+- :mod:`portarl.trainer.phases.update`: ``ppo_epochs`` optimizer steps, each accumulating
   gradients over micro-batches of :func:`portarl.core.compute_loss` with global normalisers;
 - :mod:`portarl.trainer.step_guard`: the guards, through all three.
 
@@ -48,17 +48,17 @@ from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
 from portarl.trainer.guards import DegenerateDetector, GuardTripped, SpikeDetector
 from portarl.trainer.heap import release_freed_memory
-from portarl.trainer.packing import resolve_padding_free
+from portarl.trainer.phases.packing import resolve_padding_free
 from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
 from portarl.trainer.async_pipeline import async_rollout
-from portarl.trainer.rollout_phase import run_rollout
+from portarl.trainer.phases.rollout import run_rollout
 from portarl.trainer import persistence, run_dir, run_lock
 from portarl.trainer.runlog import RunLogger, finish_run
 from portarl.trainer.write_failure import writing
-from portarl.trainer.evaluation import Evaluator
-from portarl.trainer.reference import maybe_sync_reference, refuse_reference_sync
-from portarl.trainer.scoring import score
-from portarl.trainer.sft import warm_up
+from portarl.trainer.phases.evaluation import Evaluator
+from portarl.trainer.phases.reference import maybe_sync_reference, refuse_reference_sync
+from portarl.trainer.phases.scoring import score
+from portarl.trainer.phases.sft import warm_up
 from portarl.trainer.step_guard import (
     StepGuard,
     finish_metrics,
@@ -75,7 +75,7 @@ from portarl.trainer.setup import (
     place_model,
 )
 from portarl.trainer.loop import TrainingStopped, run_loop
-from portarl.trainer.update import run_update
+from portarl.trainer.phases.update import run_update
 from portarl.trainer.signals import graceful_stop
 
 log = logging.getLogger("portarl.train")
@@ -103,7 +103,7 @@ class GRPOTrainer:
             raise ConfigError(why)
         self.model, self._initial_reference = place_model(model, self.config, self.dist, self.device)
         self.model.train()
-        self.padding_free = resolve_padding_free(self.config, self.model)  # micro-batch layout (trainer/packing.py)
+        self.padding_free = resolve_padding_free(self.config, self.model)  # micro-batch layout (trainer/phases/packing.py)
         self.tokenizer = tokenizer
         d = self.config.data
         self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)
@@ -204,7 +204,7 @@ class GRPOTrainer:
         """A frozen reference copy of the policy (FSDP2: the sharded copy made at start;
         LoRA: none, the adapter disabled is the reference)."""
         if self._initial_reference is not None or is_lora(self.model):  # FSDP2: the sharded copy; LoRA: none
-            return self._initial_reference  # (LoRA's reference is the adapter disabled: trainer/reference.py)
+            return self._initial_reference  # (LoRA's reference is the adapter disabled: trainer/phases/reference.py)
         ref = copy.deepcopy(self.model)
         ref.eval()
         for p in ref.parameters():
@@ -237,7 +237,7 @@ class GRPOTrainer:
         weighted total per completion (fp32, on the CPU), ``metrics`` (``reward/*``) and
         ``per_function`` (each function's values, for the sample log). A failing reward on
         any rank raises :class:`RewardError` on every rank. ``rows``: one row per sample
-        (multi-turn episodes add columns: :func:`portarl.trainer.episodes.reward_examples`)."""
+        (multi-turn episodes add columns: :func:`portarl.trainer.phases.episodes.reward_examples`)."""
         g = self.config.rollout.group_size
         scores = failure = None
         try:

@@ -205,7 +205,7 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
 def plans_padding_free(cfg) -> bool:
     """Whether the trainer will pack micro-batches: ``train.padding_free`` not false and
     an attention implementation transformers packs (the plan loads no model)."""
-    from portarl.trainer.packing import MASK_ATTENTION, VARLEN_ATTENTION
+    from portarl.trainer.phases.packing import MASK_ATTENTION, VARLEN_ATTENTION
 
     impl = cfg.model.attn_implementation or "sdpa"
     return cfg.train.padding_free is not False and impl in MASK_ATTENTION + VARLEN_ATTENTION

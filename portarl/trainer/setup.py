@@ -17,9 +17,9 @@ from portarl.lora import apply_lora, base_model, is_lora
 from portarl.rollout import ENGINES
 from portarl.trainer.checkpointing import enable_checkpointing, wants_checkpointing
 from portarl.trainer.config import ConfigError, TrainConfig
-from portarl.trainer.optimizer import make_adamw
+from portarl.trainer.phases.optimizer import make_adamw
 from portarl.trainer.precision import DTYPES, PrecisionPlan, sharded_plan
-from portarl.trainer.update import lr_lambda, optimizer_steps_total
+from portarl.trainer.phases.update import lr_lambda, optimizer_steps_total
 
 log = logging.getLogger("portarl.train")
 
@@ -99,7 +99,7 @@ def make_precision(model, cfg: TrainConfig, dist) -> PrecisionPlan:
 
 
 def make_optimizer(params, cfg: TrainConfig):
-    """AdamW over ``params`` (fused / foreach by device: :mod:`portarl.trainer.optimizer`)
+    """AdamW over ``params`` (fused / foreach by device: :mod:`portarl.trainer.phases.optimizer`)
     and its LR schedule; the schedule counts optimizer steps."""
     o = cfg.optim
     optimizer = make_adamw(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,

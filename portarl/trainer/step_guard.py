@@ -25,7 +25,7 @@ import torch
 
 from portarl import distributed as pdist
 from portarl.trainer.guards import NonFiniteError, SpikeTripped, check_finite
-from portarl.trainer.sequences import nonfinite_logit_positions
+from portarl.trainer.phases.sequences import nonfinite_logit_positions
 
 log = logging.getLogger("portarl.train")
 

@@ -10,7 +10,7 @@ from agent_tiny import ScriptedRollout, agent_tokenizer, tiny_model
 from portarl.data import Example
 from portarl.trainer import GRPOTrainer, TrainConfig
 from portarl.trainer.config import ConfigError
-from portarl.trainer.rollout_phase import run_rollout
+from portarl.trainer.phases.rollout import run_rollout
 from trainer_fast import fast_config
 
 

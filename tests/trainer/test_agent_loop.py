@@ -14,8 +14,8 @@ import torch
 from agent_tiny import ScriptedRollout, agent_tokenizer, call_text, tiny_model
 from portarl.data import Example
 from portarl.trainer import GRPOTrainer
-from portarl.trainer.rollout_phase import run_rollout
-from portarl.trainer.scoring import score
+from portarl.trainer.phases.rollout import run_rollout
+from portarl.trainer.phases.scoring import score
 from proc_tree import alive, children
 from trainer_fast import fast_config
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from portarl.rollout import request_seeds
-from portarl.trainer.dynamic_sampling import informative, round_seeds
+from portarl.trainer.phases.dynamic_sampling import informative, round_seeds
 from trainer_fast import varied_reward
 
 import torch

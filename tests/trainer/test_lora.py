@@ -17,9 +17,9 @@ from portarl.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_lora, merged_state_
 from portarl.parity.tolerances import fp32_result  # noqa: E402
 from portarl.trainer import build_from_config  # noqa: E402
 from portarl.trainer.config import ConfigError, TrainConfig  # noqa: E402
-from portarl.trainer.reference import reference_model  # noqa: E402
-from portarl.trainer.scoring import no_grad_logprobs  # noqa: E402
-from portarl.trainer.sequences import build_batch  # noqa: E402
+from portarl.trainer.phases.reference import reference_model  # noqa: E402
+from portarl.trainer.phases.scoring import no_grad_logprobs  # noqa: E402
+from portarl.trainer.phases.sequences import build_batch  # noqa: E402
 
 from trainer_fast import FAST, fast_config, varied_reward  # noqa: E402
 

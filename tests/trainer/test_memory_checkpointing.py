@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import portarl.trainer.update as update
+import portarl.trainer.phases.update as update
 from portarl.trainer import GRPOTrainer, build_from_config
 from portarl.trainer.checkpointing import checkpointing_enabled, wants_checkpointing
 from portarl.trainer.config import ConfigError, TrainConfig

@@ -9,7 +9,7 @@ import torch
 from portarl.parity.errors import assert_close
 from portarl.parity.tolerances import fp32_result
 from portarl.trainer.config import ConfigError
-from portarl.trainer.reference import mix_into_reference
+from portarl.trainer.phases.reference import mix_into_reference
 from trainer_fast import fast_config, varied_reward
 
 SYNC = ("loss.kl_coef=0.1", "reference.sync=true", "reference.sync_steps=2", "reference.mixup_alpha=0.25")

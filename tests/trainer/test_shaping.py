@@ -10,7 +10,7 @@ import torch
 
 from portarl.trainer import grpo
 from portarl.trainer.config import ConfigError
-from portarl.trainer.shaping import overlong_penalty
+from portarl.trainer.phases.shaping import overlong_penalty
 from trainer_fast import fast_config
 
 

@@ -50,7 +50,7 @@ def grpo_step_fn(trainer, old_logp, ref_logp, rollout_logp, advantages, norms: d
     """The trainer's loss on one micro-batch (``update.optimizer_step``), with its ops tapped."""
     from portarl.core import compute_loss
     from portarl.core.kl import kl_per_token
-    from portarl.trainer.scoring import logprobs
+    from portarl.trainer.phases.scoring import logprobs
 
     loss_cfg = trainer.loss_config()
 
@@ -86,9 +86,9 @@ def dump_recorded_step(directory: str | Path, step: int, out: str | Path, *, run
     from portarl.rollout import ReplayRollout
     from portarl.rollout.replay import load_rollouts
     from portarl.trainer import GRPOTrainer, TrainConfig, build_from_config
-    from portarl.trainer.rollout_phase import run_rollout
-    from portarl.trainer.scoring import score
-    from portarl.trainer.update import mini_batch_rows
+    from portarl.trainer.phases.rollout import run_rollout
+    from portarl.trainer.phases.scoring import score
+    from portarl.trainer.phases.update import mini_batch_rows
 
     source, manifest, label = _source(Path(directory).resolve())
     batches = load_rollouts(source / ROLLOUTS)[0]

@@ -132,7 +132,7 @@ class TrainSection:
     #: Old (behaviour-policy) log-probs: "auto" takes them from the training forward
     #: (detached) when the rollout sampled the trainer's current weights and the batch gets
     #: one optimizer step (ppo_epochs x mini_batches = 1), saving a no-grad forward per
-    #: step; "recompute" always runs that forward. See portarl.trainer.scoring.
+    #: step; "recompute" always runs that forward. See portarl.trainer.phases.scoring.
     old_logprobs: str = "auto"
     #: Activation checkpointing per decoder layer (non-reentrant; :mod:`portarl.trainer.checkpointing`):
     #: "auto" (on for every model not built in by portarl, off for the tiny demo model),
@@ -146,7 +146,7 @@ class TrainSection:
     #: micro_batch_size slices. 16384 (verl's default): the README's own-data settings
     #: (64 rows of ~100 tokens) stay one 64-row micro-batch, while long completions (4k
     #: tokens) get 4 rows per micro-batch instead of 64. A row longer than the budget runs
-    #: alone (warned). See :mod:`portarl.trainer.micro_batches`; `portarl plan` says what fits.
+    #: alone (warned). See :mod:`portarl.trainer.phases.micro_batches`; `portarl plan` says what fits.
     max_tokens_per_micro_batch: int | None = 16384
     #: Seconds one call into user code (a reward function, per sample or per batch; a
     #: trainer hook) may take before the run stops with a checkpoint and a line naming the
@@ -155,7 +155,7 @@ class TrainSection:
     #: so only a hang or a slow remote judge reaches it; below distributed.timeout_s, so that
     #: under torchrun the hang is named before the other ranks' collective times out.
     reward_timeout_s: float = DEFAULT_TIMEOUT_S
-    #: Padding-free micro-batches (:mod:`portarl.trainer.packing`): each micro-batch's
+    #: Padding-free micro-batches (:mod:`portarl.trainer.phases.packing`): each micro-batch's
     #: sequences back to back without pad tokens, position ids restarting per sequence,
     #: through transformers' packed-sequence path (a block-diagonal mask for sdpa / eager /
     #: flex attention, the varlen kernel for flash_attention_2/3/4: flash-attn on CUDA,

@@ -64,7 +64,7 @@ class RolloutConfig:
     vllm_additional_config: dict | None = None
     #: DAPO dynamic sampling (verl's algorithm.filter_groups): generate rounds of fresh
     #: prompts until the batch holds train.prompts_per_step groups whose rewards are not all
-    #: equal (portarl.trainer.dynamic_sampling). Single process.
+    #: equal (portarl.trainer.phases.dynamic_sampling). Single process.
     dynamic_sampling: bool = False
     #: Cap on generation rounds per step with dynamic_sampling (verl's max_num_gen_batches);
     #: when hit, the step trains on the informative groups found and logs an event.

@@ -15,7 +15,7 @@ from portarl import distributed as pdist
 from portarl.data import Example
 from portarl.tokenizer import TextCodec
 from portarl.trainer.progress import progress_bar
-from portarl.trainer.sequences import build_batch, completion_logprobs
+from portarl.trainer.phases.sequences import build_batch, completion_logprobs
 
 log = logging.getLogger("portarl.train")
 

@@ -1,4 +1,4 @@
-"""Which sequences of a padding-free micro-batch share a row (:mod:`portarl.trainer.packing`).
+"""Which sequences of a padding-free micro-batch share a row (:mod:`portarl.trainer.phases.packing`).
 
 With the varlen layout (flash attention) there is one row: the kernel attends within each
 sequence's span, so a row costs its tokens. Under a dense block-diagonal mask (SDPA,
@@ -9,7 +9,7 @@ token; ``attention``: the QK^T and PV products per key). Longer rows waste less 
 tails; shorter rows attend less. :func:`choose_rows` packs first-fit decreasing at
 capacities the longest sequence, 2x, 4x, ... up to one row, and keeps the cheapest layout
 that computes no more tokens than rows of the longest sequence would (what the token
-budget counts: :class:`portarl.trainer.micro_batches._Tokens`), so a micro-batch never
+budget counts: :class:`portarl.trainer.phases.micro_batches._Tokens`), so a micro-batch never
 outgrows its budget.
 """
 
@@ -47,7 +47,7 @@ def row_cost(rows: int, width: int, layout) -> int:
 
 def choose_rows(lengths: list[int], layout) -> list[list[int]]:
     """The rows (lists of indices into ``lengths``) of one micro-batch for ``layout``
-    (:class:`portarl.trainer.packing.Layout`): one row for ``"varlen"``; for ``"rows"``
+    (:class:`portarl.trainer.phases.packing.Layout`): one row for ``"varlen"``; for ``"rows"``
     the cheapest first-fit packing (module docstring)."""
     if layout.kind == "varlen":
         return [list(range(len(lengths)))]

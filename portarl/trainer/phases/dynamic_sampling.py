@@ -14,7 +14,7 @@ Round 0 is the ordinary rollout: the step's prompts (:func:`prompts_for_step`) a
 (:func:`~portarl.rollout.request_seeds`), so a run whose first round is informative
 everywhere is bitwise the run without dynamic sampling. Round r > 0 draws its own prompts
 and per-sample seeds from (run seed, step, r): never a repeat of another round's or step's
-seed. Rewards (with the overlong penalty, :mod:`portarl.trainer.shaping`) are computed here,
+seed. Rewards (with the overlong penalty, :mod:`portarl.trainer.phases.shaping`) are computed here,
 once per round, and handed to scoring with the batch.
 
 Metrics: ``rollout/rounds``, ``rollout/informative_frac`` (informative groups / groups
@@ -31,7 +31,7 @@ import torch
 
 from portarl.rollout import RolloutBatch, request_seeds
 from portarl.rollout.base import seed_of
-from portarl.trainer.prompts import prompts_for_step
+from portarl.trainer.phases.prompts import prompts_for_step
 
 
 @dataclasses.dataclass
@@ -73,7 +73,7 @@ def informative(rewards: torch.Tensor) -> bool:
 
 
 def _generate_round(trainer, step: int, round_index: int) -> list[_Group]:
-    from portarl.trainer.shaping import shape_rewards
+    from portarl.trainer.phases.shaping import shape_rewards
 
     cfg = trainer.config
     g = cfg.rollout.group_size

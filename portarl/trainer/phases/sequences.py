@@ -7,7 +7,7 @@ positions and the lm head go to :func:`portarl.ops.linear_logprobs`, which score
 fp32 accumulation without ever building the full-vocabulary logits.
 
 A micro-batch may carry a padding-free layout (``TokenBatch.packed``,
-:mod:`portarl.trainer.packing`): its forward then runs on the sequences back to back, and
+:mod:`portarl.trainer.phases.packing`): its forward then runs on the sequences back to back, and
 only the positions that score a completion token reach the lm head; the log-probs come
 back in the same [B, T] completion grid.
 """
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from portarl import ops
 from portarl.backends.rows import chunk_rows
 from portarl.emulation import bf16_valued, entropy_in_logits_dtype, matmul_context
-from portarl.trainer.packing import Packed, scored_hidden, scored_labels, to_grid
+from portarl.trainer.phases.packing import Packed, scored_hidden, scored_labels, to_grid
 
 
 @dataclasses.dataclass
@@ -34,7 +34,7 @@ class TokenBatch:
     labels: torch.Tensor  # [B, T] completion tokens, -100 on padding
     mask: torch.Tensor  # [B, T] bool
     prompt_width: int
-    packed: Packed | None = None  # the padding-free forward of these rows (portarl.trainer.packing)
+    packed: Packed | None = None  # the padding-free forward of these rows (portarl.trainer.phases.packing)
 
     def rows(self, index: slice) -> "TokenBatch":
         """These rows, padded (a packed layout belongs to the rows it was built for)."""
@@ -134,7 +134,7 @@ def _sharded_forward(model, batch: TokenBatch):
 def completion_hidden(model, batch: TokenBatch):
     """``(hidden, weight [V, H], bias [V] or None)``: the decoder's last hidden states at
     the positions that score completion tokens (padded [B, T, H]; packed [1, K, H], see
-    :func:`portarl.trainer.packing.scored_labels`) and the output embedding (tied or not)
+    :func:`portarl.trainer.phases.packing.scored_labels`) and the output embedding (tied or not)
     that scores them.
 
     Under FSDP2 the model's own forward runs (it gathers the sharded parameters) with the

@@ -23,8 +23,8 @@ from portarl import distributed as pdist
 from portarl.core import compute_loss
 from portarl.trainer.guards import GuardTripped, NonFiniteError, first_nonfinite_gradient
 from portarl.trainer.heap import GradientsFirst, release_freed_memory
-from portarl.trainer.micro_batches import micro_batches, rows_of
-from portarl.trainer.scoring import logprobs
+from portarl.trainer.phases.micro_batches import micro_batches, rows_of
+from portarl.trainer.phases.scoring import logprobs
 from portarl.trainer.step_guard import guarded_optimizer_step, judge_spikes
 
 #: Metrics also logged as ``<key>/first`` and ``<key>/last`` over an iteration's optimizer

@@ -77,7 +77,7 @@ def evaluate(engine, model, codec, rewards, examples, prompt_ids, config, agent=
             batch = engine.generate(prompts[start : start + step], seeds[start : start + step], params)
             texts += [codec.decode(c) for c in batch.completion_ids]
         else:
-            from portarl.trainer.episodes import play, reward_examples
+            from portarl.trainer.phases.episodes import play, reward_examples
 
             chunk = examples[start // n : (start + step) // n]
             batch, chunk_texts, chunk_metrics, _ = play(agent, engine, params, chunk, prompts[start : start + step],

@@ -23,7 +23,7 @@ Several ranks (FSDP2): every forward is collective, so every rank must run the s
 of micro-batches; the count is all-reduced (max) and a rank with fewer splits its largest
 micro-batches in halves until it has as many (halves stay within the budget).
 
-Padding-free (``train.padding_free``, :mod:`portarl.trainer.packing`): the budget counts
+Padding-free (``train.padding_free``, :mod:`portarl.trainer.phases.packing`): the budget counts
 the tokens the packed forward computes, not the padded width: the real tokens (the one-row
 varlen layout), or the real tokens plus the unused tails of the rows they are packed into
 (the rows layout of mask-based attention); each micro-batch carries its packed layout
@@ -42,9 +42,9 @@ import logging
 import torch
 
 from portarl import distributed as pdist
-from portarl.trainer.pack_rows import first_fit
-from portarl.trainer.packing import pack_micro_batch
-from portarl.trainer.sequences import TokenBatch
+from portarl.trainer.phases.pack_rows import first_fit
+from portarl.trainer.phases.packing import pack_micro_batch
+from portarl.trainer.phases.sequences import TokenBatch
 
 log = logging.getLogger("portarl.train")
 
@@ -53,9 +53,9 @@ class _Tokens:
     """The tokens a micro-batch's forward computes as rows are added longest first:
     padded, ``rows x (max prompt + max completion)``; ``"varlen"``, the real tokens (one
     row); ``"rows"``, the packed rows (first fit into rows as long as the first, longest,
-    sequence: :func:`portarl.trainer.pack_rows.first_fit_rows` places them the same way) x
+    sequence: :func:`portarl.trainer.phases.pack_rows.first_fit_rows` places them the same way) x
     that length: real tokens plus the rows' unused tails, an upper bound of what
-    :func:`portarl.trainer.pack_rows.choose_rows` computes."""
+    :func:`portarl.trainer.phases.pack_rows.choose_rows` computes."""
 
     def __init__(self, layout: str | None):
         self.layout = layout

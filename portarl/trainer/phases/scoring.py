@@ -8,7 +8,7 @@ the iteration is skipped before any optimizer step.
 Old log-probs (``train.old_logprobs``): with ``auto`` (default) the no-grad forward that
 scores the batch under the trainer is skipped when its numbers would equal the training
 forward's, and the update takes ``old_logp = logp.detach()`` from that forward instead
-(:func:`portarl.trainer.update.optimizer_step`; same hook, guard and logit blame, per
+(:func:`portarl.trainer.phases.update.optimizer_step`; same hook, guard and logit blame, per
 micro-batch, judged with the step's one host transfer before anything is applied: a
 non-finite value refuses the step and its gradients are dropped; every mismatch metric
 then compares the rollout's log-probs with the training forward). :func:`old_logprobs_recompute_reason` says when the
@@ -37,12 +37,12 @@ import torch
 
 from portarl import distributed as pdist
 from portarl.core import compute_advantages, kl_penalized_rewards
-from portarl.trainer.episodes import reward_examples
+from portarl.trainer.phases.episodes import reward_examples
 from portarl.trainer.guards import NonFiniteError, check_finite
-from portarl.trainer.micro_batches import micro_batches
-from portarl.trainer.reference import reference_model
-from portarl.trainer.sequences import build_batch, completion_logprobs, padded
-from portarl.trainer.shaping import shape_rewards, truncated_keep
+from portarl.trainer.phases.micro_batches import micro_batches
+from portarl.trainer.phases.reference import reference_model
+from portarl.trainer.phases.sequences import build_batch, completion_logprobs, padded
+from portarl.trainer.phases.shaping import shape_rewards, truncated_keep
 
 
 @dataclasses.dataclass
@@ -63,7 +63,7 @@ def logprobs(trainer, model, batch, *, with_entropy=False):
 
 def no_grad_logprobs(trainer, model, batch) -> torch.Tensor:
     """fp32 log-probs [B, T] of ``batch`` without autograd, in the update's micro-batches
-    (:func:`portarl.trainer.micro_batches.micro_batches`: the same token budget bounds them)."""
+    (:func:`portarl.trainer.phases.micro_batches.micro_batches`: the same token budget bounds them)."""
     out = torch.zeros(batch.labels.shape, dtype=torch.float32, device=batch.labels.device)
     with torch.no_grad():
         for rows, part in micro_batches(trainer, batch):
@@ -105,7 +105,7 @@ def check_old_logp(trainer, batch, old_logp: torch.Tensor) -> None:
 
 def score(trainer, phase, metrics: dict) -> Scored:
     """Rewards -> batch -> old/ref log-probs -> advantages for the rollout ``phase``
-    (:class:`~portarl.trainer.rollout_phase.RolloutPhase`); adds to ``metrics``."""
+    (:class:`~portarl.trainer.phases.rollout.RolloutPhase`); adds to ``metrics``."""
     cfg = trainer.config
     g = cfg.rollout.group_size
     guard = trainer.guard

@@ -19,7 +19,7 @@ How transformers (5.x) runs a packed sequence, and what portarl hands it:
   across sequences). The mask is dense (SDPA computes every query-key pair of a row), so
   one long row would cost the square of the micro-batch's tokens in attention (36x the
   padded layout's attention time for 64 sequences of 100 tokens on CPU): sequences go
-  into rows (first-fit decreasing) whose length :func:`portarl.trainer.pack_rows.choose_rows`
+  into rows (first-fit decreasing) whose length :func:`portarl.trainer.phases.pack_rows.choose_rows`
   picks from the model's own per-token costs (linear maps against attention), never
   computing more tokens than rows as long as the longest sequence would. A row's unused
   tail is its own segment (positions 0, 1, ...) that nothing attends to.
@@ -55,7 +55,7 @@ import logging
 
 import torch
 
-from portarl.trainer.pack_rows import choose_rows
+from portarl.trainer.phases.pack_rows import choose_rows
 
 log = logging.getLogger("portarl.train")
 

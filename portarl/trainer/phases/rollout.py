@@ -17,8 +17,8 @@ import torch
 from portarl.data import Example
 from portarl.rollout import identical_group_fraction, request_seeds
 from portarl.multiturn.trajectory import model_only
-from portarl.trainer.episodes import play
-from portarl.trainer.prompts import prompts_for_step
+from portarl.trainer.phases.episodes import play
+from portarl.trainer.phases.prompts import prompts_for_step
 
 
 @dataclasses.dataclass
@@ -44,7 +44,7 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
     cfg = trainer.config
     g = cfg.rollout.group_size
     if cfg.rollout.dynamic_sampling:  # DAPO: rounds until prompts_per_step informative groups
-        from portarl.trainer.dynamic_sampling import collect
+        from portarl.trainer.phases.dynamic_sampling import collect
 
         examples, seeds, rollout, texts, rewards, per_function, ds_metrics, ds_events = collect(trainer, step)
         metrics, events = rollout_metrics(trainer, step, rollout, seeds)
@@ -61,7 +61,7 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
     started, cpu_started = time.perf_counter(), time.process_time()
     trainer.rollout.sync_weights(trainer.model)
     episode_metrics, episode_events = {}, []
-    if getattr(trainer, "agent", None) is not None:  # tools / environment: multi-turn episodes (trainer/episodes.py)
+    if getattr(trainer, "agent", None) is not None:  # tools / environment: multi-turn episodes (trainer/phases/episodes.py)
         rollout, texts, episode_metrics, episode_events = play(trainer.agent, trainer.rollout, trainer.sampling,
                                                                examples, prompts, seeds, g, trainer.dist)
     else:
