@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from portarl.trainer.async_pipeline import AsyncRollout
+from portarl.trainer.asynchronous.pipeline import AsyncRollout
 from portarl.trainer.phases.sequences import build_batch, completion_logprobs
 
 

@@ -50,7 +50,7 @@ def run_portarl(steps: int, threads: int, work: Work, mode: str = "colocated") -
     set_threads(max(1, threads // 2) if asynchronous else threads)
     from portarl.data import Example
     from portarl.trainer import GRPOTrainer, TrainConfig
-    from portarl.trainer.async_pipeline import async_rollout
+    from portarl.trainer.asynchronous.pipeline import async_rollout
 
     policy, tok = step_work.load(work)
     baseline = step_work.rss_mib()

@@ -3,7 +3,7 @@ samples the batches the trainer asks for and scores them (``rollout.mode: async`
 ``rollout.engine`` ``hf`` (the copy itself) or ``vllm`` (a vLLM engine in this process fed
 from the copy: :func:`build_engine`).
 
-Started by :class:`portarl.trainer.async_pipeline.AsyncRollout` as
+Started by :class:`portarl.trainer.asynchronous.pipeline.AsyncRollout` as
 ``python -m portarl.rollout.async_worker SPEC.json``. It speaks JSON lines: requests on
 stdin, replies on stdout (logging goes to stderr, which the trainer points at
 ``rollout_worker.log`` in the run directory). Nothing is unpickled: weights arrive as a

@@ -50,7 +50,7 @@ from portarl.trainer.guards import DegenerateDetector, GuardTripped, SpikeDetect
 from portarl.trainer.heap import release_freed_memory
 from portarl.trainer.phases.packing import resolve_padding_free
 from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
-from portarl.trainer.async_pipeline import async_rollout
+from portarl.trainer.asynchronous.pipeline import async_rollout
 from portarl.trainer.phases.rollout import run_rollout
 from portarl.trainer import persistence, run_dir, run_lock
 from portarl.trainer.runlog import RunLogger, finish_run

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from portarl.reward_runner import RewardError
-from portarl.trainer.async_pipeline import RolloutWorkerError
+from portarl.trainer.asynchronous.pipeline import RolloutWorkerError
 from portarl.trainer.samples import SampleLog
 from portarl.trainer.setup import forced_backend
 from portarl.trainer.signals import StopRequested

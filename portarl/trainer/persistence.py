@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from portarl import distributed as pdist
-from portarl.trainer.async_resume import STATE_KEY, in_flight_state
+from portarl.trainer.asynchronous.resume import STATE_KEY, in_flight_state
 from portarl.trainer.checkpoint import CheckpointError, rng_state, set_rng_state
 from portarl.trainer.checkpoint import step_of as state_step
 from portarl.trainer.run_dir import no_checkpoint

@@ -20,7 +20,7 @@ an engine that did not sample the trainer's current weights (a replayed file, a 
 engine not synced since the last optimizer step, any engine that does not say so through
 :meth:`~portarl.rollout.RolloutEngine.samples_policy_of`). In ``rollout.mode=async`` the
 worker sampled its own copy of the weights, up to ``rollout.max_staleness`` steps old
-(:mod:`portarl.trainer.async_pipeline`): its log-probs are the behaviour policy's, the old
+(:mod:`portarl.trainer.asynchronous.pipeline`): its log-probs are the behaviour policy's, the old
 (proximal) log-probs the trainer's current policy's, and with one optimizer step per batch
 those are the training forward's, detached (decoupled PPO): no extra forward either.
 

@@ -1,7 +1,7 @@
 """The trainer's client of the asynchronous rollout worker (``rollout.mode: async``): the
 process (:mod:`portarl.rollout.async_worker`), the reader thread of its replies, the JSON
 line protocol, and the checks on every reply. Only the trainer's main rank runs one: the
-schedule, the weights and how ranks share a batch are :mod:`portarl.trainer.async_pipeline`.
+schedule, the weights and how ranks share a batch are :mod:`portarl.trainer.asynchronous.pipeline`.
 
 Faults are :class:`RolloutWorkerError`, one line naming the worker (pid and log): it exits,
 sends nothing for ``rollout.timeout_s`` (hung), or replies with a malformed batch. The

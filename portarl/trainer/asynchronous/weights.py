@@ -28,7 +28,7 @@ version, measured); the versions in flight instead rotate through ``max_stalenes
 files that are created once and overwritten in place (one memory copy into the file's
 existing pages: about 0.05 s). A slot is rewritten only after the worker has loaded the version it held (its
 ``loaded`` reply; the schedule guarantees it before the slot comes round again, and
-:meth:`portarl.trainer.async_pipeline.AsyncRollout._publish` waits for it otherwise).
+:meth:`portarl.trainer.asynchronous.pipeline.AsyncRollout._publish` waits for it otherwise).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ of the policy) generates and scores batch t+1 while the trainer learns from batc
 Schedule, with S = ``rollout.max_staleness``: at the start of step t the trainer holds the
 weights of optimizer step t - 1 (version t - 1). It publishes them (one of S + 1
 safetensors files in ``<output_dir>/async_weights``, rewritten in place once the worker has
-loaded the version it held: :class:`~portarl.trainer.rollout_weights.WeightSlots`; then a
+loaded the version it held: :class:`~portarl.trainer.asynchronous.weights.WeightSlots`; then a
 ``weights`` message), makes
 sure the requests for steps up to t + S are sent, and waits for batch t. The worker
 handles messages in order and samples each batch with the newest weights it has loaded,
@@ -37,7 +37,7 @@ weights), ``train/wait_s`` (the trainer blocked, waiting for a batch), ``rollout
 and ``rollout/score_s`` (the worker's generate and reward time), ``rollout/publish_s``.
 Each batch handed to the trainer is recorded in ``rollout_batches.jsonl`` (step, weight
 version, prompt indices), truncated on ``--resume`` like the metrics: no batch is trained
-twice. A checkpoint holds the batches in flight (:mod:`portarl.trainer.async_resume`), so
+twice. A checkpoint holds the batches in flight (:mod:`portarl.trainer.asynchronous.resume`), so
 a resumed run trains on the batches the uninterrupted run would have (bitwise on the CPU).
 
 Faults stop the run with a checkpoint and one line naming the worker
@@ -48,7 +48,7 @@ hide a deterministic failure behind a loop. It is stopped and joined on every ex
 
 Under torchrun (FSDP2) there is one worker, started by rank 0, generating the whole step's
 batch. Publishing is collective: every rank gathers the full weights with rank 0
-(:func:`portarl.trainer.rollout_weights.rollout_state_dict`), which writes the file.
+(:func:`portarl.trainer.asynchronous.weights.rollout_state_dict`), which writes the file.
 Rank 0 alone talks to the worker; it hands every rank the scored batch, or the error that
 stops the run, as JSON over a Gloo group of its own (:func:`portarl.distributed.broadcast_json`,
 with a timeout long enough for rank 0's own waits: :func:`share_timeout_s`), and each rank
@@ -70,11 +70,11 @@ import torch
 
 from portarl import distributed as pdist
 from portarl.reward_runner import RewardError
-from portarl.trainer.async_client import (STARTUP_MIN_S, WORKER_LOG, RolloutWorkerError, WorkerClient, as_batch,
+from portarl.trainer.asynchronous.client import (STARTUP_MIN_S, WORKER_LOG, RolloutWorkerError, WorkerClient, as_batch,
                                           check_batch, reward_error, slice_reply, validate_batch)
-from portarl.trainer.async_resume import restore_in_flight
+from portarl.trainer.asynchronous.resume import restore_in_flight
 from portarl.trainer.logfiles import prepare_log
-from portarl.trainer.rollout_weights import WeightSlots, rollout_state_dict
+from portarl.trainer.asynchronous.weights import WeightSlots, rollout_state_dict
 
 BATCH_LOG = "rollout_batches.jsonl"
 
@@ -124,7 +124,7 @@ def _example_json(ex) -> dict:
 
 class AsyncRollout:
     """The pipeline on every rank: the weights each publishes (collective), and on rank 0
-    the worker (:class:`~portarl.trainer.async_client.WorkerClient`) and the request schedule."""
+    the worker (:class:`~portarl.trainer.asynchronous.client.WorkerClient`) and the request schedule."""
 
     def __init__(self, trainer):
         from portarl.trainer.precision import DTYPES
