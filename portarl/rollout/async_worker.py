@@ -104,7 +104,7 @@ class Worker:
         from portarl.rollout import SamplingParams
         from portarl.tokenizer import as_codec, chat_template_option
         from portarl.trainer.config import TrainConfig
-        from portarl.trainer.precision import DTYPES
+        from portarl.trainer.guards.precision import DTYPES
 
         torch.set_num_threads(int(spec["threads"]))
         self.config = cfg = TrainConfig.from_dict(spec["config"])

@@ -8,7 +8,7 @@ Per iteration (``step``), see :meth:`GRPOTrainer.train_step`:
   :mod:`portarl.ops`, advantages;
 - :mod:`portarl.trainer.phases.update`: ``ppo_epochs`` optimizer steps, each accumulating
   gradients over micro-batches of :func:`portarl.core.compute_loss` with global normalisers;
-- :mod:`portarl.trainer.step_guard`: the guards, through all three.
+- :mod:`portarl.trainer.guards.step_guard`: the guards, through all three.
 
 Guards: every named tensor (reward, old_logp, ref_logp, advantage, loss, gradient) is
 checked; a non-finite one skips the optimizer step with weights and optimizer state
@@ -17,7 +17,7 @@ a checkpoint and :class:`TrainingStopped` naming the first bad tensor. KL and gr
 spikes and degenerate outputs are logged as events. SIGINT and SIGTERM save a checkpoint
 first (:mod:`portarl.trainer.signals`).
 
-Test hooks (:mod:`portarl.trainer.hooks`): ``trainer.hooks[point]`` (points: ``reward``,
+Test hooks (:mod:`portarl.trainer.guards.hooks`): ``trainer.hooks[point]`` (points: ``reward``,
 ``old_logp``, ``ref_logp``, ``advantage``, ``loss``, ``grad``) lists ``fn(step, tensor) ->
 tensor`` applied at that point, e.g. to inject a NaN.
 """
@@ -46,10 +46,10 @@ from portarl.user_code import UserCodeGuard, agree_on_failure
 from portarl.trainer.checkpoint import CheckpointManager
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
-from portarl.trainer.guards import DegenerateDetector, GuardTripped, SpikeDetector
+from portarl.trainer.guards.detectors import DegenerateDetector, GuardTripped, SpikeDetector
 from portarl.trainer.heap import release_freed_memory
 from portarl.trainer.phases.packing import resolve_padding_free
-from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
+from portarl.trainer.guards.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
 from portarl.trainer.asynchronous.pipeline import async_rollout
 from portarl.trainer.phases.rollout import run_rollout
 from portarl.trainer import persistence, run_dir, run_lock
@@ -59,7 +59,7 @@ from portarl.trainer.phases.evaluation import Evaluator
 from portarl.trainer.phases.reference import maybe_sync_reference, refuse_reference_sync
 from portarl.trainer.phases.scoring import score
 from portarl.trainer.phases.sft import warm_up
-from portarl.trainer.step_guard import (
+from portarl.trainer.guards.step_guard import (
     StepGuard,
     finish_metrics,
     record_bad,
@@ -218,7 +218,7 @@ class GRPOTrainer:
         return dataclasses.replace(self.config.loss, kl_coef=self.kl_ctl.value)
 
     def run_hooks(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` through the test hooks at ``point`` (:mod:`portarl.trainer.hooks`)."""
+        """``tensor`` through the test hooks at ``point`` (:mod:`portarl.trainer.guards.hooks`)."""
         return apply_hooks(self.hooks, point, self.hook_step, tensor, self.hook_guard)
 
     # ------------------------------------------------------------- checkpoints
@@ -253,7 +253,7 @@ class GRPOTrainer:
         """Run iteration ``self.step + 1``; returns its metrics (``skipped`` = 1 when skipped).
 
         Phases: :func:`rollout_phase.run_rollout`, :func:`scoring.score`,
-        :func:`update.run_update`; the guards (:mod:`portarl.trainer.step_guard`) run
+        :func:`update.run_update`; the guards (:mod:`portarl.trainer.guards.step_guard`) run
         through all three."""
         step = self.step + 1
         self.hook_step = step
@@ -382,7 +382,7 @@ def build_from_config(config: TrainConfig):
     """``(model, tokenizer, examples)`` as the config names them (built-in tiny model and
     synthetic arithmetic by default)."""
     from portarl.models import build_model
-    from portarl.trainer.precision import DTYPES
+    from portarl.trainer.guards.precision import DTYPES
 
     model, tokenizer = build_model(config.model, DTYPES[config.precision.dtype])
     d = config.data

@@ -12,7 +12,7 @@ from portarl.trainer.asynchronous.pipeline import RolloutWorkerError
 from portarl.trainer.samples import SampleLog
 from portarl.trainer.setup import forced_backend
 from portarl.trainer.signals import StopRequested
-from portarl.trainer.step_guard import UpdateUnrecoverable
+from portarl.trainer.guards.step_guard import UpdateUnrecoverable
 from portarl.user_code import UserCodeError
 
 

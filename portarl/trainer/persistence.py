@@ -17,7 +17,7 @@ from portarl.trainer.checkpoint import CheckpointError, rng_state, set_rng_state
 from portarl.trainer.checkpoint import step_of as state_step
 from portarl.trainer.run_dir import no_checkpoint
 from portarl.trainer.setup import make_precision
-from portarl.trainer.step_guard import checkpoint_refusal
+from portarl.trainer.guards.step_guard import checkpoint_refusal
 
 log = logging.getLogger("portarl.train")
 

@@ -18,7 +18,7 @@ from portarl.rollout import ENGINES
 from portarl.trainer.checkpointing import enable_checkpointing, wants_checkpointing
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.trainer.phases.optimizer import make_adamw
-from portarl.trainer.precision import DTYPES, PrecisionPlan, sharded_plan
+from portarl.trainer.guards.precision import DTYPES, PrecisionPlan, sharded_plan
 from portarl.trainer.phases.update import lr_lambda, optimizer_steps_total
 
 log = logging.getLogger("portarl.train")

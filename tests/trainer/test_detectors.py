@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from portarl.trainer import GRPOTrainer, TrainConfig, TrainingStopped, build_from_config
-from portarl.trainer.guards import SpikeDetector
+from portarl.trainer.guards.detectors import SpikeDetector
 from portarl.trainer.phases.rollout import identical_cause
 from trainer_fast import fast_config, varied_reward
 

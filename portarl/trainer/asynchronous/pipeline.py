@@ -127,7 +127,7 @@ class AsyncRollout:
     the worker (:class:`~portarl.trainer.asynchronous.client.WorkerClient`) and the request schedule."""
 
     def __init__(self, trainer):
-        from portarl.trainer.precision import DTYPES
+        from portarl.trainer.guards.precision import DTYPES
 
         check_async_trainer(trainer)
         self.trainer = trainer

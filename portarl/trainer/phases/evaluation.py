@@ -137,7 +137,7 @@ class Evaluator:
         improved; returns the event message, or None."""
         from portarl.trainer import persistence
         from portarl.trainer.checkpoint import CheckpointManager
-        from portarl.trainer.step_guard import checkpoint_refusal
+        from portarl.trainer.guards.step_guard import checkpoint_refusal
 
         key = self.config.eval.best_metric
         if key is None or key not in metrics:

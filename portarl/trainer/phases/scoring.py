@@ -1,8 +1,8 @@
 """Scoring phase of one GRPO iteration: rewards, the batch, old (and reference) log-probs,
 the optional KL-in-reward penalty, and group advantages.
 
-Every tensor is named and guarded (:class:`portarl.trainer.step_guard.StepGuard`) as soon
-as it exists; a non-finite one raises :class:`~portarl.trainer.guards.NonFiniteError` and
+Every tensor is named and guarded (:class:`portarl.trainer.guards.step_guard.StepGuard`) as soon
+as it exists; a non-finite one raises :class:`~portarl.trainer.guards.detectors.NonFiniteError` and
 the iteration is skipped before any optimizer step.
 
 Old log-probs (``train.old_logprobs``): with ``auto`` (default) the no-grad forward that
@@ -38,7 +38,7 @@ import torch
 from portarl import distributed as pdist
 from portarl.core import compute_advantages, kl_penalized_rewards
 from portarl.trainer.phases.episodes import reward_examples
-from portarl.trainer.guards import NonFiniteError, check_finite
+from portarl.trainer.guards.detectors import NonFiniteError, check_finite
 from portarl.trainer.phases.micro_batches import micro_batches
 from portarl.trainer.phases.reference import reference_model
 from portarl.trainer.phases.sequences import build_batch, completion_logprobs, padded

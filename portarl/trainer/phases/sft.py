@@ -36,7 +36,7 @@ def run_sft(model, codec: TextCodec, examples: list[Example], *, steps: int, bat
             dist=None) -> list[float]:
     """``steps`` AdamW steps on random batches; returns the losses. ``on_step(step, loss)``.
 
-    ``precision`` (a :class:`~portarl.trainer.precision.PrecisionPlan`, the trainer's): step
+    ``precision`` (a :class:`~portarl.trainer.guards.precision.PrecisionPlan`, the trainer's): step
     its fp32 masters with fp32 AdamW state and its loss scale, as GRPO does, and leave the
     masters holding the warm-up's result. Without it AdamW steps the parameters in their own
     dtype (fine for fp32; fp16 would divide by eps = 0).

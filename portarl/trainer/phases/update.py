@@ -5,7 +5,7 @@ Each optimizer step accumulates gradients over micro-batches of
 :func:`portarl.core.compute_loss`, normalised by that mini-batch's own global token and
 sequence counts (summed over ranks), then runs the step's guards in order: loss,
 gradient, spike (grad norm, KL), the optimizer update itself
-(:func:`portarl.trainer.step_guard.guarded_optimizer_step`).
+(:func:`portarl.trainer.guards.step_guard.guarded_optimizer_step`).
 
 A guard that trips in optimizer step k ends the iteration there: steps 1..k-1 stay
 applied, step k is not (gradients dropped, or the update restored bitwise), and the
@@ -21,11 +21,11 @@ import torch
 
 from portarl import distributed as pdist
 from portarl.core import compute_loss
-from portarl.trainer.guards import GuardTripped, NonFiniteError, first_nonfinite_gradient
+from portarl.trainer.guards.detectors import GuardTripped, NonFiniteError, first_nonfinite_gradient
 from portarl.trainer.heap import GradientsFirst, release_freed_memory
 from portarl.trainer.phases.micro_batches import micro_batches, rows_of
 from portarl.trainer.phases.scoring import logprobs
-from portarl.trainer.step_guard import guarded_optimizer_step, judge_spikes
+from portarl.trainer.guards.step_guard import guarded_optimizer_step, judge_spikes
 
 #: Metrics also logged as ``<key>/first`` and ``<key>/last`` over an iteration's optimizer
 #: steps when there are several (the plain key is their mean): the first step is on-policy

@@ -14,7 +14,7 @@ in the update, on each micro-batch's training forward, and judged before ``loss`
 ``gradient`` with the step's one host transfer, before anything is applied (a non-finite
 ``ref_logp`` found first still blames the trainer's logits when they are the cause).
 
-Primitives (``check_finite``, the detectors) live in :mod:`portarl.trainer.guards`.
+Primitives (``check_finite``, the detectors) live in :mod:`portarl.trainer.guards.detectors`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import logging
 import torch
 
 from portarl import distributed as pdist
-from portarl.trainer.guards import NonFiniteError, SpikeTripped, check_finite
+from portarl.trainer.guards.detectors import NonFiniteError, SpikeTripped, check_finite
 from portarl.trainer.phases.sequences import nonfinite_logit_positions
 
 log = logging.getLogger("portarl.train")
