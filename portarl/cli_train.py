@@ -81,7 +81,7 @@ def prepare(args, command: str) -> Prepared:
         return _build(command, config, locked)
     except BaseException:
         if locked:
-            from portarl.trainer import run_lock
+            from portarl.trainer.run import lock as run_lock
 
             run_lock.release(config.output_dir)
         raise
@@ -89,11 +89,11 @@ def prepare(args, command: str) -> Prepared:
 
 def claim_output_dir(args, command: str, config) -> bool:
     """Check, create and (``train``, rank 0) lock the output directory, then the checks that
-    read it; returns whether this call took the lock (:mod:`portarl.trainer.run_lock`),
+    read it; returns whether this call took the lock (:mod:`portarl.trainer.run.lock`),
     taken before anything in the directory is read or deleted."""
-    from portarl.trainer import run_lock
+    from portarl.trainer.run import lock as run_lock
     from portarl.trainer.checkpoint import CheckpointManager
-    from portarl.trainer.run_dir import RunDirError, check_output_dir, check_resume_config, create_output_dir, no_checkpoint
+    from portarl.trainer.run.output_dir import RunDirError, check_output_dir, check_resume_config, create_output_dir, no_checkpoint
 
     locked = False
     try:
@@ -141,7 +141,7 @@ def _build(command: str, config, locked: bool) -> Prepared:
         reason = vllm_unavailable_reason()
         if reason is not None:
             raise UsageError(f"rollout.engine=vllm: {reason}")
-    from portarl.trainer.progress import quiet_third_party
+    from portarl.trainer.run.progress import quiet_third_party
 
     quiet_third_party()
     from portarl.trainer import build_from_config
@@ -178,7 +178,7 @@ def cmd_train(args) -> int:
         ready = None  # the model (FSDP2-sharded: it holds the process group) goes with the trainer
         pdist.shutdown(agreed=agreed)
         if locked:
-            from portarl.trainer import run_lock
+            from portarl.trainer.run import lock as run_lock
 
             run_lock.release(output_dir)
     return code
@@ -191,10 +191,10 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
     from portarl.reward_runner import RewardError
     from portarl.trainer import GRPOTrainer, TrainingStopped
     from portarl.trainer.checkpoint import CheckpointError
-    from portarl.trainer.run_dir import RunDirError
-    from portarl.trainer.signals import AbortNow, StopRequested, abort_message, exit_code
-    from portarl.trainer.write_failure import EXIT_CODE as WRITE_EXIT
-    from portarl.trainer.write_failure import WriteFailed, as_write_failure, intact_checkpoint, resume_command
+    from portarl.trainer.run.output_dir import RunDirError
+    from portarl.trainer.run.signals import AbortNow, StopRequested, abort_message, exit_code
+    from portarl.trainer.run.write_failure import EXIT_CODE as WRITE_EXIT
+    from portarl.trainer.run.write_failure import WriteFailed, as_write_failure, intact_checkpoint, resume_command
 
     config = ready.config
     try:
@@ -254,7 +254,7 @@ def cmd_sft(args) -> int:
 
     from portarl.lora import apply_lora, save_merged
     from portarl.tokenizer import as_codec
-    from portarl.trainer.progress import progress_bar
+    from portarl.trainer.run.progress import progress_bar
     from portarl.trainer.phases.sft import run_sft
 
     config = ready.config

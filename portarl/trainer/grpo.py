@@ -15,7 +15,7 @@ checked; a non-finite one skips the optimizer step with weights and optimizer st
 untouched, counts it, logs it; ``guards.max_consecutive_skips`` in a row stop the run with
 a checkpoint and :class:`TrainingStopped` naming the first bad tensor. KL and grad-norm
 spikes and degenerate outputs are logged as events. SIGINT and SIGTERM save a checkpoint
-first (:mod:`portarl.trainer.signals`).
+first (:mod:`portarl.trainer.run.signals`).
 
 Test hooks (:mod:`portarl.trainer.guards.hooks`): ``trainer.hooks[point]`` (points: ``reward``,
 ``old_logp``, ``ref_logp``, ``advantage``, ``loss``, ``grad``) lists ``fn(step, tensor) ->
@@ -52,9 +52,11 @@ from portarl.trainer.phases.packing import resolve_padding_free
 from portarl.trainer.guards.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
 from portarl.trainer.asynchronous.pipeline import async_rollout
 from portarl.trainer.phases.rollout import run_rollout
-from portarl.trainer import persistence, run_dir, run_lock
-from portarl.trainer.runlog import RunLogger, finish_run
-from portarl.trainer.write_failure import writing
+from portarl.trainer.run import persistence
+from portarl.trainer.run import output_dir as run_dir
+from portarl.trainer.run import lock as run_lock
+from portarl.trainer.run.logger import RunLogger, finish_run
+from portarl.trainer.run.write_failure import writing
 from portarl.trainer.phases.evaluation import Evaluator
 from portarl.trainer.phases.reference import maybe_sync_reference, refuse_reference_sync
 from portarl.trainer.phases.scoring import score
@@ -76,7 +78,7 @@ from portarl.trainer.setup import (
 )
 from portarl.trainer.loop import TrainingStopped, run_loop
 from portarl.trainer.phases.update import run_update
-from portarl.trainer.signals import graceful_stop
+from portarl.trainer.run.signals import graceful_stop
 
 log = logging.getLogger("portarl.train")
 
@@ -341,7 +343,7 @@ class GRPOTrainer:
         """Train to ``train.steps``. A directory holding another run is refused unless
         ``resume`` (continue it; mid-run settings applied, others refused; no checkpoint
         there is refused too, unless ``start_if_none``) or ``overwrite`` (delete it first):
-        see :mod:`portarl.trainer.run_dir`."""
+        see :mod:`portarl.trainer.run.output_dir`."""
         with run_lock.held(self.output_dir, self.dist.is_main):  # one run per directory (a no-op under the CLI's)
             return self._train(resume, overwrite, start_if_none)
 

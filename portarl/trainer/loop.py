@@ -9,9 +9,9 @@ from pathlib import Path
 
 from portarl.reward_runner import RewardError
 from portarl.trainer.asynchronous.pipeline import RolloutWorkerError
-from portarl.trainer.samples import SampleLog
+from portarl.trainer.run.samples import SampleLog
 from portarl.trainer.setup import forced_backend
-from portarl.trainer.signals import StopRequested
+from portarl.trainer.run.signals import StopRequested
 from portarl.trainer.guards.step_guard import UpdateUnrecoverable
 from portarl.user_code import UserCodeError
 
@@ -29,7 +29,7 @@ def run_loop(trainer, logger, last_ckpt: Path | None) -> Path | None:
     """Steps until ``train.steps``: each logged, sampled, checked by the stop rules (guard
     stops, skip streaks, reward errors, signals agreed by every rank) and checkpointed on
     cadence. Returns the last checkpoint; raises :class:`TrainingStopped` or
-    :class:`~portarl.trainer.signals.StopRequested`."""
+    :class:`~portarl.trainer.run.signals.StopRequested`."""
     cfg = trainer.config
     if not trainer.sft_done:
         trainer.warmup_sft(logger)

@@ -16,7 +16,7 @@ import torch
 from portarl.trainer.checkpoint import CheckpointError, CheckpointManager, UnsafeStateError, rng_state, set_rng_state
 from portarl.trainer.checkpoint import manifest as mf
 from portarl.trainer.checkpoint import safe_state
-from portarl.trainer.persistence import trainer_state
+from portarl.trainer.run.persistence import trainer_state
 
 
 class _Payload:

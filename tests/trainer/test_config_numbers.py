@@ -111,7 +111,7 @@ def test_trainer_adapts_the_kl_coefficient(make_trainer):
         error = min(max(metrics["kl"] / 1e-3 - 1, -0.2), 0.2)
         coef *= 1 + error * n / 100
         assert metrics["kl/coef"] == pytest.approx(coef, rel=1e-12)
-    from portarl.trainer.persistence import trainer_state
+    from portarl.trainer.run.persistence import trainer_state
 
     assert trainer_state(trainer)["kl_ctl"] == {"value": trainer.kl_ctl.value}
 

@@ -171,7 +171,7 @@ def test_configs_saved_with_the_retired_collapse_entropy_still_load_and_resume(t
     resume (the field is not a refused change)."""
     import yaml
 
-    from portarl.trainer.run_dir import check_resume_config
+    from portarl.trainer.run.output_dir import check_resume_config
 
     saved = TrainConfig().to_dict()
     del saved["rollout"]["identical_min_chance"]

@@ -71,7 +71,7 @@ def test_resume_of_a_run_saved_before_these_sections_existed(tmp_path):
     when they hold their defaults; a non-default value is still a refused change."""
     import yaml
 
-    from portarl.trainer.run_dir import RunDirError, check_resume_config
+    from portarl.trainer.run.output_dir import RunDirError, check_resume_config
 
     cfg = fast_config(tmp_path)
     saved = cfg.to_dict()

@@ -148,7 +148,7 @@ def test_a_startup_signal_swallowed_by_a_finaliser_still_stops_before_training()
     import gc
 
     from portarl import startup_signals
-    from portarl.trainer.signals import graceful_stop
+    from portarl.trainer.run.signals import graceful_stop
 
     class Finalised:
         def __del__(self):
@@ -177,8 +177,8 @@ def test_a_second_signal_while_the_first_is_being_reported_still_aborts(monkeypa
     test does not depend on how earlier tests left the logging configuration)."""
     from types import SimpleNamespace
 
-    from portarl.trainer import signals as signals_module
-    from portarl.trainer.signals import AbortNow, graceful_stop
+    from portarl.trainer.run import signals as signals_module
+    from portarl.trainer.run.signals import AbortNow, graceful_stop
 
     class SecondSignalWhileLogging:
         sent = False

@@ -73,7 +73,7 @@ from portarl.reward_runner import RewardError
 from portarl.trainer.asynchronous.client import (STARTUP_MIN_S, WORKER_LOG, RolloutWorkerError, WorkerClient, as_batch,
                                           check_batch, reward_error, slice_reply, validate_batch)
 from portarl.trainer.asynchronous.resume import restore_in_flight
-from portarl.trainer.logfiles import prepare_log
+from portarl.trainer.run.logfiles import prepare_log
 from portarl.trainer.asynchronous.weights import WeightSlots, rollout_state_dict
 
 BATCH_LOG = "rollout_batches.jsonl"

@@ -31,7 +31,7 @@ from portarl.trainer.checkpoint import manifest as mf
 from portarl.trainer.checkpoint import safe_state
 from portarl.trainer.checkpoint.manifest import STEP_DIR as _STEP_DIR
 from portarl.trainer.checkpoint.manifest import CheckpointError, step_of
-from portarl.trainer.write_failure import writing
+from portarl.trainer.run.write_failure import writing
 
 log = logging.getLogger("portarl.train")
 _REPLACED = ".replaced-"
@@ -96,7 +96,7 @@ class CheckpointManager:
     @contextlib.contextmanager
     def _writing_into(tmp: Path):
         """A failed write into ``tmp`` (disk full, a file-size limit, no permission: a
-        :class:`~portarl.trainer.write_failure.WriteFailed` naming the file) removes the
+        :class:`~portarl.trainer.run.write_failure.WriteFailed` naming the file) removes the
         partial ``.tmp-step-*`` at once; the checkpoints before it are untouched."""
         try:
             with writing(tmp):

@@ -135,7 +135,7 @@ class Evaluator:
     def keep_best(self, trainer, metrics: dict) -> str | None:
         """Save the checkpoint of this step under ``best/`` when ``eval.best_metric``
         improved; returns the event message, or None."""
-        from portarl.trainer import persistence
+        from portarl.trainer.run import persistence
         from portarl.trainer.checkpoint import CheckpointManager
         from portarl.trainer.guards.step_guard import checkpoint_refusal
 

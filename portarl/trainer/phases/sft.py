@@ -14,7 +14,7 @@ import torch
 from portarl import distributed as pdist
 from portarl.data import Example
 from portarl.tokenizer import TextCodec
-from portarl.trainer.progress import progress_bar
+from portarl.trainer.run.progress import progress_bar
 from portarl.trainer.phases.sequences import build_batch, completion_logprobs
 
 log = logging.getLogger("portarl.train")

@@ -15,7 +15,7 @@ from portarl import distributed as pdist
 from portarl.trainer.asynchronous.resume import STATE_KEY, in_flight_state
 from portarl.trainer.checkpoint import CheckpointError, rng_state, set_rng_state
 from portarl.trainer.checkpoint import step_of as state_step
-from portarl.trainer.run_dir import no_checkpoint
+from portarl.trainer.run.output_dir import no_checkpoint
 from portarl.trainer.setup import make_precision
 from portarl.trainer.guards.step_guard import checkpoint_refusal
 
@@ -81,7 +81,7 @@ def _weights_loader(trainer):
 
 def resume(trainer, start_if_none: bool = False) -> int:
     """Load the latest complete checkpoint; returns its step. None there: a
-    :class:`~portarl.trainer.run_dir.RunDirError`, or step 0 with ``start_if_none``."""
+    :class:`~portarl.trainer.run.output_dir.RunDirError`, or step 0 with ``start_if_none``."""
     if trainer.dist.enabled:
         pdist.barrier(trainer.dist)
     for removed in (trainer.checkpoints.clean_partial() if trainer.dist.is_main else []):

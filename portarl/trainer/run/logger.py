@@ -4,7 +4,7 @@
 ``kl``, ``grad_norm``, ``skipped``), flushed every line so a crash loses nothing written.
 On resume from step S the lines after S (and a line torn by a crash) are dropped first, by
 writing the kept lines to a new file and renaming it over the log (never in place, see
-:mod:`portarl.trainer.logfiles`), so the file continues without duplicates or losses.
+:mod:`portarl.trainer.run.logfiles`), so the file continues without duplicates or losses.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import logging
 import math
 from pathlib import Path
 
-from portarl.trainer.logfiles import prepare_log
-from portarl.trainer.write_failure import WriteFailed, writing
+from portarl.trainer.run.logfiles import prepare_log
+from portarl.trainer.run.write_failure import WriteFailed, writing
 
 log = logging.getLogger("portarl.train")
 
@@ -64,7 +64,7 @@ class RunLogger:
         self._redirect = None
 
     def _start_bar(self) -> None:
-        from portarl.trainer.progress import progress_bar
+        from portarl.trainer.run.progress import progress_bar
 
         total, initial = self._bar_args
         self._bar_args = None

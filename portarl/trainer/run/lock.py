@@ -24,7 +24,7 @@ import os
 import socket
 from pathlib import Path
 
-from portarl.trainer.run_dir import RunDirError
+from portarl.trainer.run.output_dir import RunDirError
 
 LOCK_NAME = ".portarl.lock"
 
