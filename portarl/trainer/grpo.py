@@ -47,7 +47,7 @@ from portarl.trainer.checkpoint import CheckpointManager
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
 from portarl.trainer.guards.detectors import DegenerateDetector, GuardTripped, SpikeDetector
-from portarl.trainer.heap import release_freed_memory
+from portarl.trainer.memory.heap import release_freed_memory
 from portarl.trainer.phases.packing import resolve_padding_free
 from portarl.trainer.guards.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
 from portarl.trainer.asynchronous.pipeline import async_rollout

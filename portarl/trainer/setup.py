@@ -15,7 +15,7 @@ from portarl import distributed as pdist
 from portarl.data import encode_examples
 from portarl.lora import apply_lora, base_model, is_lora
 from portarl.rollout import ENGINES
-from portarl.trainer.checkpointing import enable_checkpointing, wants_checkpointing
+from portarl.trainer.memory.checkpointing import enable_checkpointing, wants_checkpointing
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.trainer.phases.optimizer import make_adamw
 from portarl.trainer.guards.precision import DTYPES, PrecisionPlan, sharded_plan
@@ -67,7 +67,7 @@ def place_model(model, cfg: TrainConfig, dist, device):
         return model.to(device, dtype=dtype), None
     needs_copy = cfg.loss.kl_coef > 0 and not is_lora(model)
     reference = copy.deepcopy(model).to(device, dtype=dtype) if needs_copy else None
-    _checkpoint_layers(model, cfg)  # before fully_shard (portarl.trainer.checkpointing); the reference never needs it
+    _checkpoint_layers(model, cfg)  # before fully_shard (portarl.trainer.memory.checkpointing); the reference never needs it
     if cfg.precision.use_master:
         # fp32 parameters (the masters) holding the low-precision values one process starts its masters from
         model.to(device, dtype=dtype).to(torch.float32)
@@ -82,7 +82,7 @@ def place_model(model, cfg: TrainConfig, dist, device):
 
 
 def _checkpoint_layers(model, cfg: TrainConfig) -> None:
-    """``train.gradient_checkpointing`` on ``model`` (:mod:`portarl.trainer.checkpointing`)."""
+    """``train.gradient_checkpointing`` on ``model`` (:mod:`portarl.trainer.memory.checkpointing`)."""
     if wants_checkpointing(cfg):
         try:
             enable_checkpointing(model)

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 import portarl.trainer.phases.update as update
 from portarl import distributed as pdist
 from portarl.trainer import GRPOTrainer, TrainConfig, build_from_config
-from portarl.trainer.checkpointing import checkpointing_enabled
+from portarl.trainer.memory.checkpointing import checkpointing_enabled
 from portarl.trainer.phases.packing import Layout
 
 BASE = ["train.steps=1", "train.prompts_per_step=4", "train.sft_warmup_steps=0", "rollout.group_size=4",

@@ -10,8 +10,8 @@ import pytest
 from portarl.cli import main
 from portarl.models import build_tiny, load_gguf
 from portarl.trainer.config import TrainConfig
-from portarl.trainer.memory_arch import arch_of, longest_prompt
-from portarl.trainer.memory_plan import estimate, layer_activation_elements, parse_size
+from portarl.trainer.memory.arch import arch_of, longest_prompt
+from portarl.trainer.memory.plan import estimate, layer_activation_elements, parse_size
 
 
 def _count(model) -> int:

@@ -134,7 +134,7 @@ class TrainSection:
     #: one optimizer step (ppo_epochs x mini_batches = 1), saving a no-grad forward per
     #: step; "recompute" always runs that forward. See portarl.trainer.phases.scoring.
     old_logprobs: str = "auto"
-    #: Activation checkpointing per decoder layer (non-reentrant; :mod:`portarl.trainer.checkpointing`):
+    #: Activation checkpointing per decoder layer (non-reentrant; :mod:`portarl.trainer.memory.checkpointing`):
     #: "auto" (on for every model not built in by portarl, off for the tiny demo model),
     #: true or false. Saves about layers x the activations for about one more forward.
     gradient_checkpointing: str | bool = "auto"

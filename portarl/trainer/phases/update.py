@@ -22,7 +22,7 @@ import torch
 from portarl import distributed as pdist
 from portarl.core import compute_loss
 from portarl.trainer.guards.detectors import GuardTripped, NonFiniteError, first_nonfinite_gradient
-from portarl.trainer.heap import GradientsFirst, release_freed_memory
+from portarl.trainer.memory.heap import GradientsFirst, release_freed_memory
 from portarl.trainer.phases.micro_batches import micro_batches, rows_of
 from portarl.trainer.phases.scoring import logprobs
 from portarl.trainer.guards.step_guard import guarded_optimizer_step, judge_spikes
@@ -183,7 +183,7 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
     loss_cfg = trainer.loss_config()
     want_entropy = True  # cheap with the fused op; logged, and in the loss when entropy_coef > 0
     precision.zero_grad()
-    grads = GradientsFirst(precision.params)  # below the activations in the heap (trainer/heap.py)
+    grads = GradientsFirst(precision.params)  # below the activations in the heap (trainer/memory/heap.py)
     sums: dict[str, torch.Tensor] = {}
     loss_ok = torch.ones((), dtype=torch.bool, device=batch.labels.device)
     old_bad = torch.zeros((), dtype=torch.int64, device=batch.labels.device)

@@ -71,7 +71,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from portarl.trainer.memory_arch import Arch, arch_of, prompt_lengths
+from portarl.trainer.memory.arch import Arch, arch_of, prompt_lengths
 
 CPU_CHUNK_BYTES = 4 << 20
 #: Host memory of one loaded example (the Example object, its prompt and answer strings)
@@ -139,7 +139,7 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     ``first_step``: the run's first step, before which no optimizer state exists (what a
     one-step measurement sees); default the steady state. ``examples`` / ``data_tokens``:
     the data set's size (counted on CPU only, where host memory is the device's)."""
-    from portarl.trainer.checkpointing import wants_checkpointing
+    from portarl.trainer.memory.checkpointing import wants_checkpointing
 
     b = _BYTES[cfg.precision.dtype]
     w = max(1, devices)
