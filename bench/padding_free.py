@@ -42,11 +42,11 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    import portarl.trainer.update as update
+    import portarl.trainer.phases.update as update
     from portarl.trainer import GRPOTrainer, TrainConfig, build_from_config
-    from portarl.trainer.micro_batches import micro_batches
-    from portarl.trainer.rollout_phase import run_rollout
-    from portarl.trainer.scoring import score
+    from portarl.trainer.phases.micro_batches import micro_batches
+    from portarl.trainer.phases.rollout import run_rollout
+    from portarl.trainer.phases.scoring import score
 
     load_start = _load()
     with tempfile.TemporaryDirectory() as tmp:
@@ -61,8 +61,8 @@ def main() -> None:
         rollout_s = time.process_time() - started
         lengths = [len(c) for c in phase.rollout.completion_ids]
         snapshot = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-        if trainer._uses_reference():
-            trainer.ref_model = trainer._make_reference()  # the initial model, shared by every run
+        if trainer.uses_reference():
+            trainer.ref_model = trainer.make_reference()  # the initial model, shared by every run
 
         tokens: dict = {}
 

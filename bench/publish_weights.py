@@ -3,8 +3,8 @@
 Before: every version a fresh safetensors file (``save_file`` to a temporary name, renamed),
 the previous one deleted once the worker moved on. After: the versions rotate through
 ``max_staleness + 1`` files, created once and overwritten in place
-(:class:`portarl.trainer.rollout_weights.WeightSlots`). Both write the same state dict
-(:func:`~portarl.trainer.rollout_weights.rollout_state_dict`) into a directory on the same
+(:class:`portarl.trainer.asynchronous.weights.WeightSlots`). Both write the same state dict
+(:func:`~portarl.trainer.asynchronous.weights.rollout_state_dict`) into a directory on the same
 disk as a run directory, one after the other, ``--versions`` each, in turn (before, after,
 before, ...) so that both see the same load; per version wall and process CPU time. The
 files are checked to read back bitwise.
@@ -42,7 +42,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from portarl.models import load_local
-    from portarl.trainer.rollout_weights import WeightSlots, rollout_state_dict, write_rollout_weights
+    from portarl.trainer.asynchronous.weights import WeightSlots, rollout_state_dict, write_rollout_weights
 
     model, _ = load_local(args.model, dtype=torch.float32)
     load_start = os.getloadavg()[0]

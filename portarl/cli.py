@@ -126,7 +126,7 @@ def _cmd_compare(args) -> int:
 def _cmd_export(args) -> int:
     if _missing_train_extra("export"):
         return 2
-    from portarl.trainer.progress import quiet_third_party
+    from portarl.trainer.run.progress import quiet_third_party
 
     quiet_third_party()
     from portarl.export import ExportError, export_checkpoint
@@ -154,14 +154,14 @@ def _cmd_eval(args) -> int:
     import json
     from pathlib import Path
 
-    from portarl.trainer.progress import quiet_third_party
+    from portarl.trainer.run.progress import quiet_third_party
 
     quiet_third_party()
     from portarl.export import ExportError
     from portarl.lora import LoraUnavailable
     from portarl.reward_runner import RewardError
     from portarl.trainer.checkpoint import CheckpointError
-    from portarl.trainer.evaluation import eval_checkpoint
+    from portarl.trainer.phases.evaluation import eval_checkpoint
 
     greedy = None if args.greedy is None else args.greedy == "true"
     try:
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = {}
     if args.func is cli_train.cmd_train and threading.current_thread() is threading.main_thread():
         # SIGINT / SIGTERM before training starts: a clean exit, recorded so that training
-        # cannot start after one (trainer/signals.py). Restored on return, so a caller that
+        # cannot start after one (trainer/run/signals.py). Restored on return, so a caller that
         # runs main() in-process (tests, notebooks) keeps its own handlers.
         from portarl.startup_signals import clear_startup_signals, startup_handler
 

@@ -2,7 +2,7 @@
 
 Reads the model's shape (``config.json`` or the GGUF header) and the data's longest prompt
 (tokenizer only), then prints the per-device peak by part from
-:mod:`portarl.trainer.memory_plan`, whether it fits, and what to change. Exit 0: fits; 1:
+:mod:`portarl.trainer.memory.plan`, whether it fits, and what to change. Exit 0: fits; 1:
 does not fit; 2: a usage or config error.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from portarl.cli_train import UsageError, check_model_dir, load_config, log
+from portarl.cli_config import UsageError, check_model_dir, load_config, log
 
 
 def add_arguments(p) -> None:
@@ -42,8 +42,8 @@ def local_device_memory(device: str = "auto") -> tuple[int | None, bool]:
 
 
 def cmd_plan(args) -> int:
-    from portarl.trainer.memory_arch import arch_of, prompt_lengths
-    from portarl.trainer.memory_plan import estimate, parse_size, render
+    from portarl.trainer.memory.arch import arch_of, prompt_lengths
+    from portarl.trainer.memory.plan import estimate, parse_size, render
 
     try:
         config = load_config(args, "plan")
@@ -80,8 +80,8 @@ def train_start_line(config, tokenizer, examples, device) -> str:
     """The one line ``portarl train`` logs at its start: estimated peak and device memory
     (the prompts encoded as the trainer will; devices: torchrun's ``WORLD_SIZE``)."""
     from portarl.tokenizer import as_codec, chat_template_option
-    from portarl.trainer.memory_arch import arch_of
-    from portarl.trainer.memory_plan import estimate, one_line
+    from portarl.trainer.memory.arch import arch_of
+    from portarl.trainer.memory.plan import estimate, one_line
 
     d = config.data
     codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)

@@ -16,16 +16,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-#: Modules of the ``train`` extra, as imported (the package name differs for yaml).
-TRAIN_EXTRA_MODULES = ("yaml", "transformers", "safetensors", "tqdm")
-
-#: A model directory needs one of these weight files ...
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-#: ... and one of these tokenizer files (portarl's character tokenizer, or a Hugging Face
-#: one). Without them an empty tokenizer loads and the first error comes at rollout time.
-_TOKENIZER_FILES = ("portarl_char_tokenizer.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                    "spiece.model", "sentencepiece.bpe.model")
-
+from portarl.cli_config import UsageError, check_model_dir, load_config, log, require_train_extra
 
 #: ``portarl train --help`` / ``portarl sft --help``: each command's own description.
 DESCRIPTIONS = {
@@ -37,14 +28,6 @@ DESCRIPTIONS = {
            "Hugging Face model directory to <output-dir>/sft-model (LoRA adapters merged in), ready for "
            "`portarl train --set model.path=<output-dir>/sft-model`.",
 }
-
-
-class UsageError(Exception):
-    """A user mistake: printed as ``portarl <command>: <message>``, exit 2."""
-
-
-def log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def add_run_arguments(p, command: str) -> None:
@@ -69,78 +52,6 @@ def add_run_arguments(p, command: str) -> None:
                             "script that a scheduler may run again)")
     else:
         p.add_argument("--steps", type=int, help="SFT steps (default: train.sft_warmup_steps, or 100 when that is 0)")
-
-
-def require_train_extra(command: str) -> None:
-    """A plain ``pip install portarl`` has the ops, not the trainer: say which extra to add."""
-    missing = []
-    for name in TRAIN_EXTRA_MODULES:
-        try:
-            __import__(name)
-        except ImportError:
-            missing.append("pyyaml" if name == "yaml" else name)
-    if missing:
-        raise UsageError(f"needs the training extra: pip install 'portarl[train]' (missing: {', '.join(missing)})")
-
-
-def _yaml_error(path, err) -> str:
-    mark = getattr(err, "problem_mark", None)
-    where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-    return f"config file {path}: YAML syntax error at{where}: {problem}"
-
-
-def load_config(args, command: str):
-    import yaml
-
-    from portarl.trainer.config import ConfigError, TrainConfig
-
-    overrides = list(args.set or [])
-    if args.steps is not None:
-        if args.steps <= 0:
-            raise UsageError(f"--steps must be an integer > 0, got {args.steps}")
-        if command == "train":
-            overrides.append(f"train.steps={args.steps}")
-    if args.device:
-        overrides.append(f"device={args.device}")
-    if args.output_dir:
-        overrides.append(f"output_dir={args.output_dir}")
-    try:
-        return TrainConfig.load(args.config, overrides)
-    except ConfigError as err:
-        raise UsageError(f"config error: {err}") from None
-    except yaml.YAMLError as err:
-        raise UsageError(_yaml_error(args.config, err)) from None
-    except (TypeError, ValueError) as err:  # a value of the wrong type that a check compared before testing it
-        raise UsageError(f"config error: {err}") from None
-
-
-def check_model_dir(path: str) -> None:
-    """A local model directory must hold a config, weights and tokenizer files; a ``.gguf``
-    file (or ``package:<pkg>/<file>.gguf``) must exist."""
-    if path == "tiny":
-        return
-    from portarl.models import resolve_model_path
-
-    try:
-        directory = resolve_model_path(path)
-    except FileNotFoundError as err:
-        raise UsageError(str(err)) from None
-    if directory.suffix == ".gguf":
-        if not directory.is_file():
-            raise UsageError(f"model.path {path!r}: GGUF file {directory} does not exist")
-        return
-    if not directory.is_dir():
-        raise UsageError(f"model.path {path!r} is neither 'tiny', a directory nor a .gguf file")
-    names = {p.name for p in directory.iterdir()}
-    if "config.json" not in names:
-        raise UsageError(f"model directory {directory} has no config.json (a Hugging Face model directory, "
-                         "save_pretrained output, or 'tiny')")
-    if not names & set(_WEIGHT_FILES) and not any(n.endswith(".safetensors") for n in names):
-        raise UsageError(f"model directory {directory} has no weights (model.safetensors or pytorch_model.bin)")
-    if not names & set(_TOKENIZER_FILES):
-        raise UsageError(f"model directory {directory} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:4])}, ...): "
-                         "save the tokenizer next to the model (tokenizer.save_pretrained)")
 
 
 @dataclasses.dataclass
@@ -170,7 +81,7 @@ def prepare(args, command: str) -> Prepared:
         return _build(command, config, locked)
     except BaseException:
         if locked:
-            from portarl.trainer import run_lock
+            from portarl.trainer.run import lock as run_lock
 
             run_lock.release(config.output_dir)
         raise
@@ -178,11 +89,11 @@ def prepare(args, command: str) -> Prepared:
 
 def claim_output_dir(args, command: str, config) -> bool:
     """Check, create and (``train``, rank 0) lock the output directory, then the checks that
-    read it; returns whether this call took the lock (:mod:`portarl.trainer.run_lock`),
+    read it; returns whether this call took the lock (:mod:`portarl.trainer.run.lock`),
     taken before anything in the directory is read or deleted."""
-    from portarl.trainer import run_lock
+    from portarl.trainer.run import lock as run_lock
     from portarl.trainer.checkpoint import CheckpointManager
-    from portarl.trainer.run_dir import RunDirError, check_output_dir, check_resume_config, create_output_dir, no_checkpoint
+    from portarl.trainer.run.output_dir import RunDirError, check_output_dir, check_resume_config, create_output_dir, no_checkpoint
 
     locked = False
     try:
@@ -230,7 +141,7 @@ def _build(command: str, config, locked: bool) -> Prepared:
         reason = vllm_unavailable_reason()
         if reason is not None:
             raise UsageError(f"rollout.engine=vllm: {reason}")
-    from portarl.trainer.progress import quiet_third_party
+    from portarl.trainer.run.progress import quiet_third_party
 
     quiet_third_party()
     from portarl.trainer import build_from_config
@@ -267,7 +178,7 @@ def cmd_train(args) -> int:
         ready = None  # the model (FSDP2-sharded: it holds the process group) goes with the trainer
         pdist.shutdown(agreed=agreed)
         if locked:
-            from portarl.trainer import run_lock
+            from portarl.trainer.run import lock as run_lock
 
             run_lock.release(output_dir)
     return code
@@ -280,10 +191,10 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
     from portarl.reward_runner import RewardError
     from portarl.trainer import GRPOTrainer, TrainingStopped
     from portarl.trainer.checkpoint import CheckpointError
-    from portarl.trainer.run_dir import RunDirError
-    from portarl.trainer.signals import AbortNow, StopRequested, abort_message, exit_code
-    from portarl.trainer.write_failure import EXIT_CODE as WRITE_EXIT
-    from portarl.trainer.write_failure import WriteFailed, as_write_failure, intact_checkpoint, resume_command
+    from portarl.trainer.run.output_dir import RunDirError
+    from portarl.trainer.run.signals import AbortNow, StopRequested, abort_message, exit_code
+    from portarl.trainer.run.write_failure import EXIT_CODE as WRITE_EXIT
+    from portarl.trainer.run.write_failure import WriteFailed, as_write_failure, intact_checkpoint, resume_command
 
     config = ready.config
     try:
@@ -343,8 +254,8 @@ def cmd_sft(args) -> int:
 
     from portarl.lora import apply_lora, save_merged
     from portarl.tokenizer import as_codec
-    from portarl.trainer.progress import progress_bar
-    from portarl.trainer.sft import run_sft
+    from portarl.trainer.run.progress import progress_bar
+    from portarl.trainer.phases.sft import run_sft
 
     config = ready.config
     steps = args.steps or config.train.sft_warmup_steps or 100

@@ -139,10 +139,20 @@ def shutdown(agreed: bool = True) -> None:
     they meet at an exit barrier first; ``False`` for a rank leaving alone (an error on this
     rank, a second signal), which must not wait for peers that are not coming."""
     global _heartbeat
-    from portarl.exit_path import leave_job
-
     beat, _heartbeat = _heartbeat, None
     leave_job(beat, agreed)
+
+
+def leave_job(heartbeat, agreed: bool) -> None:
+    """Steps 1-3 of :mod:`portarl.exit_path`; safe to call when no process group exists
+    (then only step 1). Here, below ``exit_path``, because :func:`shutdown` runs it."""
+    if heartbeat is not None:
+        heartbeat.stop()
+        if agreed and dist.is_initialized() and not heartbeat.exit_barrier():
+            log.warning("rank %d: not every rank reached the exit within distributed.timeout_s=%g s; leaving anyway",
+                        heartbeat.rank, heartbeat.timeout_s)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def joined_a_job() -> bool:

@@ -18,7 +18,7 @@ same unwinding).
 
 The order here:
 
-1. :func:`leave_job`: portarl's own threads stop and are joined (the heartbeat; the
+1. :func:`portarl.distributed.leave_job`: portarl's own threads stop and are joined (the heartbeat; the
    trainer's logger, rollout engine and progress bars are closed by the caller before it
    lets go of the trainer);
 2. on an agreed exit, every rank meets at a barrier held in the rendezvous *store*, not a
@@ -38,21 +38,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-
-log = logging.getLogger("portarl.distributed")
-
-
-def leave_job(heartbeat, agreed: bool) -> None:
-    """Steps 1-3 above; safe to call when no process group exists (then only step 1)."""
-    import torch.distributed as dist
-
-    if heartbeat is not None:
-        heartbeat.stop()
-        if agreed and dist.is_initialized() and not heartbeat.exit_barrier():
-            log.warning("rank %d: not every rank reached the exit within distributed.timeout_s=%g s; leaving anyway",
-                        heartbeat.rank, heartbeat.timeout_s)
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def leave_process(code: int) -> None:

@@ -69,7 +69,7 @@ def load_checkpoint_model(checkpoint: str | Path):
     from portarl.trainer.checkpoint import CheckpointManager
     from portarl.trainer.checkpoint.safe_state import UnsafeStateError
     from portarl.trainer.config import ConfigError, TrainConfig
-    from portarl.trainer.precision import DTYPES
+    from portarl.trainer.guards.precision import DTYPES
 
     directory = resolve_checkpoint(checkpoint)
     try:

@@ -9,7 +9,7 @@ sync and export; each of those calls one helper here instead of knowing peft's l
   the guards (which all collect trainable parameters) see the adapter only. The adapter's
   random init is seeded, so two runs with the same config start identical.
 - The KL reference is the same model with the adapter disabled
-  (:func:`portarl.trainer.reference.reference_model`): no second copy of the weights.
+  (:func:`portarl.trainer.phases.reference.reference_model`): no second copy of the weights.
 - :func:`merged_state_dict` gives ``W + scaling * B @ A`` under the base model's own
   parameter names, computed on the side: the training model is never merged in place
   (merging and unmerging in low precision would drift the base weights).
@@ -136,7 +136,7 @@ def load_adapter(model, directory: Path) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from portarl.trainer.checkpoint.manifest import CheckpointError
+    from portarl.errors import CheckpointError
 
     path = directory / ADAPTER_WEIGHTS
     if not path.is_file():

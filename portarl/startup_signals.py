@@ -6,7 +6,7 @@ the signal and raises ``KeyboardInterrupt``, which the CLI turns into a clean ex
 (130 / 143, no traceback). The record matters because Python raises a handler's exception
 at whatever bytecode runs next: when that is a finaliser (``__del__``, a weakref callback)
 the interrupt is printed and dropped, and start-up would carry on into training as if no
-signal had come. :func:`portarl.trainer.signals.graceful_stop` asks
+signal had come. :func:`portarl.trainer.run.signals.graceful_stop` asks
 :func:`interrupted_during_startup` before the first step and refuses to start.
 """
 

@@ -56,7 +56,7 @@ API (everything a caller needs)::
   and how many portarl passes.
 
 Rewards go through :class:`portarl.reward_runner.RewardRunner` (its ``guard``), the
-trainer's hooks through :func:`portarl.trainer.hooks.apply_hooks`. The signal that wakes a
+trainer's hooks through :func:`portarl.trainer.guards.hooks.apply_hooks`. The signal that wakes a
 timed-out main thread is SIGURG, whose default action is to ignore it, so a wake-up that
 arrives after the call ended is harmless.
 """

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from portarl.trainer.async_pipeline import AsyncRollout
-from portarl.trainer.sequences import build_batch, completion_logprobs
+from portarl.trainer.asynchronous.pipeline import AsyncRollout
+from portarl.trainer.phases.sequences import build_batch, completion_logprobs
 
 
 def capture_async(monkeypatch) -> tuple[dict, list]:

@@ -35,7 +35,7 @@ def test_config_reference_lists_every_field():
     finally:
         sys.path.remove(str(ROOT / "tools"))
     from portarl.trainer.config import TrainConfig
-    from portarl.trainer.config_lora import LoraSection
+    from portarl.trainer.config.lora import LoraSection
 
     expected = _fields("", TrainConfig()) | _fields("model.lora.", LoraSection())
     assert expected <= field_names(), sorted(expected - field_names())

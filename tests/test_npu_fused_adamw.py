@@ -12,7 +12,7 @@ import torch
 
 import npu_standin
 from portarl.backends.npu import torch_npu_api
-from portarl.trainer.optimizer import resolve_implementation
+from portarl.trainer.phases.optimizer import resolve_implementation
 
 pytestmark = pytest.mark.npu_standin
 

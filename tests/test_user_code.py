@@ -163,7 +163,7 @@ def test_one_watchdog_serves_every_call_and_close_joins_it(_watchdogs):
 
 
 def test_a_stop_signal_ends_the_call_in_progress():
-    """What the trainer's SIGINT / SIGTERM handler does (trainer/signals.py)."""
+    """What the trainer's SIGINT / SIGTERM handler does (trainer/run/signals.py)."""
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: interrupt_active_call(signal.SIGTERM))
 
     def hang():

@@ -117,7 +117,7 @@ def test_fp32_rollout_on_an_npu_is_refused_at_start(ascend):
 def test_fp32_rollout_on_an_npu_is_refused_by_the_config():
     pytest.importorskip("transformers")
     from portarl.trainer import TrainConfig
-    from portarl.trainer.config_fields import ConfigError
+    from portarl.trainer.config.fields import ConfigError
 
     with pytest.raises(ConfigError, match="precision.dtype=fp32 with rollout.engine=vllm on an Ascend NPU"):
         TrainConfig.load(None, ["device=npu", "rollout.engine=vllm", "precision.dtype=fp32"])

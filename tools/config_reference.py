@@ -122,12 +122,12 @@ def _list(value) -> str:
 
 def reference() -> str:
     from portarl.trainer.config import TrainConfig
-    from portarl.trainer.config_lora import LoraSection
+    from portarl.trainer.config.lora import LoraSection
 
     config = TrainConfig()
     out = ["Every field of a `portarl train` / `portarl sft` config, by section (YAML: `section: {field: value}`; "
            "command line: `--set section.field=value`). Generated from the config dataclasses "
-           "(`portarl/trainer/config*.py`, `portarl/core/config.py`) by `tools/config_reference.py`; the test "
+           "(`portarl/trainer/config/`, `portarl/core/config.py`) by `tools/config_reference.py`; the test "
            "suite fails when this page differs from the code.", ""]
     top, sections = section_table("", config)
     out += ["## Top level", "", *top, ""]

@@ -11,7 +11,7 @@ import resource
 import torch
 
 from portarl.models import tiny_qwen2
-from portarl.trainer.sequences import build_batch, completion_logprobs
+from portarl.trainer.phases.sequences import build_batch, completion_logprobs
 
 torch.manual_seed(0)
 model = tiny_qwen2(151936, seed=0)

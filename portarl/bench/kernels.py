@@ -116,7 +116,7 @@ def kl_methods(device: torch.device) -> dict[str, Callable]:
 
 # ------------------------------------------------------------------------- measuring
 def synchronize(device: torch.device) -> None:
-    from portarl.parity.sweep import synchronize as sync
+    from portarl.parity.record import synchronize as sync
 
     sync(device)
 

@@ -1,5 +1,5 @@
 """``portarl bench memory``: one GRPO step's measured peak memory and time, beside the
-estimate of :mod:`portarl.trainer.memory_plan` (what ``portarl plan`` prints).
+estimate of :mod:`portarl.trainer.memory.plan` (what ``portarl plan`` prints).
 
 Each measurement is a fresh process (one per rank under ``--nproc N``: torchrun, Gloo, CPU):
 it imports torch, transformers and the trainer, reads its resident set size (the
@@ -58,7 +58,7 @@ def _worker(config: str | None, sets: list[str], steps: int) -> None:
     import transformers  # noqa: F401
 
     from portarl.trainer import GRPOTrainer, TrainConfig, build_from_config
-    from portarl.trainer.memory_plan import estimate_for_config
+    from portarl.trainer.memory.plan import estimate_for_config
 
     cfg = TrainConfig.load(config, sets)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -113,7 +113,7 @@ def measure(config: str | None, sets: list[str], nproc: int = 1, threads: int = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from portarl.trainer.memory_plan import gib
+    from portarl.trainer.memory.plan import gib
 
     ap = argparse.ArgumentParser(prog="portarl bench memory")
     ap.add_argument("--config")

@@ -46,115 +46,19 @@ portarl side over TRL's.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 from portarl.bench.step_report import CONDITIONS, IMPLS, machine, markdown
+from portarl.bench.step_side import GATED, READY, RESULT
 from portarl.bench.step_work import Work, add_arguments, work_from_args
 
-VOCAB_CHARS = "0123456789+-*=?., ()abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNO"  # 61 + 3 specials = 64
 STEP_KEYS = ("wall_s", "cpu_s", *(f"{p}_{k}_s" for p in ("rollout", "scoring", "update") for k in ("cpu", "wall")))
 MEMORY_KEYS = ("peak_rss_mib", "baseline_rss_mib", "rss_increase_mib")
-
-
-# ---------------------------------------------------------------- shared set-up (both workers)
-def set_threads(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-    try:
-        torch.set_num_interop_threads(threads)
-    except RuntimeError:  # already set in this process
-        pass
-
-
-def tokenizer():
-    """A 64-token character-level Hugging Face fast tokenizer: <pad> 0, <bos> 1, <eos> 2."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{c: i + 3 for i, c in enumerate(VOCAB_CHARS)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
-    assert len(out) == 64
-    return out
-
-
-def model(seed: int = 0, layers: int = 2, hidden_size: int = 64):
-    from portarl.models import tiny_qwen2
-
-    return tiny_qwen2(64, seed=seed, layers=layers, hidden_size=hidden_size, intermediate_size=3 * hidden_size)
-
-
-def prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
-    from portarl.data import arithmetic_examples
-
-    return [(ex.prompt, ex.answer) for ex in arithmetic_examples(n, seed=seed)]
-
-
-def timed(acc: dict, key: str, fn):
-    """``fn`` wrapped to add its wall and process CPU time to ``acc[key]`` ([wall, cpu])."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        w0, c0 = time.perf_counter(), time.process_time()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            spent = acc.setdefault(key, [0.0, 0.0])
-            spent[0] += time.perf_counter() - w0
-            spent[1] += time.process_time() - c0
-
-    return wrapper
-
-
-def step_record(wall: float, cpu: float, phases: dict, started: float | None = None) -> dict:
-    """One step; phases ``{name: [wall, cpu]}`` (rollout, scoring); update = the rest;
-    ``started``: its start (``time.time()``), to show that sides stepping in turn did not overlap."""
-    out = {"wall_s": wall, "cpu_s": cpu, "started_unix": started}
-    for i, kind in enumerate(("wall", "cpu")):
-        rollout, scoring = (phases[k][i] if k in phases else None for k in ("rollout", "scoring"))
-        out[f"rollout_{kind}_s"], out[f"scoring_{kind}_s"] = rollout, scoring
-        total = wall if kind == "wall" else cpu
-        out[f"update_{kind}_s"] = total - rollout - (scoring or 0.0) if rollout is not None else None
-    return out
-
-
-def finish(steps: list[dict], threads: int, started: float, baseline_mib: float, model) -> dict:
-    """A worker's result; ``baseline_mib``: its resident set once the model was loaded;
-    ``model``: the policy trained, to record whether checkpointing really was on."""
-    import torch
-
-    from portarl.bench.step_work import checkpointing_on
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"steps": steps, "torch_threads": torch.get_num_threads(), "process_s": time.perf_counter() - started,
-            "peak_rss_mib": peak, "baseline_rss_mib": baseline_mib, "rss_increase_mib": peak - baseline_mib,
-            "threads": threads, "gradient_checkpointing": checkpointing_on(model)}
-
-
-# ---------------------------------------------------------------- taking steps in turn
-READY, RESULT = "PORTARL_BENCH_READY", "PORTARL_BENCH_STEP"
-GATED = "PORTARL_BENCH_GATED"  # environment: set by the driver when the sides step in turn
-
-
-def gate() -> None:
-    """Before each step of a worker that steps in turn: say so and wait for the driver's go.
-    A no-op in a worker run on its own."""
-    if not os.environ.get(GATED):
-        return
-    print(READY, flush=True)
-    if sys.stdin.readline().strip() != "go":
-        raise SystemExit("portarl bench step: the driver went away")
 
 
 # ---------------------------------------------------------------- the driver

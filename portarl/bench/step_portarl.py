@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from portarl.bench import step_work
-from portarl.bench.step import finish, gate, set_threads, step_record, timed
+from portarl.bench.step_side import finish, gate, set_threads, step_record, timed
 from portarl.bench.step_work import REWARDS, Work
 
 
@@ -50,7 +50,7 @@ def run_portarl(steps: int, threads: int, work: Work, mode: str = "colocated") -
     set_threads(max(1, threads // 2) if asynchronous else threads)
     from portarl.data import Example
     from portarl.trainer import GRPOTrainer, TrainConfig
-    from portarl.trainer.async_pipeline import async_rollout
+    from portarl.trainer.asynchronous.pipeline import async_rollout
 
     policy, tok = step_work.load(work)
     baseline = step_work.rss_mib()
@@ -59,8 +59,8 @@ def run_portarl(steps: int, threads: int, work: Work, mode: str = "colocated") -
         data = [Example(p, a) for p, a in step_work.prompts(work, work.prompts_per_step * (steps + 2))]
         trainer = GRPOTrainer(policy, tok, None, data, cfg, device="cpu")
         del policy
-        if trainer._uses_reference():
-            trainer.ref_model = trainer._make_reference()
+        if trainer.uses_reference():
+            trainer.ref_model = trainer.make_reference()
         phases: dict = {}
         import portarl.trainer.grpo as grpo_module
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 
 from portarl.bench import step_work
-from portarl.bench.step import finish, gate, set_threads, step_record, timed
+from portarl.bench.step_side import finish, gate, set_threads, step_record, timed
 from portarl.bench.step_work import Work
 
 
@@ -75,11 +75,11 @@ def run_trl(steps: int, threads: int, work: Work) -> dict:
         )
         pairs = step_work.prompts(work, work.prompts_per_step * (steps + 2))
         data = Dataset.from_list([{"prompt": list(p) if isinstance(p, tuple) else p, "answer": a} for p, a in pairs])
-        trainer = GRPOTrainer(model=policy, reward_funcs=[reward], args=config, train_dataset=data,
-                              processing_class=tok, callbacks=[StepTimer()])
+        trl_trainer = GRPOTrainer(model=policy, reward_funcs=[reward], args=config, train_dataset=data,
+                                  processing_class=tok, callbacks=[StepTimer()])
         del policy
-        trainer._generate = timed(phases, "rollout", trainer._generate)
-        trainer._generate_and_score_completions = timed(phases, "generate_and_score",
-                                                        trainer._generate_and_score_completions)
-        trainer.train()
-        return finish(records, threads, started, baseline, trainer.model)
+        trl_trainer._generate = timed(phases, "rollout", trl_trainer._generate)
+        trl_trainer._generate_and_score_completions = timed(phases, "generate_and_score",  # TRL's own methods
+                                                            trl_trainer._generate_and_score_completions)
+        trl_trainer.train()
+        return finish(records, threads, started, baseline, trl_trainer.model)

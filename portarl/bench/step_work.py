@@ -221,8 +221,6 @@ def load(work: Work):
     """``(model, tokenizer)`` of the work, fresh: a worker calls it once for the policy (and
     TRL once more for its reference, as it would load its own from the model's path)."""
     if work.model is None:
-        from portarl.bench.step import model, tokenizer
-
         return model(layers=work.tiny_layers, hidden_size=work.tiny_hidden), tokenizer()
     import torch
 
@@ -235,14 +233,12 @@ def prompts(work: Work, n: int) -> list[tuple[object, str]]:
     """``n`` (prompt, answer) pairs: plain text for the tiny model (its tokenizer has no chat
     template), one-message conversations for ``--model``; ``--data``: the file's, in order
     (repeated when it has fewer than ``n``)."""
-    from portarl.bench.step import prompts as arithmetic
-
     if work.data is not None:
         from portarl.data import load_examples
 
         rows = load_examples(work.data)
         return [(rows[i % len(rows)].prompt, rows[i % len(rows)].answer) for i in range(n)]
-    pairs = arithmetic(n)
+    pairs = arithmetic_prompts(n)
     if work.model is None:
         return pairs
     return [(({"role": "user", "content": p},), a) for p, a in pairs]
@@ -277,3 +273,33 @@ def completion_text(completion) -> str:
     if isinstance(completion, (list, tuple)):
         return "".join(m.get("content", "") for m in completion if isinstance(m, dict))
     return completion
+
+
+# ---------------------------------------------------------------- the default work's tiny model
+VOCAB_CHARS = "0123456789+-*=?., ()abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNO"  # 61 + 3 specials = 64
+
+
+def tokenizer():
+    """A 64-token character-level Hugging Face fast tokenizer: <pad> 0, <bos> 1, <eos> 2."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{c: i + 3 for i, c in enumerate(VOCAB_CHARS)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    assert len(out) == 64
+    return out
+
+
+def model(seed: int = 0, layers: int = 2, hidden_size: int = 64):
+    from portarl.models import tiny_qwen2
+
+    return tiny_qwen2(64, seed=seed, layers=layers, hidden_size=hidden_size, intermediate_size=3 * hidden_size)
+
+
+def arithmetic_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    from portarl.data import arithmetic_examples
+
+    return [(ex.prompt, ex.answer) for ex in arithmetic_examples(n, seed=seed)]

@@ -6,7 +6,7 @@ with random weights; writes ``<out>/weight-sync-cpu.{json,md}``.
 
 What one step costs in each path, measured the way the pipeline runs it:
 
-- **file**: the trainer's :func:`~portarl.trainer.rollout_weights.write_rollout_weights`
+- **file**: the trainer's :func:`~portarl.trainer.asynchronous.weights.write_rollout_weights`
   (collect the rollout state dict, write, rename), then each worker's
   ``safetensors.torch.load_model(strict=True)`` into its model, as the async worker does
   (the file is read back from the page cache: trainer and worker share the host here);
@@ -59,7 +59,7 @@ def build_model(name: str, dtype: torch.dtype):
 
 
 def _load_into(model, tensors: dict) -> None:
-    from portarl.trainer.rollout_weights import tied_twins
+    from portarl.trainer.asynchronous.weights import tied_twins
 
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if unexpected or set(missing) - tied_twins(model):
@@ -101,7 +101,7 @@ def _spread(values: list[float]) -> dict:
 
 def run_case(name: str, dtype_name: str, receivers: int, reps: int, buckets_mb, work: Path) -> dict:
     from portarl.rollout.weight_sync import SyncGroup, WeightSender
-    from portarl.trainer.rollout_weights import rollout_state_dict, write_rollout_weights
+    from portarl.trainer.asynchronous.weights import rollout_state_dict, write_rollout_weights
 
     dtype = DTYPES[dtype_name]
     model = build_model(name, dtype)

@@ -4,14 +4,14 @@ must look like, and what multi-turn episodes cannot be combined with yet."""
 
 from __future__ import annotations
 
+from portarl.errors import ConfigError
+
 
 def is_multiturn(cfg) -> bool:
     return bool(cfg.tools) or cfg.environment is not None
 
 
 def check_agent_config(cfg) -> None:
-    from portarl.trainer.config_fields import ConfigError  # here: the trainer package imports this module
-
     if not isinstance(cfg.tools, list) or not all(isinstance(t, str) and t.count(":") == 1 for t in cfg.tools):
         raise ConfigError(f"tools must be a list of 'module:function' strings, got {cfg.tools!r}")
     env = cfg.environment

@@ -46,7 +46,7 @@ def standard_linear_cases() -> list[LinearCase]:
 
 def run_linear_logprobs_case(case: LinearCase, backend: str, dtype: torch.dtype, device: torch.device,
                              repeats: int = 3) -> list:
-    from portarl.parity.sweep import Record, _fill, _timed
+    from portarl.parity.record import Record, fill, timed
 
     base = dict(op="linear_logprobs", case=case.name, backend=backend, dtype=case_lib.DTYPE_NAMES[dtype])
     h, w, b, labels = case.make(dtype, device)
@@ -66,8 +66,8 @@ def run_linear_logprobs_case(case: LinearCase, backend: str, dtype: torch.dtype,
 
     quantities = ("logp", "entropy", "grad_hidden", "grad_weight")
     try:
-        _, f_ms = _timed(forward, device, repeats)
-        (logp, ent, gh, gw), fb_ms = _timed(forward_backward, device, repeats)
+        _, f_ms = timed(forward, device, repeats)
+        (logp, ent, gh, gw), fb_ms = timed(forward_backward, device, repeats)
     except Exception as err:  # reported as a failed case, not a crashed sweep
         return [Record(**base, quantity=q, error=f"{type(err).__name__}: {err}") for q in quantities]
     ref = linear_logprobs_float64(h, w, labels, bias=b, temperature=case.temperature, grad_logp=g1, grad_entropy=g2)
@@ -78,10 +78,10 @@ def run_linear_logprobs_case(case: LinearCase, backend: str, dtype: torch.dtype,
     mass_w = float(gz.sum(0).max()) * float(h.double().abs().max())
     t = dict(forward_ms=f_ms, backward_ms=max(0.0, fb_ms - f_ms))
     return [
-        _fill(Record(**base, quantity="logp", **t), logp, ref["logp"], fp32_result(scale), case.seed),
-        _fill(Record(**base, quantity="entropy", **t), ent, ref["entropy"], fp32_result(scale), case.seed),
-        _fill(Record(**base, quantity="grad_hidden", **t), gh, ref["grad_hidden"],
+        fill(Record(**base, quantity="logp", **t), logp, ref["logp"], fp32_result(scale), case.seed),
+        fill(Record(**base, quantity="entropy", **t), ent, ref["entropy"], fp32_result(scale), case.seed),
+        fill(Record(**base, quantity="grad_hidden", **t), gh, ref["grad_hidden"],
               contracted_gradient(scale, mass_h, dtype), case.seed),
-        _fill(Record(**base, quantity="grad_weight", **t), gw, ref["grad_weight"],
+        fill(Record(**base, quantity="grad_weight", **t), gw, ref["grad_weight"],
               contracted_gradient(scale, mass_w, dtype), case.seed),
     ]

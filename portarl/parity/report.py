@@ -18,7 +18,8 @@ from typing import Iterable
 
 import torch
 
-from portarl.parity.sweep import Record, native_backend, report_label
+from portarl.parity.record import Record
+from portarl.parity.sweep import native_backend, report_label
 
 SCHEMA = "portarl.parity/1"
 

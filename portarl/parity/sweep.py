@@ -10,7 +10,6 @@ pass/fail, timing, and a fixed sample of the output values. The samples are what
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Callable, Iterable
 
@@ -19,38 +18,9 @@ import torch
 from portarl import ops
 from portarl.backends import BACKEND_NAMES, get_backend_by_name
 from portarl.parity import cases as case_lib
-from portarl.parity.errors import measure
 from portarl.parity.float64 import kl_float64, logprobs_float64
-from portarl.parity.tolerances import Tolerance, fp32_result, stored_gradient
-
-#: Output positions per quantity kept in a report for cross-device comparison.
-SAMPLES_PER_QUANTITY = 32
-
-
-@dataclasses.dataclass
-class Record:
-    op: str
-    case: str
-    backend: str
-    dtype: str
-    quantity: str
-    max_abs: float | None = None
-    max_rel: float | None = None
-    worst_ratio: float | None = None
-    nonfinite_mismatches: int | None = None
-    atol: float | None = None
-    rtol: float | None = None
-    passed: bool = False
-    forward_ms: float | None = None
-    backward_ms: float | None = None
-    sample_index: list[int] = dataclasses.field(default_factory=list)
-    sample_values: list[float | str] = dataclasses.field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def key(self) -> tuple[str, str, str, str]:
-        """What identifies the same measurement on another device (backend excluded)."""
-        return (self.op, self.case, self.dtype, self.quantity)
+from portarl.parity.record import Record, fill, timed
+from portarl.parity.tolerances import fp32_result, stored_gradient
 
 
 def native_backend(device: torch.device) -> str:
@@ -70,52 +40,6 @@ def backends_for(device: torch.device) -> list[str]:
     """Backends that can run on ``device``, the device's own first."""
     names = [native_backend(device)] + [n for n in BACKEND_NAMES if n != native_backend(device)]
     return [n for n in names if get_backend_by_name(n).unavailable_reason(device) is None]
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "npu":
-        from portarl.backends.npu import torch_npu_api
-
-        torch_npu_api.synchronize()
-
-
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[object, float]:
-    """Result of the last call and its wall time (ms): the median of ``repeats`` calls after
-    a warm-up call, or the warm-up call itself when ``repeats`` is 0."""
-    times = []
-    for _ in range(1 + repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        result = fn()
-        synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    timed = sorted(times[1:] or times)
-    return result, timed[len(timed) // 2]
-
-
-def _sample_index(numel: int, seed: int) -> torch.Tensor:
-    if numel <= SAMPLES_PER_QUANTITY:
-        return torch.arange(numel)
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randperm(numel, generator=gen)[:SAMPLES_PER_QUANTITY].sort().values
-
-
-def _json_number(x: float) -> float | str:
-    return x if x == x and abs(x) != float("inf") else str(x)
-
-
-def _fill(record: Record, actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, seed: int) -> Record:
-    err = measure(actual, expected, tol)
-    record.max_abs, record.max_rel, record.worst_ratio = err.max_abs, err.max_rel, err.worst_ratio
-    record.nonfinite_mismatches, record.atol, record.rtol = err.nonfinite_mismatches, tol.atol, tol.rtol
-    record.passed = err.passed
-    flat = actual.detach().reshape(-1).to("cpu", torch.float64)
-    index = _sample_index(flat.numel(), seed)
-    record.sample_index = index.tolist()
-    record.sample_values = [_json_number(v) for v in flat[index].tolist()]
-    return record
 
 
 def run_logprobs_case(
@@ -140,8 +64,8 @@ def run_logprobs_case(
         return logp, entropy, leaf.grad
 
     try:
-        _, forward_ms = _timed(forward, device, repeats)
-        (logp, entropy, grad), fb_ms = _timed(forward_backward, device, repeats)
+        _, forward_ms = timed(forward, device, repeats)
+        (logp, entropy, grad), fb_ms = timed(forward_backward, device, repeats)
     except Exception as err:  # a backend that raises is a failed case, reported, not a crashed sweep
         msg = f"{type(err).__name__}: {err}"
         return [Record(**base, quantity=q, error=msg) for q in ("logp", "entropy", "grad")]
@@ -153,9 +77,9 @@ def run_logprobs_case(
     upstream = float(g_logp.abs().max() + g_ent.abs().max()) / case.temperature if g_logp.numel() else 0.0
     timing = dict(forward_ms=forward_ms, backward_ms=max(0.0, fb_ms - forward_ms))
     return [
-        _fill(Record(**base, quantity="logp", **timing), logp, ref["logp"], fp32_result(scale), case.seed),
-        _fill(Record(**base, quantity="entropy", **timing), entropy, ref["entropy"], fp32_result(scale), case.seed),
-        _fill(
+        fill(Record(**base, quantity="logp", **timing), logp, ref["logp"], fp32_result(scale), case.seed),
+        fill(Record(**base, quantity="entropy", **timing), entropy, ref["entropy"], fp32_result(scale), case.seed),
+        fill(
             Record(**base, quantity="grad", **timing), grad, ref["grad"],
             stored_gradient(scale, upstream, dtype), case.seed,
         ),
@@ -182,8 +106,8 @@ def run_kl_case(
         return value, a.grad, b.grad
 
     try:
-        _, forward_ms = _timed(forward, device, repeats)
-        (value, ga, gb), fb_ms = _timed(forward_backward, device, repeats)
+        _, forward_ms = timed(forward, device, repeats)
+        (value, ga, gb), fb_ms = timed(forward_backward, device, repeats)
     except Exception as err:
         msg = f"{type(err).__name__}: {err}"
         return [Record(**base, quantity=q, error=msg) for q in ("value", "grad_logp", "grad_ref")]
@@ -198,9 +122,9 @@ def run_kl_case(
     value_tol = fp32_result(value_size)
     grad_tol = stored_gradient(grad_size, upstream, dtype)
     return [
-        _fill(Record(**base, quantity="value", **timing), value, ref["value"], value_tol, case.seed),
-        _fill(Record(**base, quantity="grad_logp", **timing), ga, ref["grad_logp"], grad_tol, case.seed),
-        _fill(Record(**base, quantity="grad_ref", **timing), gb, ref["grad_ref"], grad_tol, case.seed),
+        fill(Record(**base, quantity="value", **timing), value, ref["value"], value_tol, case.seed),
+        fill(Record(**base, quantity="grad_logp", **timing), ga, ref["grad_logp"], grad_tol, case.seed),
+        fill(Record(**base, quantity="grad_ref", **timing), gb, ref["grad_ref"], grad_tol, case.seed),
     ]
 
 

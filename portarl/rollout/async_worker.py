@@ -3,7 +3,7 @@ samples the batches the trainer asks for and scores them (``rollout.mode: async`
 ``rollout.engine`` ``hf`` (the copy itself) or ``vllm`` (a vLLM engine in this process fed
 from the copy: :func:`build_engine`).
 
-Started by :class:`portarl.trainer.async_pipeline.AsyncRollout` as
+Started by :class:`portarl.trainer.asynchronous.pipeline.AsyncRollout` as
 ``python -m portarl.rollout.async_worker SPEC.json``. It speaks JSON lines: requests on
 stdin, replies on stdout (logging goes to stderr, which the trainer points at
 ``rollout_worker.log`` in the run directory). Nothing is unpickled: weights arrive as a
@@ -18,7 +18,7 @@ Requests, handled strictly in order:
 - ``{"op": "generate", "step": s, "prompts": [[ids]], "examples": [...]}``: G samples per
   prompt with the weights loaded last. Seeds come from (run seed, step, prompt, sample)
   through :func:`portarl.rollout.request_seeds`, exactly as in colocated mode
-  (:func:`portarl.trainer.rollout_phase.run_rollout`): the failure reported for other
+  (:func:`portarl.trainer.phases.rollout.run_rollout`): the failure reported for other
   frameworks' async modes, identical completions step after step, came from a worker
   whose seeds never advanced. Rewards are computed here (the trainer gets scored
   batches); the reply carries the weight version that generated it.
@@ -104,7 +104,7 @@ class Worker:
         from portarl.rollout import SamplingParams
         from portarl.tokenizer import as_codec, chat_template_option
         from portarl.trainer.config import TrainConfig
-        from portarl.trainer.precision import DTYPES
+        from portarl.trainer.guards.precision import DTYPES
 
         torch.set_num_threads(int(spec["threads"]))
         self.config = cfg = TrainConfig.from_dict(spec["config"])
@@ -142,7 +142,7 @@ class Worker:
     def generate(self, request: dict) -> dict:
         from portarl.data import Example
         from portarl.rollout import request_seeds
-        from portarl.trainer.episodes import play, reward_examples
+        from portarl.trainer.phases.episodes import play, reward_examples
 
         idle = time.perf_counter() - self.idle_since
         step, cfg = int(request["step"]), self.config

@@ -90,7 +90,7 @@ class RolloutEngine(abc.ABC):
         """Whether the completions of the last :meth:`generate` came from ``model``'s current
         weights (no optimizer step since). The trainer then takes its old log-probs from
         the training forward instead of a separate no-grad forward
-        (:func:`portarl.trainer.scoring.old_logprobs_recompute_reason`). Default False: an
+        (:func:`portarl.trainer.phases.scoring.old_logprobs_recompute_reason`). Default False: an
         engine that cannot vouch for it (a replayed file, a remote server) keeps the forward."""
         return False
 

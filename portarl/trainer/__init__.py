@@ -1,4 +1,7 @@
-"""GRPO training: the trainer, its config, guards, checkpoints and logging."""
+"""GRPO training: :class:`GRPOTrainer` (``grpo.py``) and its loop (``loop.py``); a step's
+phases in ``phases/``, the config in ``config/``, ``rollout.mode: async`` in ``asynchronous/``,
+the guards in ``guards/``, the run around the steps in ``run/``, memory in ``memory/`` and
+checkpoint files in ``checkpoint/``."""
 
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.trainer.grpo import GRPOTrainer, TrainingStopped, TrainResult, build_from_config

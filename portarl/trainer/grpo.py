@@ -2,22 +2,22 @@
 
 Per iteration (``step``), see :meth:`GRPOTrainer.train_step`:
 
-- :mod:`portarl.trainer.rollout_phase`: ``prompts_per_step`` prompts (seeded by run seed
+- :mod:`portarl.trainer.phases.rollout`: ``prompts_per_step`` prompts (seeded by run seed
   and step), G completions each from the rollout engine (a seed per sample);
-- :mod:`portarl.trainer.scoring`: rewards, old (and reference) log-probs through
+- :mod:`portarl.trainer.phases.scoring`: rewards, old (and reference) log-probs through
   :mod:`portarl.ops`, advantages;
-- :mod:`portarl.trainer.update`: ``ppo_epochs`` optimizer steps, each accumulating
+- :mod:`portarl.trainer.phases.update`: ``ppo_epochs`` optimizer steps, each accumulating
   gradients over micro-batches of :func:`portarl.core.compute_loss` with global normalisers;
-- :mod:`portarl.trainer.step_guard`: the guards, through all three.
+- :mod:`portarl.trainer.guards.step_guard`: the guards, through all three.
 
 Guards: every named tensor (reward, old_logp, ref_logp, advantage, loss, gradient) is
 checked; a non-finite one skips the optimizer step with weights and optimizer state
 untouched, counts it, logs it; ``guards.max_consecutive_skips`` in a row stop the run with
 a checkpoint and :class:`TrainingStopped` naming the first bad tensor. KL and grad-norm
 spikes and degenerate outputs are logged as events. SIGINT and SIGTERM save a checkpoint
-first (:mod:`portarl.trainer.signals`).
+first (:mod:`portarl.trainer.run.signals`).
 
-Test hooks (:mod:`portarl.trainer.hooks`): ``trainer.hooks[point]`` (points: ``reward``,
+Test hooks (:mod:`portarl.trainer.guards.hooks`): ``trainer.hooks[point]`` (points: ``reward``,
 ``old_logp``, ``ref_logp``, ``advantage``, ``loss``, ``grad``) lists ``fn(step, tensor) ->
 tensor`` applied at that point, e.g. to inject a NaN.
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from portarl import distributed as pdist
-from portarl.data import Example, arithmetic_examples, encode_examples, load_examples_for
+from portarl.data import Example, arithmetic_examples, load_examples_for
 from portarl.device import resolve_device
 from portarl.emulation import resolve_profile
 from portarl.lora import is_lora
@@ -46,21 +46,22 @@ from portarl.user_code import UserCodeGuard, agree_on_failure
 from portarl.trainer.checkpoint import CheckpointManager
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
-from portarl.trainer.guards import DegenerateDetector, GuardTripped, SpikeDetector
-from portarl.trainer.heap import release_freed_memory
-from portarl.trainer.packing import resolve_padding_free
-from portarl.trainer.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
-from portarl.trainer.async_pipeline import async_rollout
-from portarl.trainer.rollout_phase import run_rollout
-from portarl.trainer import persistence, run_dir, run_lock
-from portarl.trainer.progress import progress_bar
-from portarl.trainer.runlog import RunLogger, finish_run
-from portarl.trainer.write_failure import writing
-from portarl.trainer.evaluation import Evaluator
-from portarl.trainer.reference import maybe_sync_reference, refuse_reference_sync
-from portarl.trainer.scoring import score
-from portarl.trainer.sft import run_sft
-from portarl.trainer.step_guard import (
+from portarl.trainer.guards.detectors import DegenerateDetector, GuardTripped, SpikeDetector
+from portarl.trainer.memory.heap import release_freed_memory
+from portarl.trainer.phases.packing import resolve_padding_free
+from portarl.trainer.guards.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
+from portarl.trainer.asynchronous.pipeline import async_rollout
+from portarl.trainer.phases.rollout import run_rollout
+from portarl.trainer.run import persistence
+from portarl.trainer.run import output_dir as run_dir
+from portarl.trainer.run import lock as run_lock
+from portarl.trainer.run.logger import RunLogger, finish_run
+from portarl.trainer.run.write_failure import writing
+from portarl.trainer.phases.evaluation import Evaluator
+from portarl.trainer.phases.reference import maybe_sync_reference, refuse_reference_sync
+from portarl.trainer.phases.scoring import score
+from portarl.trainer.phases.sft import warm_up
+from portarl.trainer.guards.step_guard import (
     StepGuard,
     finish_metrics,
     record_bad,
@@ -69,14 +70,15 @@ from portarl.trainer.step_guard import (
 )
 from portarl.trainer.setup import (
     SilentLogger,
+    check_examples,
     make_optimizer,
     make_precision,
     make_rollout_engine,
     place_model,
 )
 from portarl.trainer.loop import TrainingStopped, run_loop
-from portarl.trainer.update import run_update
-from portarl.trainer.signals import graceful_stop
+from portarl.trainer.phases.update import run_update
+from portarl.trainer.run.signals import graceful_stop
 
 log = logging.getLogger("portarl.train")
 
@@ -103,7 +105,7 @@ class GRPOTrainer:
             raise ConfigError(why)
         self.model, self._initial_reference = place_model(model, self.config, self.dist, self.device)
         self.model.train()
-        self.padding_free = resolve_padding_free(self.config, self.model)  # micro-batch layout (trainer/packing.py)
+        self.padding_free = resolve_padding_free(self.config, self.model)  # micro-batch layout (trainer/phases/packing.py)
         self.tokenizer = tokenizer
         d = self.config.data
         self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)
@@ -111,12 +113,14 @@ class GRPOTrainer:
         self.agent = make_agent(self.config, self.codec, self._search_dirs())
         self.rewards = self._resolve_rewards(reward_fns)
         self.examples: list[Example] = list(train_data)
-        self._prompt_ids = self._check_examples()
+        # Every prompt encoded and checked now, by id(example): encoded_prompt()
+        self._prompt_ids = check_examples(self.examples, self.codec, self.model, self.config, self.rewards.needs_answer,
+                                          self.dist.is_main)
         if self.config.eval.data is not None and self.dist.enabled:
             raise ConfigError("eval.data under torchrun is not supported yet: evaluate checkpoints with "
                               "`portarl eval --checkpoint C --data F`, or train in one process")
         self.evaluator = Evaluator(self) if self.config.eval.data is not None else None  # checks the file now
-        self._last_samples = None
+        self.last_samples = None  # what the sample log shows of the last step (trainer.scoring fills it)
         self.output_dir = Path(self.config.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = CheckpointManager(self.output_dir, self.config.checkpoint.keep_last)
@@ -147,15 +151,16 @@ class GRPOTrainer:
         self.consecutive_skips = 0
         self.streak_first_bad: str | None = None
         self.ref_model = None
-        self._hook_step = 0
+        self.hook_step = 0  # the step the test hooks see (run_hooks)
         self.guard = StepGuard(self.dist)
-        self._local_offset = 0
+        self.budget_warned = False  # micro_batches' token-budget warning: once per run
         install_fault_injection(self.hooks, os.environ.get(FAULT_ENV), self.dist.rank)
         self.emulate = resolve_profile(self.config.precision.numerics)
         if self.emulate:
             log.warning("NPU numerics EMULATION on (%s): not portarl's fp32 path and not Ascend hardware",
                         ", ".join(sorted(self.emulate)))
-        self._stop_requested, self._stop_signal = False, None  # the signal: an int once one arrives
+        # A stop asked for (request_stop, a signal: trainer.signals) and the signal, an int once one arrives.
+        self.stop_requested, self.stop_signal = False, None
         if self.config.precision.dtype != "fp32" and not self.config.precision.use_master:
             log.warning("precision.master_weights_fp32=false with %s: the optimizer steps the %s weights themselves, "
                         "so updates below their resolution are lost (see update/lost_frac); the default 'auto' keeps "
@@ -174,8 +179,13 @@ class GRPOTrainer:
     def rollout(self, engine) -> None:
         self._rollout = engine
 
+    @property
+    def rollout_if_built(self):
+        """The rollout engine if one was built or passed in, else None (builds nothing)."""
+        return self._rollout
+
     def _resolve_rewards(self, reward_fns) -> RewardRunner:
-        self._rewards_from_config = reward_fns is None
+        self.rewards_from_config = reward_fns is None  # the config's rewards (what async mode's worker can load)
         if reward_fns is None:
             reward_fns = [(spec.name, spec.weight) for spec in self.config.rewards]
         return RewardRunner(reward_fns, search_dirs=self._search_dirs(), timeout_s=self.config.train.reward_timeout_s)
@@ -184,31 +194,19 @@ class GRPOTrainer:
         """Where ``module:function`` rewards, tools and environments are looked for."""
         return [os.getcwd()] + [d for d in [getattr(self.config, "source_dir", None)] if d]
 
-    def _check_examples(self) -> dict[int, list[int]]:
-        """Every prompt encoded now (file:line in the error), answers present where needed,
-        and sampling with replacement announced. Returns ids by ``id(example)``."""
-        if not self.examples:
-            raise ValueError("train_data is empty")
-        ctx = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        ids = encode_examples(self.examples, self.codec, context_length=ctx,
-                              max_new_tokens=self.config.rollout.max_new_tokens)
-        need = self.rewards.needs_answer + (["train.sft_warmup_steps"] if self.config.train.sft_warmup_steps else [])
-        missing = next((ex for ex in self.examples if ex.answer is None), None)
-        if need and missing is not None:
-            raise ValueError(f"{missing.where or 'an example'}: no answer field (data.answer_field="
-                             f"{self.config.data.answer_field!r}), which {', '.join(need)} needs")
-        n = self.config.train.prompts_per_step
-        if n > len(self.examples) and self.dist.is_main:
-            log.warning("train.prompts_per_step=%d is larger than the %d examples: prompts are drawn with replacement "
-                        "(the same prompt can appear twice in a step)", n, len(self.examples))
-        return {id(ex): p for ex, p in zip(self.examples, ids)}
+    def encoded_prompt(self, example: Example) -> list[int]:
+        """``example``'s prompt ids: encoded and checked when the data loaded, else now."""
+        return self._prompt_ids.get(id(example)) or self.codec.encode_prompt(example.prompt)
 
-    def _uses_reference(self) -> bool:
+    def uses_reference(self) -> bool:
+        """Whether the loss needs a reference model (``loss.kl_coef > 0``)."""
         return self.config.loss.kl_coef > 0
 
-    def _make_reference(self):
+    def make_reference(self):
+        """A frozen reference copy of the policy (FSDP2: the sharded copy made at start;
+        LoRA: none, the adapter disabled is the reference)."""
         if self._initial_reference is not None or is_lora(self.model):  # FSDP2: the sharded copy; LoRA: none
-            return self._initial_reference  # (LoRA's reference is the adapter disabled: trainer/reference.py)
+            return self._initial_reference  # (LoRA's reference is the adapter disabled: trainer/phases/reference.py)
         ref = copy.deepcopy(self.model)
         ref.eval()
         for p in ref.parameters():
@@ -221,13 +219,11 @@ class GRPOTrainer:
             return self.config.loss
         return dataclasses.replace(self.config.loss, kl_coef=self.kl_ctl.value)
 
-    def _apply_hooks(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
-        return apply_hooks(self.hooks, point, self._hook_step, tensor, self.hook_guard)
+    def run_hooks(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` through the test hooks at ``point`` (:mod:`portarl.trainer.guards.hooks`)."""
+        return apply_hooks(self.hooks, point, self.hook_step, tensor, self.hook_guard)
 
     # ------------------------------------------------------------- checkpoints
-    def _state(self) -> dict:
-        return persistence.trainer_state(self)
-
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint of this step (:func:`persistence.save_checkpoint`: refused
         while a weight or fp32 master is not finite)."""
@@ -238,12 +234,12 @@ class GRPOTrainer:
         return persistence.resume(self)
 
     # ---------------------------------------------------------------- one step
-    def _rewards(self, examples: list[Example], texts: list[str], rows: list[Example] | None = None
-                 ) -> tuple[torch.Tensor, dict]:
-        """The reward call: weighted total per completion (fp32, on the CPU) and ``reward/*``
-        metrics (:mod:`portarl.reward_runner`; a failing reward raises :class:`RewardError`).
-        Keeps each function's values for the sample log. ``rows``: one row per sample
-        (multi-turn episodes add columns: :func:`portarl.trainer.episodes.reward_examples`)."""
+    def score_rewards(self, examples: list[Example], texts: list[str], rows: list[Example] | None = None):
+        """The reward call: the runner's scores (:mod:`portarl.reward_runner`): ``total``, the
+        weighted total per completion (fp32, on the CPU), ``metrics`` (``reward/*``) and
+        ``per_function`` (each function's values, for the sample log). A failing reward on
+        any rank raises :class:`RewardError` on every rank. ``rows``: one row per sample
+        (multi-turn episodes add columns: :func:`portarl.trainer.phases.episodes.reward_examples`)."""
         g = self.config.rollout.group_size
         scores = failure = None
         try:
@@ -253,17 +249,16 @@ class GRPOTrainer:
         failure = agree_on_failure(self.dist, failure, RewardError)  # one rank's failure stops every rank
         if failure is not None:
             raise failure
-        self._last_reward_values = scores.per_function
-        return scores.total, scores.metrics
+        return scores
 
     def train_step(self) -> dict:
         """Run iteration ``self.step + 1``; returns its metrics (``skipped`` = 1 when skipped).
 
         Phases: :func:`rollout_phase.run_rollout`, :func:`scoring.score`,
-        :func:`update.run_update`; the guards (:mod:`portarl.trainer.step_guard`) run
+        :func:`update.run_update`; the guards (:mod:`portarl.trainer.guards.step_guard`) run
         through all three."""
         step = self.step + 1
-        self._hook_step = step
+        self.hook_step = step
         started, cpu_started = time.perf_counter(), time.process_time()
         phase = run_rollout(self, step)
         release_freed_memory()  # the rollout's caches, before scoring and the update allocate
@@ -271,7 +266,7 @@ class GRPOTrainer:
         skipped, overflow = False, False
         self.guard.reset()
         self.partial_update = None
-        self._last_samples = None
+        self.last_samples = None
         try:
             scored = score(self, phase, metrics)
             release_freed_memory()
@@ -301,31 +296,10 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------- loop
     def warmup_sft(self, logger: RunLogger | None = None) -> None:
-        cfg = self.config.train
+        """The supervised warm-up (``train.sft_warmup_steps``), once: :func:`sft.warm_up`."""
         if self.sft_done:
             return
-
-        # Its own progress bar (the GRPO bar starts at the first GRPO step); log lines without one.
-        bar = progress_bar(cfg.sft_warmup_steps, "sft warm-up",
-                           enabled=logger is not None and self.config.logging.progress and self.dist.is_main)
-
-        def on_step(step, loss):
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}")
-            elif logger is not None and (step % 10 == 0 or step == cfg.sft_warmup_steps):
-                log.info("sft warm-up %d/%d: loss %.4f", step, cfg.sft_warmup_steps, loss)
-
-        try:
-            losses = run_sft(self.model, self.codec, self.examples, steps=cfg.sft_warmup_steps,
-                             batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, device=self.device, seed=cfg.seed,
-                             on_step=on_step, logits_policy=self.config.precision.logits,
-                             precision=self.precision, dist=self.dist)
-        finally:
-            if bar is not None:
-                bar.close()
-        if bar is not None and losses:
-            log.info("sft warm-up: %d steps, loss %.4f -> %.4f", len(losses), losses[0], losses[-1])
+        losses = warm_up(self, logger)
         if self._initial_reference is not None and losses:  # FSDP2: the sharded copy was made before the
             with torch.no_grad():  # warm-up; one process builds its reference after it: anchor the warmed-up model
                 for ref, param in zip(self._initial_reference.parameters(), self.model.parameters(), strict=True):
@@ -335,9 +309,9 @@ class GRPOTrainer:
     def request_stop(self) -> None:
         """Finish the current step, save a checkpoint, and raise StopRequested (a
         KeyboardInterrupt), as on SIGINT or SIGTERM."""
-        self._stop_requested = True
+        self.stop_requested = True
 
-    def _stop_requested_anywhere(self) -> bool:
+    def stop_requested_anywhere(self) -> bool:
         """A stop is collective: a rank that saw Ctrl-C (or a scheduler's signal) before the
         others must not save alone, since saving is a collective (DCP) and the others would
         wait in the next step's collectives forever. One all-reduce per step.
@@ -347,10 +321,10 @@ class GRPOTrainer:
         the all-reduce (after it sent its False) must survive to the next step's agreement.
         Assigning the collective's False over it lost such a signal, and the run trained on."""
         if not self.dist.enabled:
-            return self._stop_requested
-        anywhere = pdist.any_rank(self.dist, self._stop_requested)
+            return self.stop_requested
+        anywhere = pdist.any_rank(self.dist, self.stop_requested)
         if anywhere:
-            self._stop_requested = True
+            self.stop_requested = True
         return anywhere
 
     def close(self) -> None:
@@ -369,7 +343,7 @@ class GRPOTrainer:
         """Train to ``train.steps``. A directory holding another run is refused unless
         ``resume`` (continue it; mid-run settings applied, others refused; no checkpoint
         there is refused too, unless ``start_if_none``) or ``overwrite`` (delete it first):
-        see :mod:`portarl.trainer.run_dir`."""
+        see :mod:`portarl.trainer.run.output_dir`."""
         with run_lock.held(self.output_dir, self.dist.is_main):  # one run per directory (a no-op under the CLI's)
             return self._train(resume, overwrite, start_if_none)
 
@@ -390,7 +364,7 @@ class GRPOTrainer:
         else:  # only rank 0 writes logs
             logger = SilentLogger()
         last_ckpt = self.checkpoints.latest()
-        self._stop_requested, self._stop_signal = False, None
+        self.stop_requested, self.stop_signal = False, None
         if not cfg.precision.use_master and cfg.precision.dtype != "fp32":
             logger.event(self.step, "precision_warning", f"precision.master_weights_fp32=false with {cfg.precision.dtype}: "
                          "updates below the weights' resolution are lost (update/lost_frac)")
@@ -410,7 +384,7 @@ def build_from_config(config: TrainConfig):
     """``(model, tokenizer, examples)`` as the config names them (built-in tiny model and
     synthetic arithmetic by default)."""
     from portarl.models import build_model
-    from portarl.trainer.precision import DTYPES
+    from portarl.trainer.guards.precision import DTYPES
 
     model, tokenizer = build_model(config.model, DTYPES[config.precision.dtype])
     d = config.data

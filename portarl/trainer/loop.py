@@ -8,11 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from portarl.reward_runner import RewardError
-from portarl.trainer.async_pipeline import RolloutWorkerError
-from portarl.trainer.samples import SampleLog
+from portarl.trainer.asynchronous.pipeline import RolloutWorkerError
+from portarl.trainer.run.samples import SampleLog
 from portarl.trainer.setup import forced_backend
-from portarl.trainer.signals import StopRequested
-from portarl.trainer.step_guard import UpdateUnrecoverable
+from portarl.trainer.run.signals import StopRequested
+from portarl.trainer.guards.step_guard import UpdateUnrecoverable
 from portarl.user_code import UserCodeError
 
 
@@ -29,13 +29,13 @@ def run_loop(trainer, logger, last_ckpt: Path | None) -> Path | None:
     """Steps until ``train.steps``: each logged, sampled, checked by the stop rules (guard
     stops, skip streaks, reward errors, signals agreed by every rank) and checkpointed on
     cadence. Returns the last checkpoint; raises :class:`TrainingStopped` or
-    :class:`~portarl.trainer.signals.StopRequested`."""
+    :class:`~portarl.trainer.run.signals.StopRequested`."""
     cfg = trainer.config
     if not trainer.sft_done:
         trainer.warmup_sft(logger)
-        trainer.ref_model = trainer._make_reference() if trainer._uses_reference() else None
-    elif trainer._uses_reference() and trainer.ref_model is None:
-        trainer.ref_model = trainer._make_reference()
+        trainer.ref_model = trainer.make_reference() if trainer.uses_reference() else None
+    elif trainer.uses_reference() and trainer.ref_model is None:
+        trainer.ref_model = trainer.make_reference()
     samples = SampleLog(trainer.output_dir, cfg.logging.samples_every, cfg.logging.samples_count,
                         getattr(logger, "writer", None)) if trainer.dist.is_main else None
     while trainer.step < cfg.train.steps:
@@ -60,8 +60,8 @@ def run_loop(trainer, logger, last_ckpt: Path | None) -> Path | None:
             if (note := trainer.evaluator.keep_best(trainer, metrics)) is not None:
                 events.append(("best_checkpoint", note, {}))
         logger.step(metrics)
-        if samples is not None and samples.due(trainer.step) and trainer._last_samples is not None:
-            samples.write(trainer.step, trainer._last_samples)
+        if samples is not None and samples.due(trainer.step) and trainer.last_samples is not None:
+            samples.write(trainer.step, trainer.last_samples)
         for kind, message, fields in events:
             logger.event(trainer.step, kind, message, **{k: v for k, v in fields.items() if k != "kind"})
         if trainer.stop_reason is not None:  # a guard with action "stop"
@@ -76,11 +76,11 @@ def run_loop(trainer, logger, last_ckpt: Path | None) -> Path | None:
             last_ckpt = trainer.save_checkpoint()
             if trainer.refused_checkpoint:
                 logger.event(trainer.step, "checkpoint_refused", trainer.refused_checkpoint)
-        if trainer._stop_requested_anywhere():
+        if trainer.stop_requested_anywhere():
             if trainer.checkpoints.latest() != trainer.checkpoints.root / f"step-{trainer.step:06d}":
                 last_ckpt = trainer.save_checkpoint()
             logger.event(trainer.step, "interrupted", f"stopped on request after step {trainer.step}; checkpoint {last_ckpt}")
-            raise StopRequested(trainer._stop_signal, trainer.step, last_ckpt)
+            raise StopRequested(trainer.stop_signal, trainer.step, last_ckpt)
     return last_ckpt
 
 
@@ -99,9 +99,9 @@ def stop_on_user_code(trainer, logger, err: UserCodeError, applied: bool) -> Tra
     else:
         last_ckpt = trainer.save_checkpoint()
         saved = f"Checkpoint of step {trainer.step}: {last_ckpt}"
-    if trainer._stop_requested_anywhere():
+    if trainer.stop_requested_anywhere():
         logger.event(trainer.step, "interrupted", f"stopped on request during step {step} ({err}); {saved}")
-        return StopRequested(trainer._stop_signal, trainer.step, last_ckpt)
+        return StopRequested(trainer.stop_signal, trainer.step, last_ckpt)
     message = f"stopping at step {step}: {err}. {saved}"
     logger.event(step, "stopped", message)
     return TrainingStopped(message, "reward" if isinstance(err, RewardError) else "user_code", last_ckpt)

@@ -12,13 +12,14 @@ import os
 import torch
 
 from portarl import distributed as pdist
+from portarl.data import encode_examples
 from portarl.lora import apply_lora, base_model, is_lora
 from portarl.rollout import ENGINES
-from portarl.trainer.checkpointing import enable_checkpointing, wants_checkpointing
+from portarl.trainer.memory.checkpointing import enable_checkpointing, wants_checkpointing
 from portarl.trainer.config import ConfigError, TrainConfig
-from portarl.trainer.optimizer import make_adamw
-from portarl.trainer.precision import DTYPES, PrecisionPlan, sharded_plan
-from portarl.trainer.update import lr_lambda, optimizer_steps_total
+from portarl.trainer.phases.optimizer import make_adamw
+from portarl.trainer.guards.precision import DTYPES, PrecisionPlan, sharded_plan
+from portarl.trainer.phases.update import lr_lambda, optimizer_steps_total
 
 log = logging.getLogger("portarl.train")
 
@@ -66,7 +67,7 @@ def place_model(model, cfg: TrainConfig, dist, device):
         return model.to(device, dtype=dtype), None
     needs_copy = cfg.loss.kl_coef > 0 and not is_lora(model)
     reference = copy.deepcopy(model).to(device, dtype=dtype) if needs_copy else None
-    _checkpoint_layers(model, cfg)  # before fully_shard (portarl.trainer.checkpointing); the reference never needs it
+    _checkpoint_layers(model, cfg)  # before fully_shard (portarl.trainer.memory.checkpointing); the reference never needs it
     if cfg.precision.use_master:
         # fp32 parameters (the masters) holding the low-precision values one process starts its masters from
         model.to(device, dtype=dtype).to(torch.float32)
@@ -81,7 +82,7 @@ def place_model(model, cfg: TrainConfig, dist, device):
 
 
 def _checkpoint_layers(model, cfg: TrainConfig) -> None:
-    """``train.gradient_checkpointing`` on ``model`` (:mod:`portarl.trainer.checkpointing`)."""
+    """``train.gradient_checkpointing`` on ``model`` (:mod:`portarl.trainer.memory.checkpointing`)."""
     if wants_checkpointing(cfg):
         try:
             enable_checkpointing(model)
@@ -98,12 +99,33 @@ def make_precision(model, cfg: TrainConfig, dist) -> PrecisionPlan:
 
 
 def make_optimizer(params, cfg: TrainConfig):
-    """AdamW over ``params`` (fused / foreach by device: :mod:`portarl.trainer.optimizer`)
+    """AdamW over ``params`` (fused / foreach by device: :mod:`portarl.trainer.phases.optimizer`)
     and its LR schedule; the schedule counts optimizer steps."""
     o = cfg.optim
     optimizer = make_adamw(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                            implementation=o.implementation)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, optimizer_steps_total(cfg)))
+
+
+def check_examples(examples: list, codec, model, cfg: TrainConfig, needs_answer: list[str], is_main: bool
+                   ) -> dict[int, list[int]]:
+    """Every prompt encoded now (file:line in the error), answers present where the rewards
+    (``needs_answer``) or the SFT warm-up need them, and sampling with replacement announced.
+    Returns the prompt ids by ``id(example)``."""
+    if not examples:
+        raise ValueError("train_data is empty")
+    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    ids = encode_examples(examples, codec, context_length=ctx, max_new_tokens=cfg.rollout.max_new_tokens)
+    need = needs_answer + (["train.sft_warmup_steps"] if cfg.train.sft_warmup_steps else [])
+    missing = next((ex for ex in examples if ex.answer is None), None)
+    if need and missing is not None:
+        raise ValueError(f"{missing.where or 'an example'}: no answer field (data.answer_field="
+                         f"{cfg.data.answer_field!r}), which {', '.join(need)} needs")
+    n = cfg.train.prompts_per_step
+    if n > len(examples) and is_main:
+        log.warning("train.prompts_per_step=%d is larger than the %d examples: prompts are drawn with replacement "
+                    "(the same prompt can appear twice in a step)", n, len(examples))
+    return {id(ex): p for ex, p in zip(examples, ids)}
 
 
 def make_rollout_engine(trainer):

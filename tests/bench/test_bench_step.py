@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from portarl.bench import step as bench_step  # noqa: E402
+from portarl.bench import step_work  # noqa: E402
 from portarl.bench.step_work import Work  # noqa: E402
 from portarl.cli import main  # noqa: E402
 
@@ -65,7 +66,7 @@ def test_bench_step_vs_trl(tmp_path):
 
 FAKE_WORKER = """
 import json, sys, time
-from portarl.bench.step import RESULT, gate
+from portarl.bench.step_side import RESULT, gate
 impl, steps = sys.argv[1], int(sys.argv[2])
 if impl == "broken":
     sys.exit("broken worker: no model for you")
@@ -117,10 +118,10 @@ SMALL_WORK = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens"
 @pytest.fixture
 def model_dir(tmp_path):
     """A tiny Qwen2 saved as a Hugging Face directory with a chat-template tokenizer."""
-    tok = bench_step.tokenizer()
+    tok = step_work.tokenizer()
     tok.chat_template = CHAR_TEMPLATE
     directory = tmp_path / "model"
-    bench_step.model(seed=3).save_pretrained(directory)
+    step_work.model(seed=3).save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory
 

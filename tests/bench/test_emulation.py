@@ -7,7 +7,7 @@ import torch
 
 from portarl.bench.stability import parse_runs
 from portarl.emulation import PROFILES, SWITCHES, HF32Matmuls, resolve_profile, round_mantissa
-from portarl.trainer.sequences import build_batch, completion_logprobs
+from portarl.trainer.phases.sequences import build_batch, completion_logprobs
 
 
 def test_default_profile_holds_only_stack_defaults():

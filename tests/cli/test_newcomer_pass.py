@@ -187,7 +187,7 @@ def test_train_default_output_dir_is_not_the_demos():
 
 
 def test_summary_says_means_of_the_last_steps():
-    from portarl.trainer.runlog import summarize
+    from portarl.trainer.run.logger import summarize
 
     rows = [{"step": i, "reward/mean": 0.1, "kl": float(i), "grad_norm": 1.0} for i in range(1, 21)]
     text = summarize(rows)

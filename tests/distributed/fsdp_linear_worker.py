@@ -1,5 +1,5 @@
 """Worker of tests/distributed/test_fsdp_linear_logprobs.py: score a fixed batch of 4
-sequences with the trainer's op path (:func:`portarl.trainer.sequences.completion_logprobs`,
+sequences with the trainer's op path (:func:`portarl.trainer.phases.sequences.completion_logprobs`,
 hence ``ops.linear_logprobs``) on a tiny Qwen2, tied and untied, and save per-token
 log-probs, entropy, d loss / d hidden (the op's input) and d loss / d output-embedding
 weight to ``<out>/<tied|untied>.safetensors``.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from portarl import ops
-from portarl.trainer.sequences import _is_sharded, build_batch, completion_logprobs
+from portarl.trainer.phases.sequences import _is_sharded, build_batch, completion_logprobs
 
 VOCAB = 53
 TEMPERATURE = 0.7

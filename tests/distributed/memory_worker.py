@@ -14,11 +14,11 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-import portarl.trainer.update as update
+import portarl.trainer.phases.update as update
 from portarl import distributed as pdist
 from portarl.trainer import GRPOTrainer, TrainConfig, build_from_config
-from portarl.trainer.checkpointing import checkpointing_enabled
-from portarl.trainer.packing import Layout
+from portarl.trainer.memory.checkpointing import checkpointing_enabled
+from portarl.trainer.phases.packing import Layout
 
 BASE = ["train.steps=1", "train.prompts_per_step=4", "train.sft_warmup_steps=0", "rollout.group_size=4",
         "rollout.max_new_tokens=5", "data.synthetic_size=64", "data.max_operand=999", "model.hidden_size=32",

@@ -1,5 +1,5 @@
 """Worker of tests/distributed/test_async_torchrun.py: the weights a rank publishes for the
-async rollout worker (:func:`portarl.trainer.rollout_weights.write_rollout_weights`), for a
+async rollout worker (:func:`portarl.trainer.asynchronous.weights.write_rollout_weights`), for a
 tiny Qwen2 tied and untied, in fp32 and cast to bf16, written to
 ``<out>/<tied|untied>-<dtype>.safetensors``.
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_linear_worker import tiny
-from portarl.trainer.rollout_weights import write_rollout_weights
+from portarl.trainer.asynchronous.weights import write_rollout_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

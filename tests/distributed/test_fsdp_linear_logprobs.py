@@ -58,7 +58,7 @@ def runs(tmp_path_factory):
 
 
 def _labels():
-    from portarl.trainer.sequences import build_batch
+    from portarl.trainer.phases.sequences import build_batch
 
     return build_batch(worker.PROMPTS, worker.COMPLETIONS, pad_id=0, device="cpu").labels
 

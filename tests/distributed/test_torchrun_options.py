@@ -35,7 +35,7 @@ def _one_and_two(root, *sets):
 def _lora_model():
     from portarl.lora import apply_lora
     from portarl.models import build_tiny
-    from portarl.trainer.config_lora import lora_section
+    from portarl.trainer.config.lora import lora_section
 
     model, _ = build_tiny(hidden_size=32, intermediate_size=64)
     section = lora_section({"r": 4, "target_modules": ["q_proj", "v_proj", "up_proj"]})

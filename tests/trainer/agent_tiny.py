@@ -88,7 +88,7 @@ class ScriptedRollout(RolloutEngine):
         return sum(context[i:i + n] == self.assistant for i in range(len(context) - n + 1)) - 1
 
     def generate(self, prompts, seeds, params):
-        from portarl.trainer.sequences import build_batch, completion_logprobs
+        from portarl.trainer.phases.sequences import build_batch, completion_logprobs
 
         self.calls.append([list(p) for p in prompts])
         completions = []

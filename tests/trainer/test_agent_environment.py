@@ -10,7 +10,7 @@ from agent_tiny import ScriptedRollout, agent_tokenizer, tiny_model
 from portarl.data import Example
 from portarl.trainer import GRPOTrainer, TrainConfig
 from portarl.trainer.config import ConfigError
-from portarl.trainer.rollout_phase import run_rollout
+from portarl.trainer.phases.rollout import run_rollout
 from trainer_fast import fast_config
 
 
@@ -26,12 +26,12 @@ def _trainer(tmp_path, script, *overrides, rows=None):
 def test_the_environment_steps_every_reply_and_owns_the_reward(tmp_path):
     trainer = _trainer(tmp_path, ["one", "two", "three", "four"], "environment=agent_tools:CountEnv")
     metrics = trainer.train_step()
-    episode = trainer._last_samples["episodes"][0]
+    episode = trainer.last_samples["episodes"][0]
     assert [(m["role"], m["content"]) for m in episode["messages"]] == [
         ("assistant", "one"), ("user", "again"), ("assistant", "two"), ("user", "again"), ("assistant", "three")]
     assert episode["finish"] == "done" and episode["env_reward"] == 3.0
     assert metrics["reward/environment"] == 3.0 and metrics["agent/env_steps"] == 3  # per episode
-    assert metrics["agent/finish_done_frac"] == 1 and all(trainer._last_samples["finished"])
+    assert metrics["agent/finish_done_frac"] == 1 and all(trainer.last_samples["finished"])
 
 
 def test_reset_text_joins_the_prompt_and_rows_name_their_environment(tmp_path):
@@ -54,7 +54,7 @@ def test_a_failing_environment_ends_its_episode_with_a_message_and_the_run_goes_
     try:
         for _ in range(2):
             metrics = trainer.train_step()
-            episode = trainer._last_samples["episodes"][0]
+            episode = trainer.last_samples["episodes"][0]
             assert episode["messages"][-1]["content"] == ("Error: the environment's step raised RuntimeError: the "
                                                           "environment broke")
             assert episode["finish"] == "env_error" and metrics["agent/env_errors"] == 1  # every episode

@@ -14,8 +14,8 @@ import torch
 from agent_tiny import ScriptedRollout, agent_tokenizer, call_text, tiny_model
 from portarl.data import Example
 from portarl.trainer import GRPOTrainer
-from portarl.trainer.rollout_phase import run_rollout
-from portarl.trainer.scoring import score
+from portarl.trainer.phases.rollout import run_rollout
+from portarl.trainer.phases.scoring import score
 from proc_tree import alive, children
 from trainer_fast import fast_config
 
@@ -75,7 +75,7 @@ def test_loop_masks_and_token_ids(make):
     for i, mask in enumerate(rollout.model_mask):
         expected[i, : len(mask)] = torch.tensor(mask)
     assert torch.equal(scored.batch.mask, expected)
-    assert trainer._last_samples["total"][0] == 1.0  # math_exact on "The answer is 408."
+    assert trainer.last_samples["total"][0] == 1.0  # math_exact on "The answer is 408."
 
 
 def test_context_tokens_take_no_part_in_the_loss_or_the_mismatch_correction(make):
@@ -139,7 +139,7 @@ def test_a_failing_call_is_a_message_and_a_metric_and_the_run_goes_on(make, isol
     trainer = make([call, ANSWER], f"rollout.tool_isolation={isolation}", *overrides, tools=(tool,))
     for step in (1, 2):  # the run goes on
         metrics = trainer.train_step()
-        episode = trainer._last_samples["episodes"][0]
+        episode = trainer.last_samples["episodes"][0]
         assert episode["messages"][1]["content"].replace("<tool_response>\n", "").startswith(message), episode
         assert episode["messages"][2]["content"] == ANSWER and episode["finish"] == "stop"
         assert metrics[metric] == 1  # per episode: every episode of the step
@@ -152,7 +152,7 @@ def test_a_failing_call_is_a_message_and_a_metric_and_the_run_goes_on(make, isol
 def test_process_isolation_runs_tools_in_a_child_that_is_stopped_and_joined(make):
     trainer = make([call_text("pid"), ANSWER], "rollout.tool_isolation=process", tools=("pid",))
     trainer.train_step()
-    tool_pid = int(trainer._last_samples["episodes"][0]["messages"][1]["content"].split("\n")[1])
+    tool_pid = int(trainer.last_samples["episodes"][0]["messages"][1]["content"].split("\n")[1])
     assert tool_pid != os.getpid() and tool_pid in children(os.getpid())
     trainer.close()
     assert not alive(tool_pid) and tool_pid not in children(os.getpid())
@@ -161,7 +161,7 @@ def test_process_isolation_runs_tools_in_a_child_that_is_stopped_and_joined(make
 def test_a_tool_that_kills_its_process_is_a_message_in_process_isolation(make):
     trainer = make([call_text("crash"), ANSWER], "rollout.tool_isolation=process", tools=("crash",))
     metrics = trainer.train_step()
-    episode = trainer._last_samples["episodes"][0]
+    episode = trainer.last_samples["episodes"][0]
     assert episode["messages"][1]["content"].startswith("<tool_response>\nError: tool 'crash' ended its process")
     assert metrics["agent/tool_errors"] == 1 and metrics["agent/tool_process_restarts"] == 4
 

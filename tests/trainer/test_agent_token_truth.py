@@ -13,8 +13,8 @@ from portarl.data import Example
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL
 from portarl.multiturn.episode import EpisodeRunner
 from portarl.trainer import GRPOTrainer
-from portarl.trainer.rollout_phase import run_rollout
-from portarl.trainer.sequences import build_batch, completion_logprobs, padded
+from portarl.trainer.phases.rollout import run_rollout
+from portarl.trainer.phases.sequences import build_batch, completion_logprobs, padded
 from trainer_fast import fast_config
 
 
@@ -57,7 +57,7 @@ def test_trainer_logprobs_of_a_multiturn_trajectory_are_the_engines(trainer):
 
 
 def test_the_check_fails_when_a_turn_is_retokenised(trainer, monkeypatch):
-    import portarl.trainer.episodes as episodes
+    import portarl.trainer.phases.episodes as episodes
 
     monkeypatch.setattr(episodes, "EpisodeRunner", RetokenisingRunner)
     rollout = run_rollout(trainer, 1).rollout

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from portarl.trainer import GRPOTrainer, TrainingStopped, build_from_config
-from portarl.trainer.async_pipeline import BATCH_LOG, RolloutWorkerError, validate_batch
+from portarl.trainer.asynchronous.pipeline import BATCH_LOG, RolloutWorkerError, validate_batch
 from portarl.rollout.async_worker import FAULT_ENV
 from portarl.trainer.config import ConfigError, TrainConfig
 
@@ -101,7 +101,7 @@ def test_async_keeps_per_sample_seeds_and_the_detector_fires_on_a_constant_seed(
     events = _jsonl(tmp_path / "ok" / "run" / "events.jsonl")
     assert not [e for e in events if e["kind"] == "identical_samples"]
     assert trainer.step == 3
-    assert trainer._rollout is None, "async mode built a rollout engine in the trainer (with vllm: a second vLLM)"
+    assert trainer.rollout_if_built is None, "async mode built a rollout engine in the trainer (with vllm: a second vLLM)"
 
     monkeypatch.setenv(FAULT_ENV, "constant_seed")
     _run(tmp_path / "bad", "train.steps=2", "rollout.mode=async")
@@ -161,7 +161,7 @@ def test_a_batch_older_than_max_staleness_is_dropped_and_regenerated(tmp_path, m
 
 def test_async_with_lora_samples_the_merged_adapter_of_each_version(tmp_path, monkeypatch):
     """model.lora: the worker's plain model gets W + scaling * B @ A of every published
-    version (portarl.trainer.rollout_weights); its behaviour log-probs are the LoRA model's
+    version (portarl.trainer.asynchronous.weights); its behaviour log-probs are the LoRA model's
     of that version, which the adapter has moved measurably away from version 0's."""
     pytest.importorskip("peft")
     from async_capture import behaviour_gap, capture_async

@@ -9,7 +9,7 @@ import random
 import torch
 
 from portarl.rollout.hf import left_pad
-from portarl.trainer.sequences import build_batch
+from portarl.trainer.phases.sequences import build_batch
 
 
 def _rows(rng, n, lo, hi):

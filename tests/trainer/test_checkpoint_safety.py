@@ -16,6 +16,7 @@ import torch
 from portarl.trainer.checkpoint import CheckpointError, CheckpointManager, UnsafeStateError, rng_state, set_rng_state
 from portarl.trainer.checkpoint import manifest as mf
 from portarl.trainer.checkpoint import safe_state
+from portarl.trainer.run.persistence import trainer_state
 
 
 class _Payload:
@@ -52,7 +53,7 @@ def test_checkpoint_holds_no_pickle_and_round_trips(trained):
     assert {"model.safetensors", "trainer_state.json", "trainer_state.safetensors", "MANIFEST.json", "COMPLETE"} <= names
     assert not [n for n in names if n.endswith((".pt", ".pkl", ".bin"))]
     state = CheckpointManager.load_state(ckpt)
-    want = trained._state()
+    want = trainer_state(trained)
     assert state["step"] == 3 and state["config"] == want["config"]
     for pid, slots in want["optimizer"]["state"].items():  # int keys and every tensor survive
         for key, value in slots.items():

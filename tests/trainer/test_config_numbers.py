@@ -111,7 +111,9 @@ def test_trainer_adapts_the_kl_coefficient(make_trainer):
         error = min(max(metrics["kl"] / 1e-3 - 1, -0.2), 0.2)
         coef *= 1 + error * n / 100
         assert metrics["kl/coef"] == pytest.approx(coef, rel=1e-12)
-    assert trainer._state()["kl_ctl"] == {"value": trainer.kl_ctl.value}
+    from portarl.trainer.run.persistence import trainer_state
+
+    assert trainer_state(trainer)["kl_ctl"] == {"value": trainer.kl_ctl.value}
 
 
 def _bool_fields():

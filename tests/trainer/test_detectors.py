@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from portarl.trainer import GRPOTrainer, TrainConfig, TrainingStopped, build_from_config
-from portarl.trainer.guards import SpikeDetector
-from portarl.trainer.rollout_phase import identical_cause
+from portarl.trainer.guards.detectors import SpikeDetector
+from portarl.trainer.phases.rollout import identical_cause
 from trainer_fast import fast_config, varied_reward
 
 
@@ -126,7 +126,7 @@ def test_constant_seed_is_named_as_seeding(make_trainer):
 
 
 def test_nonfinite_current_policy_logp_is_an_event(make_trainer, monkeypatch):
-    import portarl.trainer.update as update
+    import portarl.trainer.phases.update as update
 
     real = update.logprobs
 
@@ -171,7 +171,7 @@ def test_configs_saved_with_the_retired_collapse_entropy_still_load_and_resume(t
     resume (the field is not a refused change)."""
     import yaml
 
-    from portarl.trainer.run_dir import check_resume_config
+    from portarl.trainer.run.output_dir import check_resume_config
 
     saved = TrainConfig().to_dict()
     del saved["rollout"]["identical_min_chance"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from portarl.rollout import request_seeds
-from portarl.trainer.dynamic_sampling import informative, round_seeds
+from portarl.trainer.phases.dynamic_sampling import informative, round_seeds
 from trainer_fast import varied_reward
 
 import torch
@@ -51,10 +51,10 @@ def test_batch_holds_only_informative_groups(make_trainer, monkeypatch):
     g = trainer.config.rollout.group_size
     rounds = metrics["rollout/rounds"]
     assert rounds == len(calls) >= 2, "the test needs a step with more than one round"
-    total = torch.tensor(trainer._last_samples["total"])
+    total = torch.tensor(trainer.last_samples["total"])
     assert total.numel() == 4 * g
     assert all(informative(total[i : i + g]) for i in range(0, total.numel(), g))
-    assert all(a != 0 for a in trainer._last_samples["advantages"][::g])
+    assert all(a != 0 for a in trainer.last_samples["advantages"][::g])
     every = [s for c in calls for s in c]
     assert len(set(every)) == len(every)  # fresh per-sample seeds in every round
     assert 0 < metrics["rollout/informative_frac"] < 1

@@ -13,7 +13,7 @@ import torch
 
 from portarl.trainer import GRPOTrainer, build_from_config
 from portarl.trainer.config import ConfigError
-from portarl.trainer.evaluation import eval_seeds
+from portarl.trainer.phases.evaluation import eval_seeds
 from trainer_fast import fast_config
 
 
@@ -65,7 +65,7 @@ def test_eval_during_training(tmp_path):
 
 
 def test_eval_greedy_is_deterministic_and_scored_with_the_training_rewards(tmp_path):
-    from portarl.trainer.evaluation import Evaluator
+    from portarl.trainer.phases.evaluation import Evaluator
 
     data = _eval_file(tmp_path)
     trainer = _trainer(tmp_path, f"eval.data={data}")
@@ -97,7 +97,7 @@ def test_portarl_eval_cli(tmp_path, capsys):
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert metrics["eval/prompts"] == 3 and "eval/reward/mean" in metrics
     # The same numbers as the in-training evaluation of the same weights.
-    from portarl.trainer.evaluation import evaluate, load_eval_set
+    from portarl.trainer.phases.evaluation import evaluate, load_eval_set
 
     import dataclasses
 
@@ -112,7 +112,7 @@ def test_portarl_eval_cli(tmp_path, capsys):
     assert "--checkpoint" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", str(ckpt), "--data", str(data), "--n", "4", "--greedy", "true"]) == 2
     assert "--greedy false" in capsys.readouterr().err
-    from portarl.trainer.evaluation import eval_checkpoint
+    from portarl.trainer.phases.evaluation import eval_checkpoint
 
     sampled = eval_checkpoint(ckpt, str(data), n=2, device="cpu")  # --n 2 alone: sampled
     assert sampled["eval/prompts"] == 3 and "eval/reward/best_of_n" in sampled

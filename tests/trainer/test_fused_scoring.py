@@ -13,7 +13,7 @@ import torch
 from portarl.models import tiny_qwen2
 from portarl.parity.errors import assert_close
 from portarl.parity.tolerances import Tolerance, fp32_result
-from portarl.trainer.sequences import MATERIALIZE_ENV, build_batch, completion_logprobs, nonfinite_logit_positions
+from portarl.trainer.phases.sequences import MATERIALIZE_ENV, build_batch, completion_logprobs, nonfinite_logit_positions
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "parity"))
 from test_memory_contract import AllocationLog  # noqa: E402

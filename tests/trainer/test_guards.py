@@ -12,7 +12,7 @@ import torch
 
 from portarl.trainer import TrainingStopped
 from portarl.trainer.checkpoint import CheckpointManager
-from portarl.trainer.guards import DegenerateDetector, SpikeDetector, is_degenerate
+from portarl.trainer.guards.detectors import DegenerateDetector, SpikeDetector, is_degenerate
 from trainer_fast import varied_reward
 
 
@@ -76,7 +76,7 @@ def test_nan_logits_are_named(make_trainer):
 
 def test_nan_in_ref_logp_is_named(make_trainer):
     trainer = make_trainer("loss.kl_coef=0.01")
-    trainer.ref_model = trainer._make_reference()
+    trainer.ref_model = trainer.make_reference()
     trainer.hooks["ref_logp"].append(_nan_at(1))
     assert trainer.train_step()["guard/nonfinite_tensor"] == "ref_logp"
 
@@ -137,7 +137,7 @@ def test_all_finite_flags_exactly_what_is_not_finite():
     """The post-step check (a foreach 2-norm, rechecked exactly where the norm overflows):
     NaN / +inf / -inf are caught in any dtype; finite tensors whose 2-norm overflows (fp32
     values ~1e30, fp16 values whose norm passes 65504) are not flagged."""
-    from portarl.trainer.step_guard import _all_finite
+    from portarl.trainer.guards.step_guard import _all_finite
 
     def poisoned(value, dtype=torch.float32):
         t = torch.ones(1000, dtype=dtype)

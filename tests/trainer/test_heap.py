@@ -1,4 +1,4 @@
-"""portarl.trainer.heap: freed heap memory goes back to the OS between a step's phases,
+"""portarl.trainer.memory.heap: freed heap memory goes back to the OS between a step's phases,
 when enough of it is free to pay for the trim.
 
 The probe frees every other block of a fragmented heap (so free() alone cannot shrink it:
@@ -17,7 +17,7 @@ import pytest
 
 PROBE = r"""
 import os, sys
-from portarl.trainer.heap import free_heap_bytes, release_freed_memory
+from portarl.trainer.memory.heap import free_heap_bytes, release_freed_memory
 
 def rss_mib():
     with open("/proc/self/statm") as f:
@@ -67,7 +67,7 @@ def test_a_heap_with_little_free_is_left_alone():
 
 
 def test_without_glibc_it_is_a_no_op(monkeypatch):
-    from portarl.trainer import heap
+    from portarl.trainer.memory import heap
 
     heap._glibc.cache_clear()
     monkeypatch.setattr(heap.ctypes.util, "find_library", lambda name: None)
@@ -83,7 +83,7 @@ def test_a_small_models_step_does_not_trim(make_trainer, monkeypatch):
     """The tiny model's step frees a few MiB between phases: no trim (each cost it page
     faults worth about a third of its CPU time). A threshold of 0 trims at every call:
     after the rollout, after scoring and after the micro-batch's backward."""
-    from portarl.trainer import heap
+    from portarl.trainer.memory import heap
 
     libc = heap._glibc()
     calls = []
@@ -106,7 +106,7 @@ def test_gradients_first_gives_the_same_gradients_and_drops_untouched_ones():
     backward reached is back to None (an optimizer skips it, as before)."""
     import torch
 
-    from portarl.trainer.heap import GradientsFirst
+    from portarl.trainer.memory.heap import GradientsFirst
 
     torch.manual_seed(0)
     used, unused = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
@@ -136,7 +136,7 @@ def test_gradients_first_gives_the_same_gradients_and_drops_untouched_ones():
 def test_gradients_first_leaves_sharded_parameters_to_fsdp():
     import torch
 
-    from portarl.trainer.heap import GradientsFirst
+    from portarl.trainer.memory.heap import GradientsFirst
 
     class Sharded(torch.nn.Parameter):  # stands in for FSDP2's DTensor parameters
         def full_tensor(self):

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import portarl.trainer.grpo as grpo
-import portarl.trainer.update as update
+import portarl.trainer.phases.update as update
 from portarl import ops
 from portarl.ops import _checks
 from trainer_fast import varied_reward

@@ -10,8 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from portarl.trainer.logfiles import TMP_SUFFIX, prepare_log
-from portarl.trainer.runlog import RunLogger, read_metrics
+from portarl.trainer.run.logfiles import TMP_SUFFIX, prepare_log
+from portarl.trainer.run.logger import RunLogger, read_metrics
 
 
 def _write_rows(path: Path, steps, torn: str = "") -> bytes:
@@ -24,7 +24,7 @@ def _start_logger_in_subprocess(out: Path, resume_step: int, prelude: str) -> su
     script = textwrap.dedent(f"""
         import os, resource, signal, sys
         from pathlib import Path
-        from portarl.trainer.runlog import RunLogger
+        from portarl.trainer.run.logger import RunLogger
         {prelude}
         RunLogger(Path({str(out)!r}), total_steps=200, resume_step={resume_step}, tensorboard=False, progress=False)
         print("started")
@@ -82,7 +82,7 @@ def test_kill_at_start_up_leaves_the_log_whole(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_bytes() == original
     assert (tmp_path / f"metrics.jsonl{TMP_SUFFIX}").exists()
     # SIGKILL in the middle of writing the new file.
-    kill = ("import portarl.trainer.logfiles as lf\n"
+    kill = ("import portarl.trainer.run.logfiles as lf\n"
             "class _F:\n"
             "    def __init__(self, f): self.f = f\n"
             "    def __enter__(self): return self\n"

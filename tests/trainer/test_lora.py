@@ -17,9 +17,9 @@ from portarl.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_lora, merged_state_
 from portarl.parity.tolerances import fp32_result  # noqa: E402
 from portarl.trainer import build_from_config  # noqa: E402
 from portarl.trainer.config import ConfigError, TrainConfig  # noqa: E402
-from portarl.trainer.reference import reference_model  # noqa: E402
-from portarl.trainer.scoring import no_grad_logprobs  # noqa: E402
-from portarl.trainer.sequences import build_batch  # noqa: E402
+from portarl.trainer.phases.reference import reference_model  # noqa: E402
+from portarl.trainer.phases.scoring import no_grad_logprobs  # noqa: E402
+from portarl.trainer.phases.sequences import build_batch  # noqa: E402
 
 from trainer_fast import FAST, fast_config, varied_reward  # noqa: E402
 
@@ -137,7 +137,7 @@ def test_reference_is_the_base_model_with_the_adapter_disabled(make_trainer):
     assert not torch.allclose(policy_logp[mask], ref_logp[mask]), "the adapter changed nothing: the test cannot fail"
     params_before = sum(p.numel() for p in trainer.model.parameters())
     trainer.train()  # kl_coef > 0: the reference is used every step
-    assert trainer.ref_model is None and trainer._make_reference() is None
+    assert trainer.ref_model is None and trainer.make_reference() is None
     assert sum(p.numel() for p in trainer.model.parameters()) == params_before
     assert cfg.loss.kl_coef > 0
 

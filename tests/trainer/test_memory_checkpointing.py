@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import portarl.trainer.update as update
+import portarl.trainer.phases.update as update
 from portarl.trainer import GRPOTrainer, build_from_config
-from portarl.trainer.checkpointing import checkpointing_enabled, wants_checkpointing
+from portarl.trainer.memory.checkpointing import checkpointing_enabled, wants_checkpointing
 from portarl.trainer.config import ConfigError, TrainConfig
 from trainer_fast import fast_config, varied_reward
 

@@ -8,10 +8,10 @@ import types
 import pytest
 import torch
 
-import portarl.trainer.micro_batches as mb
-from portarl.trainer.micro_batches import micro_batches, pack, split_to
-from portarl.trainer.scoring import no_grad_logprobs
-from portarl.trainer.sequences import build_batch
+import portarl.trainer.phases.micro_batches as mb
+from portarl.trainer.phases.micro_batches import micro_batches, pack, split_to
+from portarl.trainer.phases.scoring import no_grad_logprobs
+from portarl.trainer.phases.sequences import build_batch
 from test_memory_checkpointing import _assert_same, _gradients
 
 

@@ -10,8 +10,8 @@ import pytest
 from portarl.cli import main
 from portarl.models import build_tiny, load_gguf
 from portarl.trainer.config import TrainConfig
-from portarl.trainer.memory_arch import arch_of, longest_prompt
-from portarl.trainer.memory_plan import estimate, layer_activation_elements, parse_size
+from portarl.trainer.memory.arch import arch_of, longest_prompt
+from portarl.trainer.memory.plan import estimate, layer_activation_elements, parse_size
 
 
 def _count(model) -> int:
@@ -70,7 +70,7 @@ def test_longest_prompt_is_the_trainers_encoding(tmp_path):
     cfg = TrainConfig.load(None, ["data.max_operand=99", "data.synthetic_size=50", f"output_dir={tmp_path}"])
     model, tokenizer, examples = build_from_config(cfg)
     trainer = GRPOTrainer(model, tokenizer, None, examples, cfg, device="cpu")
-    assert longest_prompt(cfg) == max(len(ids) for ids in trainer._prompt_ids.values()) >= len("99+99=")
+    assert longest_prompt(cfg) == max(len(trainer.encoded_prompt(ex)) for ex in trainer.examples) >= len("99+99=")
 
 
 def test_parse_size():

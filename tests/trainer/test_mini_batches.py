@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from portarl.trainer import GRPOTrainer, build_from_config
-from portarl.trainer.update import lr_lambda, mini_batch_rows, optimizer_steps_total
+from portarl.trainer.phases.update import lr_lambda, mini_batch_rows, optimizer_steps_total
 from trainer_fast import fast_config, varied_reward
 
 

@@ -14,7 +14,7 @@ import torch
 
 from portarl.parity.tolerances import fp32_result
 from portarl.rollout import RecordingRollout, ReplayRollout
-from portarl.trainer import scoring
+from portarl.trainer.phases import scoring
 from trainer_fast import varied_reward
 
 #: One micro-batch per step (4 prompts x 4 samples), so the saved forward is one model call.

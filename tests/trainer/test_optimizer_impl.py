@@ -12,7 +12,7 @@ import torch
 
 from portarl.parity.tolerances import fp32_result
 from portarl.trainer.config import ConfigError
-from portarl.trainer.optimizer import make_adamw, resolve_implementation
+from portarl.trainer.phases.optimizer import make_adamw, resolve_implementation
 from trainer_fast import fast_config, varied_reward
 
 

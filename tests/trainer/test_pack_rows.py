@@ -1,4 +1,4 @@
-"""Padding-free micro-batches on the host (portarl/trainer/pack_rows.py, micro_batches.py):
+"""Padding-free micro-batches on the host (portarl/trainer/phases/pack_rows.py, micro_batches.py):
 the token budget counts the tokens the packed forward computes, and the row length follows
 the model's per-token costs without ever computing more tokens than rows of the longest
 sequence (the numerics: test_padding_free.py)."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import random
 
-from portarl.trainer.micro_batches import micro_batches, pack
-from portarl.trainer.packing import Layout
+from portarl.trainer.phases.micro_batches import micro_batches, pack
+from portarl.trainer.phases.packing import Layout
 from test_padding_free import LAYOUTS, _batch, _fake_trainer
 
 
@@ -33,7 +33,7 @@ def test_token_budget_counts_the_tokens_the_packed_forward_computes():
 
 
 def test_row_length_follows_the_models_costs():
-    from portarl.trainer.pack_rows import choose_rows, first_fit_rows
+    from portarl.trainer.phases.pack_rows import choose_rows, first_fit_rows
 
     lengths = [10, 9, 3, 3, 2, 1]
     assert first_fit_rows(lengths, 10) == [[0], [1, 5], [2, 3, 4]]  # 3 rows of 10 = 30 tokens
@@ -62,7 +62,7 @@ def test_row_length_follows_the_models_costs():
 
 
 def _width_cost(lengths, rows, layout):
-    from portarl.trainer.pack_rows import row_cost
+    from portarl.trainer.phases.pack_rows import row_cost
 
     width = max(sum(lengths[i] for i in row) for row in rows)
     return row_cost(len(rows), width, layout), len(rows) * width, width

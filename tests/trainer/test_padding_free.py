@@ -1,4 +1,4 @@
-"""Padding-free micro-batches (``train.padding_free``, portarl/trainer/packing.py): the
+"""Padding-free micro-batches (``train.padding_free``, portarl/trainer/phases/packing.py): the
 packed layout restarts position ids per sequence and keeps sequences apart; log-probs,
 entropy and gradients equal the padded path's within the fp32 tolerance (bf16: two
 roundings apart), including sequences that end exactly at a row's end, single-token and
@@ -16,13 +16,13 @@ import types
 import pytest
 import torch
 
-import portarl.trainer.packing as packing
+import portarl.trainer.phases.packing as packing
 from portarl.models import tiny_qwen2
 from portarl.parity.errors import assert_close
 from portarl.parity.tolerances import fp32_result, low_precision_forward
-from portarl.trainer.micro_batches import micro_batches
-from portarl.trainer.packing import Layout, layout_of
-from portarl.trainer.sequences import MATERIALIZE_ENV, build_batch, completion_logits, completion_logprobs
+from portarl.trainer.phases.micro_batches import micro_batches
+from portarl.trainer.phases.packing import Layout, layout_of
+from portarl.trainer.phases.sequences import MATERIALIZE_ENV, build_batch, completion_logits, completion_logprobs
 from test_memory_checkpointing import _assert_same, _gradients
 
 VOCAB = 100
@@ -255,7 +255,7 @@ def _one_row_layout(monkeypatch) -> list[int]:
     micro-batch's sequences share a row (the tiny model's sequences are too alike in length
     for the "rows" layout to put two in a row); returns the sequences per row seen."""
     import portarl.trainer.grpo as grpo
-    import portarl.trainer.micro_batches as mb
+    import portarl.trainer.phases.micro_batches as mb
 
     monkeypatch.setattr(grpo, "resolve_padding_free", lambda cfg, model: None if cfg.train.padding_free is False
                         else LAYOUTS["varlen"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from portarl.trainer import ConfigError, TrainConfig
-from portarl.trainer.precision import PrecisionPlan
+from portarl.trainer.guards.precision import PrecisionPlan
 
 
 def _snapshot(trainer):

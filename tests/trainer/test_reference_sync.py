@@ -9,7 +9,7 @@ import torch
 from portarl.parity.errors import assert_close
 from portarl.parity.tolerances import fp32_result
 from portarl.trainer.config import ConfigError
-from portarl.trainer.reference import mix_into_reference
+from portarl.trainer.phases.reference import mix_into_reference
 from trainer_fast import fast_config, varied_reward
 
 SYNC = ("loss.kl_coef=0.1", "reference.sync=true", "reference.sync_steps=2", "reference.mixup_alpha=0.25")
@@ -71,7 +71,7 @@ def test_resume_of_a_run_saved_before_these_sections_existed(tmp_path):
     when they hold their defaults; a non-default value is still a refused change."""
     import yaml
 
-    from portarl.trainer.run_dir import RunDirError, check_resume_config
+    from portarl.trainer.run.output_dir import RunDirError, check_resume_config
 
     cfg = fast_config(tmp_path)
     saved = cfg.to_dict()

@@ -16,7 +16,7 @@ from portarl.models import build_tiny
 from portarl.rollout import HFRollout, SamplingParams, request_seeds, sample_seed
 from portarl.rollout.hf import _last_logits_kwargs
 from portarl.rollout.sampling import filter_logits, philox4x32, sample_tokens, seed_keys, uniform_span, uniforms
-from portarl.trainer.sequences import build_batch, completion_logprobs
+from portarl.trainer.phases.sequences import build_batch, completion_logprobs
 
 ALPHA = 1e-3
 N = 40_000

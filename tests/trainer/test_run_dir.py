@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from portarl.cli import main
-from portarl.trainer.run_dir import RunDirError, apply_learning_rate, check_output_dir, config_changes
+from portarl.trainer.run.output_dir import RunDirError, apply_learning_rate, check_output_dir, config_changes
 from trainer_fast import FAST
 
 
@@ -58,7 +58,7 @@ def test_reusing_an_output_dir_is_refused_then_overwrite_and_resume(tmp_path, ca
 
 
 def test_overwrite_removes_only_what_a_run_writes(tmp_path):
-    from portarl.trainer.run_dir import clear_run
+    from portarl.trainer.run.output_dir import clear_run
 
     (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')

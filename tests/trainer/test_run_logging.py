@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from portarl.trainer import ConfigError, TrainConfig
-from portarl.trainer.runlog import RunLogger, _postfix, event_level, plot_curves, summarize
+from portarl.trainer.run.logger import RunLogger, _postfix, event_level, plot_curves, summarize
 
 
 def _rows(with_accuracy: bool):
@@ -65,7 +65,7 @@ def test_each_event_once_at_its_level(tmp_path, caplog, capsys):
 
 def test_transformers_progress_bars_are_turned_off():
     transformers_logging = pytest.importorskip("transformers.utils.logging")
-    from portarl.trainer.progress import quiet_third_party
+    from portarl.trainer.run.progress import quiet_third_party
 
     transformers_logging.enable_progress_bar()
     quiet_third_party()

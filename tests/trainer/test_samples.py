@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from portarl.trainer.samples import SampleLog, pick
+from portarl.trainer.run.samples import SampleLog, pick
 
 
 class _Writer:

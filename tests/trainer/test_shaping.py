@@ -10,7 +10,7 @@ import torch
 
 from portarl.trainer import grpo
 from portarl.trainer.config import ConfigError
-from portarl.trainer.shaping import overlong_penalty
+from portarl.trainer.phases.shaping import overlong_penalty
 from trainer_fast import fast_config
 
 
@@ -60,7 +60,7 @@ def test_overlong_penalty_is_added_to_the_rewards(make_trainer, monkeypatch):
     metrics = trainer.train_step()
     lengths = [len(c) for c in seen["rollout"].completion_ids]
     expected = [1.0 + 0.8 * min(0.0, (1 - n) / 2) for n in lengths]
-    assert trainer._last_samples["total"] == pytest.approx(expected)
+    assert trainer.last_samples["total"] == pytest.approx(expected)
     assert any(n > 1 for n in lengths)  # the penalty did something
     assert metrics["shaping/overlong_frac"] == pytest.approx(sum(n > 1 for n in lengths) / len(lengths))
     assert metrics["shaping/overlong_penalty_mean"] == pytest.approx(sum(expected) / len(expected) - 1.0)

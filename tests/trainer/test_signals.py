@@ -148,7 +148,7 @@ def test_a_startup_signal_swallowed_by_a_finaliser_still_stops_before_training()
     import gc
 
     from portarl import startup_signals
-    from portarl.trainer.signals import graceful_stop
+    from portarl.trainer.run.signals import graceful_stop
 
     class Finalised:
         def __del__(self):
@@ -177,8 +177,8 @@ def test_a_second_signal_while_the_first_is_being_reported_still_aborts(monkeypa
     test does not depend on how earlier tests left the logging configuration)."""
     from types import SimpleNamespace
 
-    from portarl.trainer import signals as signals_module
-    from portarl.trainer.signals import AbortNow, graceful_stop
+    from portarl.trainer.run import signals as signals_module
+    from portarl.trainer.run.signals import AbortNow, graceful_stop
 
     class SecondSignalWhileLogging:
         sent = False
@@ -190,13 +190,13 @@ def test_a_second_signal_while_the_first_is_being_reported_still_aborts(monkeypa
 
     second = SecondSignalWhileLogging()
     monkeypatch.setattr(signals_module, "log", second)
-    trainer = SimpleNamespace(_stop_requested=False, _stop_signal=None, step=3)
+    trainer = SimpleNamespace(stop_requested=False, stop_signal=None, step=3)
     with pytest.raises(AbortNow):
         with graceful_stop(trainer):
             signal.raise_signal(signal.SIGINT)
             for _ in range(1000):  # the handlers run at the next bytecodes
                 pass
-    assert second.sent and trainer._stop_requested and trainer._stop_signal == signal.SIGINT
+    assert second.sent and trainer.stop_requested and trainer.stop_signal == signal.SIGINT
 
 
 def test_a_signal_during_the_stop_agreement_is_kept_for_the_next_step(monkeypatch):
@@ -209,18 +209,18 @@ def test_a_signal_during_the_stop_agreement_is_kept_for_the_next_step(monkeypatc
     from portarl import distributed as pdist
     from portarl.trainer.grpo import GRPOTrainer
 
-    trainer = SimpleNamespace(_stop_requested=False, dist=SimpleNamespace(enabled=True))
+    trainer = SimpleNamespace(stop_requested=False, dist=SimpleNamespace(enabled=True))
     calls = []
 
     def any_rank(ctx, flag):
         calls.append(flag)
         if len(calls) == 1:
-            trainer._stop_requested = True  # the handler runs as the all-reduce returns
+            trainer.stop_requested = True  # the handler runs as the all-reduce returns
             return False  # what every rank agreed: nobody had asked yet
         return flag
 
     monkeypatch.setattr(pdist, "any_rank", any_rank)
-    assert GRPOTrainer._stop_requested_anywhere(trainer) is False  # the same answer on every rank
-    assert trainer._stop_requested  # not lost
-    assert GRPOTrainer._stop_requested_anywhere(trainer) is True
+    assert GRPOTrainer.stop_requested_anywhere(trainer) is False  # the same answer on every rank
+    assert trainer.stop_requested  # not lost
+    assert GRPOTrainer.stop_requested_anywhere(trainer) is True
     assert calls == [False, True]

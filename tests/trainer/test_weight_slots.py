@@ -1,4 +1,4 @@
-"""portarl.trainer.rollout_weights.WeightSlots: the async trainer's published versions
+"""portarl.trainer.asynchronous.weights.WeightSlots: the async trainer's published versions
 rotate through a few files written once and then overwritten in place (no fresh file, so no
 fresh pages, per version); each file reads back as exactly the version written last."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from portarl.trainer.rollout_weights import WeightSlots
+from portarl.trainer.asynchronous.weights import WeightSlots
 
 
 def _state(seed: int, dtype=torch.float32) -> dict:

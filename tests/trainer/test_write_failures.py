@@ -124,7 +124,7 @@ def test_a_summary_that_cannot_be_written_is_one_line_after_the_last_checkpoint(
 
 def test_a_disk_full_error_that_a_library_reports_as_text_is_named():
     """safetensors (Rust) reports the system's error only in its message."""
-    from portarl.trainer.write_failure import WriteFailed, writing
+    from portarl.trainer.run.write_failure import WriteFailed, writing
 
     with pytest.raises(WriteFailed, match=r"^cannot write /x/model.safetensors: No space left on device \(ENOSPC\)$"):
         with writing("/x/model.safetensors"):

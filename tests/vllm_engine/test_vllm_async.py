@@ -28,7 +28,7 @@ from vllm_tiny import NO_VLLM, TRAIN_SETS
 pytest.importorskip("vllm.entrypoints.llm", reason=NO_VLLM)
 
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL  # noqa: E402
-from portarl.trainer.async_pipeline import WORKER_LOG  # noqa: E402
+from portarl.trainer.asynchronous.pipeline import WORKER_LOG  # noqa: E402
 
 STEPS = 3
 # A learning rate large enough that one optimizer step moves the tiny model's log-probs

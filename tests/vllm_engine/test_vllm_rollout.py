@@ -15,7 +15,7 @@ from portarl.models import build_tiny, save_local
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL
 from portarl.rollout import SamplingParams, identical_group_fraction, request_seeds
 from portarl.rollout.vllm import VLLMRollout
-from portarl.trainer.sequences import build_batch, completion_logprobs
+from portarl.trainer.phases.sequences import build_batch, completion_logprobs
 
 PROMPTS = ["3+4=", "12+7=", "5+5="]
 G = 6

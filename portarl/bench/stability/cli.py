@@ -92,20 +92,9 @@ def cmd_locate(args) -> int:
     return 0
 
 
-def check_run_devices(specs, option: str = "--runs") -> None:
-    """Every device a stability run names must be here before the first run's warm-up
-    starts (``npu:bf16`` on a machine without torch_npu used to fail 40 s in)."""
-    from portarl.device import DeviceUnavailableError, resolve_device
-
-    for spec in specs:
-        try:
-            resolve_device(spec.device)
-        except DeviceUnavailableError as err:
-            raise ValueError(f"{option} {spec.label}: {err}") from None
-
-
 def cmd_stability(args) -> int:
     from portarl.bench.stability import ReplayMismatch, parse_runs, run_stability
+    from portarl.bench.stability.runs import check_run_devices
 
     command = getattr(args, "stability_command", None)
     if command in ("compare", "dump", "locate"):

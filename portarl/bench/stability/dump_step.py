@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from portarl.bench.stability.record import CONFIG, ROLLOUTS, START_MODEL, load_run, read_manifest
-from portarl.bench.stability.runs import parse_runs
+from portarl.bench.stability.runs import check_run_devices, parse_runs
 
 
 def _source(directory: Path) -> tuple[Path, dict, str]:
@@ -50,7 +50,7 @@ def grpo_step_fn(trainer, old_logp, ref_logp, rollout_logp, advantages, norms: d
     """The trainer's loss on one micro-batch (``update.optimizer_step``), with its ops tapped."""
     from portarl.core import compute_loss
     from portarl.core.kl import kl_per_token
-    from portarl.trainer.scoring import logprobs
+    from portarl.trainer.phases.scoring import logprobs
 
     loss_cfg = trainer.loss_config()
 
@@ -82,14 +82,13 @@ def dump_recorded_step(directory: str | Path, step: int, out: str | Path, *, run
     """Dump step ``step`` of the recording in ``directory`` under setting ``run`` (a
     ``--runs`` entry, default: the directory's own run). Returns the index path."""
     from portarl import envinfo
-    from portarl.bench.stability.cli import check_run_devices
     from portarl.bench.stability.dump import dump_modules
     from portarl.rollout import ReplayRollout
     from portarl.rollout.replay import load_rollouts
     from portarl.trainer import GRPOTrainer, TrainConfig, build_from_config
-    from portarl.trainer.rollout_phase import run_rollout
-    from portarl.trainer.scoring import score
-    from portarl.trainer.update import mini_batch_rows
+    from portarl.trainer.phases.rollout import run_rollout
+    from portarl.trainer.phases.scoring import score
+    from portarl.trainer.phases.update import mini_batch_rows
 
     source, manifest, label = _source(Path(directory).resolve())
     batches = load_rollouts(source / ROLLOUTS)[0]
@@ -113,7 +112,7 @@ def dump_recorded_step(directory: str | Path, step: int, out: str | Path, *, run
                 if progress:
                     progress(f"replaying update {s}/{step - 1} ({spec.label})")
                 trainer.train_step()
-            trainer._hook_step = step
+            trainer.hook_step = step
             phase = run_rollout(trainer, step)
             trainer.guard.reset()
             scored = score(trainer, phase, {})

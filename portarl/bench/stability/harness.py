@@ -30,7 +30,7 @@ def _shared_start_model(config_path, overrides: list[str], path: Path, progress)
     from portarl.models import save_local
     from portarl.tokenizer import as_codec
     from portarl.trainer import TrainConfig, build_from_config
-    from portarl.trainer.sft import run_sft
+    from portarl.trainer.phases.sft import run_sft
 
     config = TrainConfig.load(config_path, [*overrides, "device=cpu"])
     model, tokenizer, examples = build_from_config(config)

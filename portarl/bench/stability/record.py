@@ -122,7 +122,7 @@ class RunResult:
 
 
 def load_run(run_dir: Path, source: str = "") -> RunResult:
-    from portarl.trainer.runlog import read_metrics
+    from portarl.trainer.run.logger import read_metrics
 
     info = json.loads((run_dir / "run.json").read_text())
     metrics = run_dir / "metrics.jsonl"

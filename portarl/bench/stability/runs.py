@@ -103,3 +103,15 @@ def parse_runs(text: str) -> list[RunSpec]:
     if len({s.label for s in specs}) != len(specs):
         raise ValueError("--runs lists a setting twice")
     return specs
+
+
+def check_run_devices(specs, option: str = "--runs") -> None:
+    """Every device a stability run names must be here before the first run's warm-up
+    starts (``npu:bf16`` on a machine without torch_npu used to fail 40 s in)."""
+    from portarl.device import DeviceUnavailableError, resolve_device
+
+    for spec in specs:
+        try:
+            resolve_device(spec.device)
+        except DeviceUnavailableError as err:
+            raise ValueError(f"{option} {spec.label}: {err}") from None

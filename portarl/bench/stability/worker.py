@@ -30,7 +30,7 @@ def _token_tap(trainer, tap, store: dict, trainer_label: str):
     """An ``old_logp`` hook: keeps this step's per-token old log-probs, and the entropy of
     the same forward pass (the trainer exposes no entropy hook, so it is recomputed here
     with the trainer's own log-prob path on the same batch and weights)."""
-    from portarl.trainer.sequences import build_batch, completion_logprobs
+    from portarl.trainer.phases.sequences import build_batch, completion_logprobs
 
     cfg = trainer.config
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -30,16 +29,12 @@ from pathlib import Path
 from portarl.fileperms import normalize_modes
 from portarl.trainer.checkpoint import manifest as mf
 from portarl.trainer.checkpoint import safe_state
-from portarl.trainer.checkpoint.manifest import CheckpointError
-from portarl.trainer.write_failure import writing
+from portarl.trainer.checkpoint.manifest import STEP_DIR as _STEP_DIR
+from portarl.trainer.checkpoint.manifest import CheckpointError, step_of
+from portarl.trainer.run.write_failure import writing
 
 log = logging.getLogger("portarl.train")
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _REPLACED = ".replaced-"
-
-
-def step_of(directory: Path) -> int:
-    return int(_STEP_DIR.match(directory.name).group(1))
 
 
 class CheckpointManager:
@@ -101,7 +96,7 @@ class CheckpointManager:
     @contextlib.contextmanager
     def _writing_into(tmp: Path):
         """A failed write into ``tmp`` (disk full, a file-size limit, no permission: a
-        :class:`~portarl.trainer.write_failure.WriteFailed` naming the file) removes the
+        :class:`~portarl.trainer.run.write_failure.WriteFailed` naming the file) removes the
         partial ``.tmp-step-*`` at once; the checkpoints before it are untouched."""
         try:
             with writing(tmp):

@@ -17,21 +17,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
+from portarl.errors import CheckpointError
+
 MANIFEST = "MANIFEST.json"
 COMPLETE = "COMPLETE"
+#: A checkpoint's directory name: ``step-<N>``.
+STEP_DIR = re.compile(r"^step-(\d+)$")
 _CHUNK = 1 << 22
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint failed verification or could not be read; the message names it and the file."""
-
-    def __init__(self, message: str, checkpoint: Path | None = None, file: str | None = None):
-        super().__init__(message)
-        self.checkpoint = checkpoint
-        self.file = file
+def step_of(directory: Path) -> int:
+    """The step a checkpoint directory (``step-<N>``) holds."""
+    return int(STEP_DIR.match(directory.name).group(1))
 
 
 def fsync_dir(directory: Path) -> None:
