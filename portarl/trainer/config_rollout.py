@@ -78,6 +78,16 @@ class RolloutConfig:
     #: t - 1 - max_staleness or later (0: no overlap, reproduces colocated; 1: one step of
     #: overlap). Older batches are dropped, logged and regenerated.
     max_staleness: int = 1
+    #: mode "async": how each weight version reaches the worker. "collective": the trainer's
+    #: rank 0 broadcasts it in buckets over a process group of its own with the worker
+    #: (Gloo, host memory), the worker stages it and loads it only once it arrived whole (a
+    #: torn version is refused; the run stops with a checkpoint). "file": a safetensors file
+    #: per version in <output_dir>/async_weights (for debugging, or where the worker cannot
+    #: reach the trainer's rank 0 over TCP). See docs/async.md.
+    weight_sync: str = "collective"
+    #: weight_sync "collective": bucket size in MiB (two pack buffers of this size on the
+    #: trainer's rank 0; a tensor larger than a bucket travels alone).
+    sync_bucket_mb: float = 256.0
     #: mode "async": seconds the trainer waits for the worker's next batch (or message)
     #: before it names the worker as hung and stops with a checkpoint.
     timeout_s: float = 600.0
@@ -114,6 +124,9 @@ class RolloutConfig:
         _check(self.mode in ("colocated", "async"), "rollout.mode", "must be 'colocated' or 'async'", self.mode)
         _positive_int(self, "rollout", "max_staleness", allow_zero=True)
         _number(self, "rollout", "timeout_s", low=0.0)
+        _check(self.weight_sync in ("collective", "file"), "rollout.weight_sync", "must be 'collective' or 'file'",
+               self.weight_sync)
+        _number(self, "rollout", "sync_bucket_mb", low=0.0)
         # The worker's vLLM generates while the trainer computes: there is no idle phase for
         # sleep mode to free memory in, and a setting that silently does nothing is refused.
         _check(self.mode != "async" or self.engine != "vllm" or not self.vllm_sleep_mode, "rollout.vllm_sleep_mode",
