@@ -167,7 +167,7 @@ class Worker:
         if os.environ.get(DUMP_ENV):
             from safetensors.torch import save_file
 
-            save_file({k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()},
+            save_file({k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
                       os.path.join(os.environ[DUMP_ENV], f"v{version}.safetensors"))
         return {"op": "loaded", "version": version}
 
