@@ -270,8 +270,11 @@ def main(argv: list[str] | None = None) -> int:
             worker.inbox.close()  # before the trainer closes the group: it hosts the store
     if worker.inbox is not None:  # Gloo's threads must not race interpreter finalisation (portarl.exit_path)
         logging.shutdown()
-        out.close()
-        sys.stderr.flush()
+        for stream in (out, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # the trainer closed the pipe: nothing more to say
+                pass
         os._exit(code)
     return code
 

@@ -97,6 +97,15 @@ class WorkerClient:
         status = f"exited with code {code}" if code is not None else "closed its output"
         return RolloutWorkerError(f"the {self.name} {status} {when}{tail}")
 
+    def exited(self, when: str) -> RolloutWorkerError | None:
+        """The error naming the worker's exit, if it exited (``when``: what the trainer did).
+        A worker that is exiting (its sockets closed first) gets a few seconds to be reaped."""
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return None
+        return self._died(when)
+
     def receive(self, waiting_for: str, limit: float | None = None) -> dict:
         """The next reply; ``limit`` seconds at most (``rollout.timeout_s`` by default)."""
         limit = self.timeout_s if limit is None else limit

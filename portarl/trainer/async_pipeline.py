@@ -222,10 +222,12 @@ class AsyncRollout:
         except RolloutWorkerError as err:
             self.failure = err
         except Exception as err:
-            self.failure = RolloutWorkerError(
-                f"weights version {version} could not be sent whole to the {self.name} "
-                f"({type(err).__name__}: {err}); the worker refuses a torn version and keeps the one it loaded last "
-                f"(version {self.loaded if self.loaded >= 0 else 'none'} acknowledged as loaded)")
+            from portarl.rollout.async_worker import one_line
+
+            self.failure = self.client.exited(f"while weights version {version} was sent to it") or RolloutWorkerError(
+                one_line(f"weights version {version} could not be sent whole to the {self.name} "
+                         f"({type(err).__name__}: {err}); the worker refuses a torn version and keeps the one it "
+                         f"loaded last (version {self.loaded if self.loaded >= 0 else 'none'} acknowledged as loaded)"))
 
     def _request(self, step: int) -> None:
         examples = self.trainer_prompts(step)
