@@ -40,7 +40,7 @@ Fault injection for the tests (``PORTARL_ROLLOUT_WORKER_FAULT``): ``die@S``, ``h
 drop and regenerate it), all at the generate request of step S; ``constant_seed`` (one
 seed for every sample: the identical-samples detector must fire). ``PORTARL_ROLLOUT_WORKER_DUMP``
 names a directory where the worker saves its model's state dict after loading each
-version (``v<version>.safetensors``): the tests compare it with the trainer's, bitwise.
+version (``v<version>.safetensors``; worker i > 0 of ``rollout.num_workers``: ``w<i>-v<version>``): the tests compare it with the trainer's, bitwise.
 """
 
 from __future__ import annotations
@@ -140,7 +140,9 @@ class Worker:
             from portarl.rollout.weight_sync.inbox import VersionInbox
 
             sync = spec["weight_sync"]
-            self.inbox = VersionInbox(sync["host"], int(sync["port"]), 1, 2, float(sync["timeout_s"]))
+            self.inbox = VersionInbox(sync["host"], int(sync["port"]), int(sync["rank"]), int(sync["world_size"]),
+                                      float(sync["timeout_s"]))
+        self.index = int(spec.get("index", 0))  # its number among rollout.num_workers
         self.fault, self.fault_step = parse_fault(os.environ.get(FAULT_ENV))
         self.idle_since = time.perf_counter()
         self.cpu_mark = time.process_time()  # a batch's cpu_s: this process's CPU since the last batch
@@ -168,7 +170,7 @@ class Worker:
             from safetensors.torch import save_file
 
             save_file({k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-                      os.path.join(os.environ[DUMP_ENV], f"v{version}.safetensors"))
+                      os.path.join(os.environ[DUMP_ENV], f"{f'w{self.index}-' if self.index else ''}v{version}.safetensors"))
         return {"op": "loaded", "version": version}
 
     def generate(self, request: dict) -> dict:

@@ -142,7 +142,6 @@ class AsyncRollout:
         self.dir = Path(trainer.output_dir) / "async_weights"
         self.index = {id(ex): i for i, ex in enumerate(trainer.examples)}
         self.published: int | None = None   # newest weight version written
-        self.loaded = -1                      # newest version the worker said it loaded
         self.slots = WeightSlots(self.dir, self.max_staleness + 1)  # rank 0 writes them
         self.pending: tuple[int, Path | None] | None = None  # published, not yet announced to the worker
         self.next_request = trainer.step + 1  # --resume: after the checkpoint's batches in flight
@@ -153,7 +152,8 @@ class AsyncRollout:
             import torch.distributed as dist
 
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=share_timeout_s(cfg)))
-        self.client: WorkerClient | None = None
+        self.client: WorkerClient | None = None  # worker 0
+        self.clients: list[WorkerClient] = []  # rollout.num_workers of them; step s goes to worker (s - 1) % n
         self.sync: CollectiveSync | None = None
         self.name = "rollout worker (on rank 0)"
         if not self.dist.is_main:
@@ -165,25 +165,28 @@ class AsyncRollout:
                 "search_dirs": [str(Path.cwd())] + [d for d in [getattr(cfg, "source_dir", None)] if d]}
         self.batch_log_path = Path(trainer.output_dir) / BATCH_LOG
         prepare_log(self.batch_log_path, trainer.step)
+        workers = cfg.rollout.num_workers
         if cfg.rollout.weight_sync == "collective":
-            self.sync = CollectiveSync(cfg.rollout.sync_bucket_mb, cfg.rollout.timeout_s)
-            spec["weight_sync"] = self.sync.spec()
+            self.sync = CollectiveSync(cfg.rollout.sync_bucket_mb, cfg.rollout.timeout_s, workers)
         try:
-            self.client = WorkerClient(spec, self.dir, trainer.output_dir, cfg.rollout.timeout_s,
-                                       cfg.precision.backend)
+            for i in range(workers):
+                sync = {"weight_sync": self.sync.spec(i)} if self.sync is not None else {}
+                self.clients.append(WorkerClient({**spec, **sync, "index": i}, self.dir, trainer.output_dir,
+                                                 cfg.rollout.timeout_s, cfg.precision.backend, index=i))
         except BaseException:
-            if self.sync is not None:
-                self.sync.close()
+            self.close()
             raise
+        self.client = self.clients[0]
         self.name = self.client.name
         restore_in_flight(self, trainer.async_in_flight)  # --resume: the checkpoint's batches in flight
         trainer.async_in_flight = None
 
     def close(self) -> None:
-        """Stop the worker and join it (every exit path); remove the published weights."""
-        if self.client is not None:
+        """Stop the workers and join them (every exit path); remove the published weights."""
+        if self.dist.is_main:
             try:
-                self.client.close()
+                for client in self.clients:
+                    client.close()
             finally:
                 if self.sync is not None:  # after the worker: rank 0 hosts the group's store
                     self.sync.close()
@@ -204,8 +207,9 @@ class AsyncRollout:
             self._send(version, state)
         elif state is not None:
             occupant = self.slots.occupant(version)
-            while occupant is not None and self.loaded < occupant:  # the worker still needs the slot's version
-                self._receive(f"the worker to load weights version {occupant}")
+            while occupant is not None and self.loaded < occupant:  # a worker still needs the slot's version
+                lagging = min(self.clients, key=lambda c: c.loaded)
+                self._receive(f"the worker to load weights version {occupant}", lagging)
             self.pending = (version, self.slots.write(state, version))
         self.published = version
         return time.perf_counter() - started
@@ -216,7 +220,8 @@ class AsyncRollout:
         if self.failure is not None or self.sync.group.closed:
             return
         try:
-            self.client.wait_ready()  # the worker joined the group before it said ready
+            for client in self.clients:  # each worker joined the group before it said ready
+                client.wait_ready()
             self.sync.send(version, state)
             self.pending = (version, None)
         except RolloutWorkerError as err:
@@ -224,14 +229,24 @@ class AsyncRollout:
         except Exception as err:
             from portarl.rollout.async_worker import one_line
 
-            self.failure = self.client.exited(f"while weights version {version} was sent to it") or RolloutWorkerError(
+            exited = [c.exited(f"while weights version {version} was sent to it") for c in self.clients]
+            self.failure = next((e for e in exited if e is not None), None) or RolloutWorkerError(
                 one_line(f"weights version {version} could not be sent whole to the {self.name} "
                          f"({type(err).__name__}: {err}); the worker refuses a torn version and keeps the one it "
                          f"loaded last (version {self.loaded if self.loaded >= 0 else 'none'} acknowledged as loaded)"))
 
+    @property
+    def loaded(self) -> int:
+        """The newest weight version every worker said it loaded (-1: none yet)."""
+        return min(c.loaded for c in self.clients) if self.clients else -1
+
+    def worker_of(self, step: int) -> WorkerClient:
+        """The worker that generates the batch of ``step`` (round robin over whole steps)."""
+        return self.clients[(step - 1) % len(self.clients)]
+
     def _request(self, step: int) -> None:
         examples = self.trainer_prompts(step)
-        self.client.send({"op": "generate", "step": step,
+        self.worker_of(step).send({"op": "generate", "step": step,
                           "prompts": [self.trainer._prompt_ids.get(id(ex)) or self.trainer.codec.encode_prompt(ex.prompt)
                                       for ex in examples],
                           "examples": [_example_json(ex) for ex in examples]})
@@ -241,20 +256,20 @@ class AsyncRollout:
 
         return prompts_for_step(self.trainer, step)
 
-    def _receive(self, what: str) -> None:
-        """One reply from the worker: a ``loaded`` version noted, a batch kept until it is due."""
-        reply = self.client.receive(what)
+    def _receive(self, what: str, client: WorkerClient) -> None:
+        """One reply from ``client``: a ``loaded`` version noted, a batch kept until it is due."""
+        reply = client.receive(what)
         if reply.get("op") == "loaded":
-            self.loaded = max(self.loaded, int(reply["version"]))  # its slot may be rewritten from now on
+            client.loaded = max(client.loaded, int(reply["version"]))  # its slot may be rewritten from now on
         elif reply.get("op") == "batch" and isinstance(reply.get("step"), int):
-            self.batches[reply["step"]] = reply
+            self.batches[reply["step"]] = {**reply, "worker": client.index}
         else:
-            raise RolloutWorkerError(f"the {self.name} sent an unexpected message {reply.get('op')!r} while the "
+            raise RolloutWorkerError(f"the {client.name} sent an unexpected message {reply.get('op')!r} while the "
                                      f"trainer waited for {what}")
 
     def _await_batch(self, step: int) -> dict:
         while step not in self.batches:
-            self._receive(f"the batch of step {step}")
+            self._receive(f"the batch of step {step}", self.worker_of(step))
         return self.batches.pop(step)
 
     def _collect(self, step: int, examples: list, publish_s: float) -> dict:
@@ -264,7 +279,8 @@ class AsyncRollout:
             raise self.failure
         if self.pending is not None:
             version, path = self.pending
-            self.client.send({"op": "weights", "version": version, **({"path": str(path)} if path else {})})
+            for client in self.clients:
+                client.send({"op": "weights", "version": version, **({"path": str(path)} if path else {})})
             self.pending = None
         events = []
         last = min(step + self.max_staleness, self.trainer.config.train.steps)
@@ -272,8 +288,10 @@ class AsyncRollout:
             self._request(self.next_request)
             self.next_request += 1
         waited = time.perf_counter()
-        self.client.wait_ready()
+        for client in self.clients:
+            client.wait_ready()
         reply = self._await_batch(step)
+        name = self.clients[reply.get("worker", 0)].name if self.clients else self.name
         stale = (step - 1) - int(reply.get("version", -1))
         if stale > self.max_staleness:
             events.append(["stale_batch_dropped", f"the batch of step {step} came from weights version "
@@ -283,20 +301,20 @@ class AsyncRollout:
             reply = self._await_batch(step)
             stale = (step - 1) - int(reply.get("version", -1))
         train_wait = time.perf_counter() - waited
-        check_batch(reply, step, len(examples) * self.trainer.config.rollout.group_size, self.name)
+        check_batch(reply, step, len(examples) * self.trainer.config.rollout.group_size, name)
         if not 0 <= stale <= self.max_staleness:
-            raise RolloutWorkerError(f"the {self.name} returned the batch of step {step} from weights version "
+            raise RolloutWorkerError(f"the {name} returned the batch of step {step} from weights version "
                                      f"{reply['version']} (staleness {stale}, rollout.max_staleness "
                                      f"{self.max_staleness})")
         metrics = {"rollout/staleness_mean": float(stale), "rollout/staleness_max": float(stale),
                    "rollout/version": float(reply["version"]), "rollout/wait_s": float(reply["idle_s"]),
                    "train/wait_s": train_wait, "rollout/gen_s": float(reply["gen_s"]),
                    "rollout/score_s": float(reply["score_s"]), "rollout/cpu_s": float(reply["cpu_s"]),
-                   "rollout/publish_s": publish_s,
+                   "rollout/publish_s": publish_s, "rollout/worker": float(reply.get("worker", 0)),
                    **reply.get("agent_metrics", {})}  # multi-turn episodes: agent/* (portarl.multiturn.report)
         events += reply.get("agent_events", [])
         with self.batch_log_path.open("a") as f:
-            f.write(json.dumps({"step": step, "version": reply["version"],
+            f.write(json.dumps({"step": step, "version": reply["version"], "worker": reply.get("worker", 0),
                                 "prompts": [self.index.get(id(ex)) for ex in examples]}) + "\n")
         return {"reply": reply, "metrics": metrics, "events": events}
 

@@ -1,7 +1,7 @@
 """``rollout.weight_sync: collective``: the trainer's end of the weight sync with the async
 rollout worker (the worker's end: :class:`~portarl.rollout.weight_sync.inbox.VersionInbox`).
 
-Rank 0 hosts a weight-sync group of two (itself, the sender, and the worker) on a store
+Rank 0 hosts a weight-sync group (itself, the sender, and every worker) on a store
 bound to the loopback interface (the worker is its child, on its host), and sends every
 version with :class:`~portarl.rollout.weight_sync.WeightSender`: buckets of
 ``rollout.sync_bucket_mb``, a JSON header each, the commit record last, then it waits for
@@ -48,18 +48,19 @@ def _fault() -> tuple[int, int] | None:
 class CollectiveSync:
     """The sender's end: the group (hosted here) and :meth:`send`."""
 
-    def __init__(self, bucket_mb: float, timeout_s: float):
+    def __init__(self, bucket_mb: float, timeout_s: float, workers: int = 1):
         self.fault = _fault()
-        self.group = SyncGroup(HOST, 0, 0, 2, timeout_s=timeout_s)
+        self.group = SyncGroup(HOST, 0, 0, workers + 1, timeout_s=timeout_s)
         self.sender = WeightSender(self.group, bucket_mb=bucket_mb)
 
-    def spec(self) -> dict:
-        """What the worker needs to join (its spec's ``weight_sync``)."""
-        return {"host": HOST, "port": self.group.port, "timeout_s": self.group.timeout_s}
+    def spec(self, worker: int) -> dict:
+        """What worker ``worker`` (0-based) needs to join (its spec's ``weight_sync``)."""
+        return {"host": HOST, "port": self.group.port, "timeout_s": self.group.timeout_s, "rank": worker + 1,
+                "world_size": self.group.world_size}
 
     def send(self, version: int, state: dict):
-        """Send ``state`` (``{name: tensor}``) as ``version``; returns its SyncStats once the
-        worker acknowledged it arrived whole."""
+        """Send ``state`` (``{name: tensor}``) as ``version``; returns its SyncStats once
+        every worker acknowledged it arrived whole."""
         def on_bucket(index, names):
             if self.fault is not None and self.fault == (version, index):
                 raise SenderStopped(f"fault injection ({FAULT_ENV}): the sender stopped after {index} buckets of "

@@ -104,3 +104,33 @@ def test_config_checks_weight_sync():
     with pytest.raises(ConfigError, match="rollout.sync_bucket_mb"):
         TrainConfig.load(None, ["rollout.sync_bucket_mb=0"])
 
+
+
+@pytest.mark.parametrize("sync", ["collective", "file"])
+def test_two_workers_share_the_steps_and_each_holds_the_trainers_weights_bitwise(tmp_path, monkeypatch, sync):
+    """rollout.num_workers=2: worker (s - 1) mod 2 generates the batch of step s, every
+    worker gets every version (through one group of three, or the slot files, which are
+    rewritten only once both workers loaded the version they held), the staleness rule is
+    unchanged, and both workers are stopped with the run."""
+    from async_capture import capture_async
+
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    monkeypatch.setenv(DUMP_ENV, str(dumps))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    snapshots, batches = capture_async(monkeypatch)
+    trainer = _run(tmp_path, "train.steps=4", "rollout.mode=async", "rollout.num_workers=2",
+                   f"rollout.weight_sync={sync}", SMALL_BUCKETS, "rewards=[{name: 'trainer_fast:varied_reward'}]")
+    assert trainer.step == 4
+    log = _jsonl(tmp_path / "run" / "rollout_batches.jsonl")
+    assert [(b["step"], b["worker"], b["version"]) for b in log] == [(1, 0, 0), (2, 1, 0), (3, 0, 1), (4, 1, 2)]
+    rows = _jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1, 1]
+    for prefix in ("", "w1-"):
+        loaded = sorted(int(p.stem.split("v")[-1]) for p in dumps.glob(f"{prefix}v*.safetensors"))
+        assert loaded, f"worker {prefix or 'w0'} loaded nothing"
+        for version in loaded:
+            worker = load_file(dumps / f"{prefix}v{version}.safetensors")
+            assert [k for k in snapshots[version] if not torch.equal(worker[k], snapshots[version][k])] == []
+    assert (tmp_path / "run" / "rollout_worker-1.log").exists()
+    assert not children(os.getpid()), "a worker outlived the run"
