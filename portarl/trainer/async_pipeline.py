@@ -49,8 +49,11 @@ worker refuses a torn one and keeps its previous version). The worker is not res
 hide a deterministic failure behind a loop. It is stopped and joined on every exit path
 (the context manager :func:`async_rollout`), and dies with the trainer (see the worker).
 
-Under torchrun (FSDP2) there is one worker, started by rank 0, generating the whole step's
-batch. Publishing is collective: every rank gathers the full weights with rank 0
+Several workers (``rollout.num_workers``): worker (s - 1) mod N generates the whole batch of
+step s; every worker gets every version in the same order relative to its requests, so the
+schedule above holds for each (:meth:`AsyncRollout.worker_of`).
+
+Under torchrun (FSDP2) the workers are started by rank 0, each generating whole steps' batches. Publishing is collective: every rank gathers the full weights with rank 0
 (:func:`portarl.trainer.rollout_weights.rollout_state_dict`), which writes the file.
 Rank 0 alone talks to the worker; it hands every rank the scored batch, or the error that
 stops the run, as JSON over a Gloo group of its own (:func:`portarl.distributed.broadcast_json`,
