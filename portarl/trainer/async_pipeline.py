@@ -294,7 +294,7 @@ class AsyncRollout:
         for client in self.clients:
             client.wait_ready()
         reply = self._await_batch(step)
-        name = self.clients[reply.get("worker", 0)].name if self.clients else self.name
+        name = self.worker_of(step).name  # the worker asked for it (a batch restored by --resume: this run's)
         stale = (step - 1) - int(reply.get("version", -1))
         if stale > self.max_staleness:
             events.append(["stale_batch_dropped", f"the batch of step {step} came from weights version "
