@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 
         clear_startup_signals()
         previous = {s: signal.signal(s, startup_handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    groups_before = _sync_groups_built()
     try:
         code = args.func(args)
     except KeyboardInterrupt as err:  # Ctrl-C / SIGTERM during imports or set-up: no traceback
@@ -282,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    if _joined_a_job():  # a torchrun rank: leave without interpreter finalisation (exit_path.py)
+    # A torchrun rank, or the command line (not an in-process caller) that built a weight-sync
+    # group: leave without interpreter finalisation (exit_path.py).
+    if _joined_a_job() or (argv is None and _sync_groups_built() > groups_before):
         from portarl.exit_path import leave_process
 
         leave_process(code)
@@ -294,6 +297,14 @@ def _joined_a_job() -> bool:
     portarl.distributed can have joined a torchrun job."""
     pdist = sys.modules.get("portarl.distributed")
     return pdist is not None and pdist.joined_a_job()
+
+
+def _sync_groups_built() -> int:
+    """How many weight-sync communicators this process built (``rollout.weight_sync:
+    collective``): their Gloo threads outlive them as a torchrun job's do, so a command
+    that built one leaves the same way."""
+    comm = sys.modules.get("portarl.rollout.weight_sync.device_comm")
+    return 0 if comm is None else comm.groups_built()
 
 
 if __name__ == "__main__":  # pragma: no cover

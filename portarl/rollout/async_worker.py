@@ -14,7 +14,12 @@ Requests, handled strictly in order:
 
 - ``{"op": "weights", "version": v, "path": p}``: load the weights the trainer published
   after optimizer step ``v`` (written atomically by the trainer) into the copy, and from
-  it into the engine (vllm: in memory, vLLM's in-place reload); replies ``loaded``.
+  it into the engine (vllm: in memory, vLLM's in-place reload); replies ``loaded``. Without
+  ``path`` (``rollout.weight_sync: collective``) the version came over the weight-sync
+  group (the spec's ``weight_sync``: the trainer's store), received whole by a thread
+  while the worker may have been generating
+  (:class:`~portarl.rollout.weight_sync.inbox.VersionInbox`); a torn version is refused
+  and the worker keeps the version it loaded last.
 - ``{"op": "generate", "step": s, "prompts": [[ids]], "examples": [...]}``: G samples per
   prompt with the weights loaded last. Seeds come from (run seed, step, prompt, sample)
   through :func:`portarl.rollout.request_seeds`, exactly as in colocated mode
@@ -33,7 +38,9 @@ step and saving), and stops it with SIGKILL (it holds nothing worth saving).
 Fault injection for the tests (``PORTARL_ROLLOUT_WORKER_FAULT``): ``die@S``, ``hang@S``,
 ``garbage@S``, ``stale@S`` (the first batch of step S claims old weights: the trainer must
 drop and regenerate it), all at the generate request of step S; ``constant_seed`` (one
-seed for every sample: the identical-samples detector must fire).
+seed for every sample: the identical-samples detector must fire). ``PORTARL_ROLLOUT_WORKER_DUMP``
+names a directory where the worker saves its model's state dict after loading each
+version (``v<version>.safetensors``; worker i > 0 of ``rollout.num_workers``: ``w<i>-v<version>``): the tests compare it with the trainer's, bitwise.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import time
 from portarl.lifeline import die_with_parent as _die_with_parent
 
 FAULT_ENV = "PORTARL_ROLLOUT_WORKER_FAULT"
+DUMP_ENV = "PORTARL_ROLLOUT_WORKER_DUMP"
 
 log = logging.getLogger("portarl.rollout.worker")
 
@@ -127,16 +135,42 @@ class Worker:
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens)
         self.version: int | None = None
+        self.inbox = None
+        if spec.get("weight_sync"):  # rollout.weight_sync=collective: join the trainer's group now, before "ready"
+            from portarl.rollout.weight_sync.inbox import VersionInbox
+
+            sync = spec["weight_sync"]
+            self.inbox = VersionInbox(sync["host"], int(sync["port"]), int(sync["rank"]), int(sync["world_size"]),
+                                      float(sync["timeout_s"]))
+        self.index = int(spec.get("index", 0))  # its number among rollout.num_workers
         self.fault, self.fault_step = parse_fault(os.environ.get(FAULT_ENV))
         self.idle_since = time.perf_counter()
         self.cpu_mark = time.process_time()  # a batch's cpu_s: this process's CPU since the last batch
 
-    def load_weights(self, version: int, path: str) -> dict:
-        from safetensors.torch import load_model
+    def load_weights(self, version: int, path: str | None) -> dict:
+        if path is not None:
+            from safetensors.torch import load_model
 
-        load_model(self.model, path, strict=True, device=str(self.device))
+            load_model(self.model, path, strict=True, device=str(self.device))
+        elif self.inbox is None:
+            raise RuntimeError(f"weights version {version} came without a file, and this worker has no weight-sync group")
+        else:
+            from portarl.rollout.weight_sync.inbox import load_version
+            from portarl.trainer.asynchronous.weights import tied_twins
+
+            try:
+                tensors = self.inbox.take(version)
+            except Exception as err:
+                raise RuntimeError(f"{err}; the worker keeps weights version {self.version}") from None
+            load_version(self.model, tensors, tied_twins(self.model))
+            del tensors
         self.engine.sync_weights(self.model)  # hf: a no-op (it samples self.model); vllm: into vLLM, in memory
         self.version = version
+        if os.environ.get(DUMP_ENV):
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+                      os.path.join(os.environ[DUMP_ENV], f"{f'w{self.index}-' if self.index else ''}v{version}.safetensors"))
         return {"op": "loaded", "version": version}
 
     def generate(self, request: dict) -> dict:
@@ -192,7 +226,7 @@ class Worker:
         op = request.get("op")
         try:
             if op == "weights":
-                return self.load_weights(int(request["version"]), request["path"])
+                return self.load_weights(int(request["version"]), request.get("path"))
             if op == "generate":
                 reply = self.generate(request)
                 self.idle_since = time.perf_counter()
@@ -219,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(argv[0]) as f:
         spec = json.load(f)
     worker = Worker(spec)
+    code = 0
     try:
         out.write(json.dumps({"op": "ready", "pid": os.getpid()}) + "\n")
         out.flush()
@@ -233,7 +268,17 @@ def main(argv: list[str] | None = None) -> int:
         worker.engine.close()  # vllm: its engine core and process-wide state; hf: nothing
         if worker.agent is not None:
             worker.agent.close()  # tool_isolation=process: its tool process
-    return 0
+        if worker.inbox is not None:
+            worker.inbox.close()  # before the trainer closes the group: it hosts the store
+    if worker.inbox is not None:  # Gloo's threads must not race interpreter finalisation (portarl.exit_path)
+        logging.shutdown()
+        for stream in (out, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # the trainer closed the pipe: nothing more to say
+                pass
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -127,8 +127,8 @@ class GRPOTrainer:
         self.precision = make_precision(self.model, self.config, self.dist)
         self.optimizer, self.scheduler = make_optimizer(self.precision.optimizer_params(), self.config)
         self._rollout = rollout_engine
-        self.async_rollout = None  # rollout.mode=async: the running pipeline (trainer.async_pipeline)
-        self.async_in_flight = None  # --resume in async mode: the checkpoint's batches in flight (trainer.async_resume)
+        self.async_rollout = None  # rollout.mode=async: the running pipeline (trainer.asynchronous.pipeline)
+        self.async_in_flight = None  # --resume in async mode: the checkpoint's batches in flight (trainer.asynchronous.resume)
         r = self.config.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens)

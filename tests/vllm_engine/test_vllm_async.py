@@ -82,7 +82,10 @@ def test_async_vllm_trains_from_the_command_line(tmp_path):
     # max_staleness 1 (the default): the first batch waits for version 0, the next ones overlap
     assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
     assert [r["rollout/version"] for r in rows] == [0, 0, 1]
-    assert "starting vLLM" in (tmp_path / WORKER_LOG).read_text()  # the worker ran the vllm engine
+    log = (tmp_path / WORKER_LOG).read_text()
+    assert "starting vLLM" in log  # the worker ran the vllm engine
+    # rollout.weight_sync=collective (the default): versions 0, 1 and 2 came through the group
+    assert [f"weights version {v} arrived whole" in log for v in range(3)] == [True] * 3, log[-3000:]
     batches = _jsonl(tmp_path / "rollout_batches.jsonl")
     assert [(b["step"], b["version"]) for b in batches] == [(1, 0), (2, 0), (3, 1)]
 

@@ -36,10 +36,20 @@ import torch.distributed as dist
 _ABANDONED: list = []
 
 
+_BUILT: list = []
+
+
+def groups_built() -> int:
+    """How many communicators this process built: their threads outlive them, so a command
+    that built one ends without interpreter finalisation (:mod:`portarl.exit_path`)."""
+    return len(_BUILT)
+
+
 class GlooComm:
     device = torch.device("cpu")
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float):
+        _BUILT.append(True)
         # joining blocks until every rank has joined (bounded by timeout_s)
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore("portarl/weight-sync/gloo", store), rank, world_size,
                                         timedelta(seconds=timeout_s))
@@ -72,6 +82,7 @@ class VllmDeviceComm:
     def __init__(self, kind: str, store, rank: int, world_size: int, device):
         from vllm.distributed.utils import StatelessProcessGroup
 
+        _BUILT.append(True)
         if device is None:
             raise ValueError(f"weight-sync comm={kind!r} needs the device its buffers live on")
         self.device = torch.device(device)

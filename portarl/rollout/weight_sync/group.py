@@ -206,6 +206,8 @@ class SyncGroup:
         ``peers`` between polls; the polling interval grows from 0.5 ms to 20 ms."""
         pause, next_check = 0.0005, 0.0
         while True:
+            if self._closed:  # closed from another thread (a receiver's inbox at exit)
+                raise WeightSyncError(f"weight sync: rank {self.rank} closed the group while waiting for {what}")
             try:
                 value = ready()
             except WeightSyncError:

@@ -161,14 +161,15 @@ class WeightSender:
 
 
 class WeightReceiver:
-    """A receiving rank (1..N). ``version``: the last version loaded (0: none yet)."""
+    """A receiving rank (1..N). ``version``: the last version loaded (``loaded``: the one it
+    holds at the start, 0 by default; -1 where versions start at 0, as the trainer's do)."""
 
-    def __init__(self, group: SyncGroup):
+    def __init__(self, group: SyncGroup, loaded: int = 0):
         if group.rank == 0:
             raise ValueError("rank 0 of a weight-sync group is the sender")
         self.group = group
         self.round = 0
-        self.version = 0
+        self.version = loaded
 
     def receive(self, load=None) -> tuple[int, dict, SyncStats]:
         """Wait for the next version and return ``(version, {name: tensor}, stats)`` once it

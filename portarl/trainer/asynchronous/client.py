@@ -50,12 +50,16 @@ def reward_error(message: str) -> RewardError:
 class WorkerClient:
     """The worker process, its reader thread, and the protocol (requests out, replies in)."""
 
-    def __init__(self, spec: dict, work_dir: Path, output_dir: Path, timeout_s: float, backend: str | None):
-        self.timeout_s = timeout_s
-        self.log_path = Path(output_dir) / WORKER_LOG
+    def __init__(self, spec: dict, work_dir: Path, output_dir: Path, timeout_s: float, backend: str | None,
+                 index: int = 0):
+        """``index``: the worker's number with ``rollout.num_workers`` > 1 (its log is
+        ``rollout_worker-<index>.log`` from worker 1 on)."""
+        self.timeout_s, self.index = timeout_s, index
+        self.log_path = Path(output_dir) / (WORKER_LOG if index == 0 else WORKER_LOG.replace(".log", f"-{index}.log"))
         self.replies: queue.Queue = queue.Queue()
         self.ready = False
-        spec_path = Path(work_dir) / "worker.json"
+        self.loaded = -1  # the newest weight version it said it loaded
+        spec_path = Path(work_dir) / ("worker.json" if index == 0 else f"worker-{index}.json")
         spec_path.write_text(json.dumps(spec))
         self._log = self.log_path.open("a")
         env = {**without_torchrun_env(dict(os.environ)), "PORTARL_TRAINER_PID": str(os.getpid())}
@@ -67,7 +71,7 @@ class WorkerClient:
         self.proc = subprocess.Popen([sys.executable, "-m", "portarl.rollout.async_worker", str(spec_path)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
                                      env=env, start_new_session=True)
-        self.name = f"rollout worker (pid {self.proc.pid}, log {self.log_path})"
+        self.name = f"rollout worker{f' {index}' if index else ''} (pid {self.proc.pid}, log {self.log_path})"
         self.reader = threading.Thread(target=self._read, name="portarl-rollout-reader", daemon=True)
         self.reader.start()
 
@@ -96,6 +100,15 @@ class WorkerClient:
             pass
         status = f"exited with code {code}" if code is not None else "closed its output"
         return RolloutWorkerError(f"the {self.name} {status} {when}{tail}")
+
+    def exited(self, when: str) -> RolloutWorkerError | None:
+        """The error naming the worker's exit, if it exited (``when``: what the trainer did).
+        A worker that is exiting (its sockets closed first) gets a few seconds to be reaped."""
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return None
+        return self._died(when)
 
     def receive(self, waiting_for: str, limit: float | None = None) -> dict:
         """The next reply; ``limit`` seconds at most (``rollout.timeout_s`` by default)."""
