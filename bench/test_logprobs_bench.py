@@ -7,7 +7,7 @@ import torch
 
 from bench_setup import bench_device, bench_shapes
 from portarl.bench import kernels
-from portarl.parity.sweep import synchronize
+from portarl.parity.record import synchronize
 
 METHODS = list(kernels.logprob_methods(bench_device()))
 
