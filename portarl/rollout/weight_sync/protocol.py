@@ -10,8 +10,8 @@ One version is one *round* (numbered from 1 on both sides, in step):
    ``round/<r>/commit``;
 3. each receiver checks the commit against what it staged; only then does it hand the
    version to its ``load`` callable (vLLM's in-place reload, a plain model's
-   ``load_state_dict``) and acknowledge (``round/<r>/ack``, a counter the sender may wait
-   for).
+   ``load_state_dict``) and acknowledge (``round/<r>/ack/<rank>``, one key per receiver,
+   which the sender may wait for).
 
 So a receiver loads a version whole or not at all: a sender that dies, fails or is killed
 in the middle of a bucket leaves no commit, the receiver raises :class:`TornVersion`
@@ -112,7 +112,8 @@ class WeightSender:
         start = time.perf_counter()
         try:
             if r > 2:  # every receiver finished round r-2 before it took part in round r-1
-                for key in (group.key("round", r - 2, "commit"), group.key("round", r - 2, "ack")):
+                for key in (group.key("round", r - 2, "commit"),
+                            *(group.key("round", r - 2, "ack", p) for p in peers)):
                     group.store.delete_key(key)
             pending = None  # the bucket on the wire while the next one is packed (double buffering)
             for index, bucket in enumerate(buckets_of(items, self.bucket_bytes)):
@@ -149,9 +150,15 @@ class WeightSender:
             self.version = version
             if wait_ack:
                 t0 = time.perf_counter()
-                ack = group.key("round", r, "ack")
-                group.wait_until(lambda: True if int(group.store.add(ack, 0)) >= len(peers) else None, peers,
-                                 f"acknowledgements of version {version}")
+                # One key per receiver: a receiver that acknowledged and then closed the group
+                # (its last version, at exit) is done, not lost; only those still owing are checked.
+                owing = list(peers)
+
+                def all_acknowledged():
+                    owing[:] = [p for p in owing if not group.store.check([group.key("round", r, "ack", p)])]
+                    return True if not owing else None
+
+                group.wait_until(all_acknowledged, owing, f"acknowledgements of version {version}")
                 stats.ack_seconds = time.perf_counter() - t0
         except BaseException as err:  # KeyboardInterrupt too: the receivers must stop waiting
             group.fail(f"the sender failed while sending version {version}: {type(err).__name__}: {err}")
@@ -224,7 +231,7 @@ class WeightReceiver:
                 group.fail(f"receiver rank {group.rank} could not load version {version}: {type(err).__name__}: {err}")
                 raise
         self.version = version
-        group.store.add(group.key("round", r, "ack"), 1)
+        group.store.set(group.key("round", r, "ack", group.rank), b"1")
         stats.version, stats.buckets, stats.tensors = version, len(staged), len(tensors)
         stats.bytes = sum(flat.numel() * flat.element_size() for _, flat in staged)
         stats.seconds = time.perf_counter() - start
