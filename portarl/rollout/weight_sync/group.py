@@ -219,7 +219,13 @@ class SyncGroup:
                 return value
             now = time.monotonic()
             if now >= next_check:
-                self.check_peers(peers, what)
+                try:
+                    self.check_peers(peers, what)
+                except PeerLost:  # it may have delivered, then left, since ready() was polled
+                    value = ready()
+                    if value is not None:
+                        return value
+                    raise
                 next_check = now + min(self.interval, 1.0)
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
