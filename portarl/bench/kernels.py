@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from portarl import ops
 from portarl.backends import BACKEND_NAMES, get_backend_by_name
+from portarl.parity.record import synchronize
 
 ROWLOOP_SEQUENCE = 1024
 
@@ -115,12 +116,6 @@ def kl_methods(device: torch.device) -> dict[str, Callable]:
 
 
 # ------------------------------------------------------------------------- measuring
-def synchronize(device: torch.device) -> None:
-    from portarl.parity.record import synchronize as sync
-
-    sync(device)
-
-
 class LiveBytes(TorchDispatchMode):
     """Peak bytes of tensors torch allocates (and has not freed) inside the mode."""
 

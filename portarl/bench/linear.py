@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from portarl import ops
-from portarl.bench.kernels import KernelResult, benchmarked_backends, peak_extra_bytes, synchronize
+from portarl.bench.kernels import KernelResult, benchmarked_backends, peak_extra_bytes
+from portarl.parity.record import synchronize
 
 CHUNK_ROWS = 1024
 #: (N, H, V): the committed CPU table; CUDA adds larger N.
