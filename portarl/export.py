@@ -80,6 +80,7 @@ def load_checkpoint_model(checkpoint: str | Path):
         config = TrainConfig.from_dict(state["config"])
     except (ConfigError, KeyError, TypeError) as err:
         raise ExportError(f"--checkpoint {directory}: its saved run config is not usable ({err})") from None
+    config.source_dir = state.get("source_dir")  # where the run's config file was (code search)
     if CheckpointManager.is_sharded(directory):
         raise ExportError(f"--checkpoint {directory} is a sharded (FSDP2 / DCP) checkpoint, which this command does "
                           "not read yet; use one written by a single-process run")

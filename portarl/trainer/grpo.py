@@ -192,7 +192,7 @@ class GRPOTrainer:
 
     def _search_dirs(self) -> list[str]:
         """Where ``module:function`` rewards, tools and environments are looked for."""
-        return [os.getcwd()] + [d for d in [getattr(self.config, "source_dir", None)] if d]
+        return self.config.code_search_dirs()
 
     def encoded_prompt(self, example: Example) -> list[int]:
         """``example``'s prompt ids: encoded and checked when the data loaded, else now."""

@@ -116,3 +116,33 @@ def test_portarl_eval_cli(tmp_path, capsys):
 
     sampled = eval_checkpoint(ckpt, str(data), n=2, device="cpu")  # --n 2 alone: sampled
     assert sampled["eval/prompts"] == 3 and "eval/reward/best_of_n" in sampled
+
+
+def test_portarl_eval_finds_the_runs_own_reward_module_from_any_directory(tmp_path, monkeypatch):
+    """A `module:function` reward beside the config file: training finds it there (the
+    config's directory), and `portarl eval` run from another directory finds it through the
+    directory the checkpoint recorded."""
+    project = tmp_path / "project"
+    project.mkdir()
+    module = f"eval_dir_reward_{os.getpid()}"  # a name no other test imports
+    (project / f"{module}.py").write_text("def score(prompt, completion, answer):\n    return float(len(completion))\n")
+    config = project / "run.yaml"
+    config.write_text(f"rewards:\n  - name: {module}:score\n")
+    from trainer_fast import FAST
+    from portarl.trainer import TrainConfig
+
+    cfg = TrainConfig.load(config, [*FAST, f"output_dir={tmp_path / 'run'}", "train.steps=1"])
+    model, tokenizer, examples = build_from_config(cfg)
+    GRPOTrainer(model, tokenizer, None, examples, cfg, device="cpu").train()
+    sys.modules.pop(module, None)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(project))])
+    from portarl.trainer.phases.evaluation import eval_checkpoint
+
+    try:
+        metrics = eval_checkpoint(tmp_path / "run", str(_eval_file(tmp_path, 2)), device="cpu")
+    finally:
+        sys.modules.pop(module, None)
+    assert metrics["eval/prompts"] == 2 and metrics["eval/reward/mean"] > 0

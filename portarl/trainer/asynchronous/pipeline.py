@@ -165,7 +165,7 @@ class AsyncRollout:
         self.dir.mkdir(parents=True)
         spec = {"config": cfg.to_dict(), "device": str(trainer.device), "threads": torch.get_num_threads(),
                 "work_dir": str(self.dir),  # engine vllm: the in-memory tiny model's directory goes here
-                "search_dirs": [str(Path.cwd())] + [d for d in [getattr(cfg, "source_dir", None)] if d]}
+                "search_dirs": cfg.code_search_dirs()}
         self.batch_log_path = Path(trainer.output_dir) / BATCH_LOG
         prepare_log(self.batch_log_path, trainer.step)
         workers = cfg.rollout.num_workers

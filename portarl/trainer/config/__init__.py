@@ -409,6 +409,14 @@ class TrainConfig:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
+    def code_search_dirs(self) -> list[str]:
+        """Where ``module:function`` rewards, tools and environments are looked for: the
+        working directory, then the config file's own directory (``source_dir``: set by
+        :meth:`load`, and recorded in checkpoints so that ``portarl eval`` finds the run's code
+        from any directory) where it still exists on this machine."""
+        source = getattr(self, "source_dir", None)
+        return [str(Path.cwd())] + ([source] if source and Path(source).is_dir() else [])
+
 
 _SECTION_CLASSES = {
     "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "train": TrainSection,

@@ -183,12 +183,12 @@ def eval_checkpoint(checkpoint, data: str, *, n: int | None = None, greedy: bool
                      system_prompt=config.data.system_prompt)
     from portarl.multiturn.agent import make_agent
 
-    agent = make_agent(config, codec, [str(Path.cwd())])  # tools / environment: episodes, as in training
+    agent = make_agent(config, codec, config.code_search_dirs())  # tools / environment: episodes, as in training
     ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     examples, ids = load_eval_set(config, codec, ctx, data)
     engine = HFRollout(model, codec.eos_token_id, codec.pad_token_id, stop_token_ids=codec.stop_token_ids,
                        lean_decode=config.rollout.lean_decode)
-    rewards = RewardRunner([(s.name, s.weight) for s in config.rewards], search_dirs=[str(Path.cwd())],
+    rewards = RewardRunner([(s.name, s.weight) for s in config.rewards], search_dirs=config.code_search_dirs(),
                            timeout_s=config.train.reward_timeout_s)
     try:
         with rewards, torch.no_grad():  # the reward watchdog's thread is joined on the way out

@@ -41,6 +41,9 @@ def trainer_state(trainer) -> dict:
         "kl_ctl": trainer.kl_ctl.state_dict(),
         "ref_model": {k: v.detach().cpu() for k, v in trainer.ref_model.state_dict().items()} if trainer.ref_model is not None else None,
         "config": trainer.config.to_dict(),
+        # the config file's directory (not a config field): `portarl eval` looks for the run's
+        # module:function rewards and tools there too
+        "source_dir": getattr(trainer.config, "source_dir", None),
         # rollout.mode=async: the batches already generated for the next steps (waited for)
         STATE_KEY: in_flight_state(trainer.async_rollout) if trainer.async_rollout is not None else None,
     }
