@@ -17,6 +17,7 @@ to it.
   own NCCL weight-transfer engine uses them
   (``vllm/distributed/weight_transfer/nccl_common.py``). Written against that API and
   **not run here** (no GPU or NPU on this machine): the first hardware run must check it.
+  Its logic runs here over a stand-in communicator (``tests/weight_sync/test_device_comm_standin.py``).
   Note that the stateless group exchanges NCCL's unique id with ``broadcast_obj``, which
   pickles it through the store (``vllm/distributed/utils.py``); nothing portarl reads is
   pickled.
@@ -97,6 +98,14 @@ class VllmDeviceComm:
             from vllm_ascend.distributed.device_communicators.pyhccl import PyHcclCommunicator
 
             self.comm = PyHcclCommunicator(group, device=self.device)
+        if getattr(self.comm, "disabled", False):
+            # Both communicators switch themselves off when their library does not load (or
+            # VLLM_DISABLE_PYNCCL is set) and then return from broadcast() having sent nothing:
+            # every receiver would load its uninitialised buffers as the new weights.
+            library = "NCCL" if kind == "nccl" else "HCCL"
+            raise RuntimeError(f"weight-sync comm={kind!r}: vLLM's {type(self.comm).__name__} is disabled on "
+                               f"{self.device} (the {library} library did not load, or VLLM_DISABLE_PYNCCL is set), "
+                               "so its broadcast would send nothing; fix the library, or sync over comm='gloo'")
 
     def broadcast(self, flat: torch.Tensor):
         stream = self.module.current_stream()
