@@ -41,14 +41,14 @@ def _check_index(kind: str, index: int | None, count: int) -> None:
         )
 
 
-def _parse(text: str, original) -> tuple[str, int | None]:
+def parse_device(text: str, original=None) -> tuple[str, int | None]:
     """'cuda' -> ('cuda', None), 'npu:1' -> ('npu', 1). Parsed here because torch only knows
     the 'npu' device type once torch_npu is imported, and a missing torch_npu must give the
     install hint, not a parse error."""
     kind, _, index = text.partition(":")
     if kind not in DEVICE_CHOICES[1:] or (index and not index.isdigit()):
         raise ValueError(
-            f"device={original!r} is not a device; use one of {', '.join(DEVICE_CHOICES)} "
+            f"device={text if original is None else original!r} is not a device; use one of {', '.join(DEVICE_CHOICES)} "
             "(optionally with an index, e.g. 'cuda:1')"
         )
     return kind, int(index) if index else None
@@ -78,7 +78,7 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
             if torch_npu_api.unavailable_reason() is None:
                 return torch.device("npu", 0)
             return torch.device("cpu")
-        kind, index = _parse(text, device)
+        kind, index = parse_device(text, device)
     else:
         raise ValueError(
             f"device must be a string ({', '.join(DEVICE_CHOICES)}) or a torch.device, "
@@ -98,3 +98,31 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         raise DeviceUnavailableError(f"device {device!s} requested but {reason}")
     _check_index(kind, index, torch_npu_api.device_count())
     return torch.device("npu", index if index is not None else 0)
+
+
+#: The variable that limits which devices a process sees, per device type (torch_npu reads
+#: ASCEND_RT_VISIBLE_DEVICES; ../shared/notes/ascend-facts.md).
+VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+def child_placement(device: str, environ: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """``(device inside the child, environment variables to set for it)`` for a child
+    process (an async rollout worker: ``rollout.worker_devices``) that must run on
+    ``device`` as this process numbers it, ``environ`` being this process's environment.
+
+    The child sees only its device: an engine inside it may pick a device on its own (vLLM's
+    in-process executor takes the first visible one). ``cuda:N`` becomes
+    ``CUDA_VISIBLE_DEVICES`` holding the N-th device this process sees (under an inherited
+    ``CUDA_VISIBLE_DEVICES=2,3``, ``cuda:1`` is physical device 3; likewise
+    ``ASCEND_RT_VISIBLE_DEVICES`` for ``npu:N``) and the child uses ``cuda:0``. ``cpu``
+    changes nothing."""
+    kind, index = parse_device(device)
+    if kind == "cpu":
+        return "cpu", {}
+    index = 0 if index is None else index
+    variable = VISIBLE_ENV[kind]
+    visible = [v.strip() for v in (environ.get(variable) or "").split(",") if v.strip()]
+    if visible and index >= len(visible):
+        raise ValueError(f"{device} is not visible here ({variable}={environ[variable]} shows {len(visible)} "
+                         "device(s), numbered from 0)")
+    return f"{kind}:0", {variable: visible[index] if visible else str(index)}

@@ -51,9 +51,10 @@ class WorkerClient:
     """The worker process, its reader thread, and the protocol (requests out, replies in)."""
 
     def __init__(self, spec: dict, work_dir: Path, output_dir: Path, timeout_s: float, backend: str | None,
-                 index: int = 0):
+                 index: int = 0, env: dict[str, str] | None = None):
         """``index``: the worker's number with ``rollout.num_workers`` > 1 (its log is
-        ``rollout_worker-<index>.log`` from worker 1 on)."""
+        ``rollout_worker-<index>.log`` from worker 1 on); ``env``: variables set for the
+        worker's process only (its visible device: ``rollout.worker_devices``)."""
         self.timeout_s, self.index = timeout_s, index
         self.log_path = Path(output_dir) / (WORKER_LOG if index == 0 else WORKER_LOG.replace(".log", f"-{index}.log"))
         self.replies: queue.Queue = queue.Queue()
@@ -62,7 +63,7 @@ class WorkerClient:
         spec_path = Path(work_dir) / ("worker.json" if index == 0 else f"worker-{index}.json")
         spec_path.write_text(json.dumps(spec))
         self._log = self.log_path.open("a")
-        env = {**without_torchrun_env(dict(os.environ)), "PORTARL_TRAINER_PID": str(os.getpid())}
+        env = {**without_torchrun_env(dict(os.environ)), "PORTARL_TRAINER_PID": str(os.getpid()), **(env or {})}
         if backend is not None:
             from portarl.backends import BACKEND_ENV
 

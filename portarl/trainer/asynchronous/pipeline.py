@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
 from datetime import timedelta
@@ -75,6 +76,7 @@ from typing import NamedTuple
 import torch
 
 from portarl import distributed as pdist
+from portarl.device import child_placement
 from portarl.reward_runner import RewardError
 from portarl.trainer.asynchronous.client import (STARTUP_MIN_S, WORKER_LOG, RolloutWorkerError, WorkerClient, as_batch,
                                           check_batch, reward_error, slice_reply, validate_batch)
@@ -174,8 +176,12 @@ class AsyncRollout:
         try:
             for i in range(workers):
                 sync = {"weight_sync": self.sync.spec(i)} if self.sync is not None else {}
-                self.clients.append(WorkerClient({**spec, **sync, "index": i}, self.dir, trainer.output_dir,
-                                                 cfg.rollout.timeout_s, cfg.precision.backend, index=i))
+                device, env = spec["device"], {}
+                if cfg.rollout.worker_devices is not None:  # a device of its own, the only one it sees
+                    device, env = child_placement(str(cfg.rollout.worker_devices[i]), dict(os.environ))
+                self.clients.append(WorkerClient({**spec, **sync, "index": i, "device": device}, self.dir,
+                                                 trainer.output_dir, cfg.rollout.timeout_s, cfg.precision.backend,
+                                                 index=i, env=env))
         except BaseException:
             self.close()
             raise

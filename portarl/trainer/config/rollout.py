@@ -93,6 +93,10 @@ class RolloutConfig:
     #: (s - 1) mod num_workers, so with max_staleness >= 1 several batches are generated at
     #: once. The staleness rule is unchanged.
     num_workers: int = 1
+    #: mode "async": one device per worker (e.g. [cuda:6, cuda:7]), so that generation has
+    #: devices of its own; each worker's process sees only its device. None: every worker
+    #: runs on the trainer's device.
+    worker_devices: list | None = None
     #: mode "async": seconds the trainer waits for the worker's next batch (or message)
     #: before it names the worker as hung and stops with a checkpoint.
     timeout_s: float = 600.0
@@ -133,6 +137,8 @@ class RolloutConfig:
                self.weight_sync)
         _number(self, "rollout", "sync_bucket_mb", low=0.0)
         _positive_int(self, "rollout", "num_workers")
+        if self.worker_devices is not None:
+            self._check_worker_devices()
         # The worker's vLLM generates while the trainer computes: there is no idle phase for
         # sleep mode to free memory in, and a setting that silently does nothing is refused.
         _check(self.mode != "async" or self.engine != "vllm" or not self.vllm_sleep_mode, "rollout.vllm_sleep_mode",
@@ -168,3 +174,17 @@ class RolloutConfig:
             _check(self.top_k == 0 and self.top_p == 1, "rollout.top_k / rollout.top_p",
                    "must be 0 / 1 with engine 'vllm' (its log-probs are renormalised over the kept tokens, the "
                    "trainer's are not); sample from the full distribution", (self.top_k, self.top_p))
+
+    def _check_worker_devices(self) -> None:
+        from portarl.device import parse_device
+
+        devices = self.worker_devices
+        _check(self.mode == "async", "rollout.worker_devices", "places async rollout workers: set rollout.mode=async "
+               "or remove it", devices)
+        _check(isinstance(devices, list) and len(devices) == self.num_workers, "rollout.worker_devices",
+               f"must list one device per worker (rollout.num_workers={self.num_workers})", devices)
+        for device in devices:
+            try:
+                parse_device(str(device))
+            except ValueError as err:
+                _check(False, "rollout.worker_devices", str(err), devices)
