@@ -34,6 +34,11 @@ GIB = 1 << 30
 CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 
+def gib(n: int) -> str:
+    """A size for people: GiB from 1 GiB up, MiB below."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def sleep_level(rollout) -> int:
     """The engine's sleep level: 0 (it never sleeps), 1 or 2. ``rollout.vllm_sleep_mode:
     true`` is level 1 (the spelling before ``rollout.sleep_level``)."""
@@ -67,8 +72,6 @@ def engine_memory(cfg, policy_bytes: int, hf_rollout: dict, *, device_memory: in
     """The engine's parts for ``cfg``. ``policy_bytes``: one copy of the weights in the
     rollout dtype (N b); ``hf_rollout``: the hf engine's rollout-phase parts (its KV cache,
     prefill and sampling buffers), as the plan computed them."""
-    from portarl.trainer.memory.plan import gib
-
     r = cfg.rollout
     held, rollout, notes = {}, {}, []
     if r.engine == "vllm":
@@ -105,4 +108,4 @@ def engine_memory(cfg, policy_bytes: int, hf_rollout: dict, *, device_memory: in
     return EngineMemory(held, rollout, notes)
 
 
-__all__ = ["EngineMemory", "engine_memory", "sleep_level", "vllm_reservation"]
+__all__ = ["EngineMemory", "engine_memory", "gib", "sleep_level", "vllm_reservation"]

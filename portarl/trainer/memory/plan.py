@@ -75,7 +75,7 @@ import dataclasses
 import re
 
 from portarl.trainer.memory.arch import Arch, arch_of, prompt_lengths
-from portarl.trainer.memory.engine import engine_memory, sleep_level
+from portarl.trainer.memory.engine import engine_memory, gib, sleep_level
 
 CPU_CHUNK_BYTES = 4 << 20
 #: Host memory of one loaded example (the Example object, its prompt and answer strings)
@@ -243,11 +243,6 @@ def parse_size(text: str) -> int:
     value, unit, binary = float(match.group(1)), match.group(2).upper(), bool(match.group(3))
     power = "KMGT".index(unit) + 1 if unit else 0
     return int(value * (1024 if binary else 1000) ** power)
-
-
-def gib(n: int) -> str:
-    """A size for people: GiB from 1 GiB up, MiB below."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def advice(plan: Plan, cfg) -> list[str]:
