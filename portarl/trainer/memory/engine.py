@@ -18,8 +18,10 @@ When the engine holds it depends on its sleep level (colocated mode):
 
 Asynchronous mode (``rollout.mode: async``): each of the ``rollout.num_workers`` workers
 holds a copy of the policy (N b) and its engine (R for vLLM; the ``hf`` engine's KV cache
-and prefill) on rank 0's device the whole run, since it generates while the trainer trains,
-and never sleeps; the trainer itself has no rollout phase.
+and prefill) the whole run, since it generates while the trainer trains, and never sleeps;
+the trainer itself has no rollout phase. The workers run on rank 0's device, or each on a
+device of its own with ``rollout.worker_devices`` (then the plan names what one needs
+there and counts nothing of them on the trainer's devices).
 
 Not counted: what vLLM keeps while asleep (its CUDA / ACL context, CUDA graphs, a few
 buffers), and vLLM's own process overhead.
@@ -87,6 +89,11 @@ def engine_memory(cfg, policy_bytes: int, hf_rollout: dict, *, device_memory: in
         engine = dict(hf_rollout)
     if r.mode == "async":
         workers = r.num_workers
+        if getattr(r, "worker_devices", None):  # rollout.worker_devices: none of it on the trainer's devices
+            notes.append(f"rollout engine: {workers} async worker(s), each on a device of its own "
+                         f"(rollout.worker_devices): {gib(policy_bytes + sum(engine.values()))} there (a copy of "
+                         f"the policy and its {r.engine} engine)")
+            return EngineMemory(held, rollout, notes)
         held["workers' policy copies"] = workers * policy_bytes
         held.update({"workers' " + name.removeprefix("rollout ").replace("cache + act", "+ act"): workers * value
                      for name, value in engine.items()})
