@@ -153,3 +153,39 @@ def test_a_reward_failing_in_the_worker_stops_both_ranks_naming_it(tmp_path):
     latest = CheckpointManager(tmp_path).latest()
     assert CheckpointManager.is_sharded(latest) and CheckpointManager.load_state(latest)["step"] == 1
     assert _worker_gone(proc.stderr)
+
+
+def test_two_workers_under_torchrun_share_the_steps_and_hold_the_trainers_weights_bitwise(tmp_path):
+    """rollout.num_workers=2 under 2-rank torchrun, collective weight sync: rank 0 starts
+    both workers, worker (s - 1) mod 2 generates the whole batch of step s, and every
+    version each worker loaded is the one the ranks trained (the sharded checkpoint of that
+    step, gathered), bitwise."""
+    from portarl.rollout.async_worker import DUMP_ENV
+
+    out, dumps = tmp_path / "run", tmp_path / "dumps"
+    dumps.mkdir()
+    proc = _train(out, 2, "train.steps=4", ASYNC, "rollout.num_workers=2", "rollout.weight_sync=collective",
+                  "rollout.sync_bucket_mb=0.01", "checkpoint.keep_last=10", env=_env(**{DUMP_ENV: str(dumps)}))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3, 4]
+    batches = _jsonl(out / "rollout_batches.jsonl")
+    assert [(b["step"], b["worker"], b["version"]) for b in batches] == [(1, 0, 0), (2, 1, 0), (3, 0, 1), (4, 1, 2)]
+    assert all(len(b["prompts"]) == 4 for b in batches), "each worker generates its steps' whole batches"
+    checkpoints = {CheckpointManager.load_state(d)["step"]: d for d in CheckpointManager(out).complete()}
+    for prefix in ("", "w1-"):
+        loaded = sorted(int(p.stem.split("v")[-1]) for p in dumps.glob(f"{prefix}v*.safetensors"))
+        reported = {b["version"] for b in batches if b["worker"] == (1 if prefix else 0)}
+        assert reported <= set(loaded), (prefix, reported, loaded)
+        assert [v for v in loaded if v > 0], f"worker {prefix or 'w0'} loaded no trained version: {loaded}"
+        for version in loaded:
+            worker = load_file(str(dumps / f"{prefix}v{version}.safetensors"))
+            if version == 0:  # the initial weights: both workers hold the same
+                want = load_file(str(dumps / "v0.safetensors"))
+            else:
+                want = _params_from(checkpoints[version])
+            assert worker.keys() == want.keys()
+            differ = [k for k in want if not torch.equal(worker[k], want[k])]
+            assert not differ, f"worker {prefix or 'w0'}, version {version}: {differ[:3]} differ from the trainer's"
+    assert (out / "rollout_worker-1.log").exists()
+    assert "arrived whole" in (out / "rollout_worker-1.log").read_text()
+    assert _worker_gone(proc.stderr)

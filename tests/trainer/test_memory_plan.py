@@ -100,3 +100,64 @@ def test_train_start_line_names_the_peak_and_the_device_memory():
     _, tokenizer, examples = build_from_config(cfg)
     line = train_start_line(cfg, tokenizer, examples, torch.device("cpu"))
     assert line.startswith("memory plan: estimated peak ") and "device memory" in line and "checkpointing off" in line
+
+
+GIB = 2**30
+
+
+def _vllm_plan(*sets, device_memory=80 * GIB, accelerator=True, sleep_level=None):
+    cfg = TrainConfig.load(None, ["rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=0.25", *sets])
+    if sleep_level is not None:  # rollout.sleep_level (issue 36) where the config has it; set here either way
+        cfg.rollout.sleep_level = sleep_level
+    return cfg, estimate(cfg, arch_of(cfg.model), prompt_tokens=10, device_memory=device_memory, accelerator=accelerator)
+
+
+def test_the_vllm_engines_share_is_held_or_in_the_rollout_phase_by_its_sleep_level(monkeypatch):
+    from portarl.trainer.memory.plan import render
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cfg = TrainConfig.load(None, [])
+    arch = arch_of(cfg.model)
+    hf = estimate(cfg, arch, prompt_tokens=10, device_memory=80 * GIB, accelerator=True)
+    weights, share = arch.params * 4, 20 * GIB  # fp32 copy; 0.25 of 80 GiB
+    cfg, awake = _vllm_plan()
+    assert awake.parts["vLLM weights"] == weights
+    assert awake.parts["vLLM weights"] + awake.parts["vLLM KV cache + activations"] == share
+    assert "rollout KV cache" not in awake.parts and "rollout prefill + sampling" not in awake.parts  # inside vLLM's share
+    assert awake.static == hf.static + share and awake.rollout == 0  # level 0: held through the update
+    assert "sleep level 0" in render(awake, cfg)
+    for level in (1, 2):
+        sets = ["rollout.vllm_sleep_mode=true"] if level == 1 else []
+        cfg, asleep = _vllm_plan(*sets, sleep_level=level if level == 2 else None)
+        assert asleep.static == hf.static and asleep.rollout == share and asleep.phase == "rollout"
+        assert asleep.peak == hf.static + share
+        text = render(asleep, cfg)
+        assert f"sleep level {level}" in text and ("wait in host memory" in text) == (level == 1), text
+    # async: every worker holds its policy copy and its engine the whole run; no rollout phase
+    _, two = _vllm_plan("rollout.mode=async", "rollout.num_workers=2")
+    assert two.static == hf.static + 2 * (weights + share) and two.rollout == 0
+    cfg = TrainConfig.load(None, ["rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=0.25",
+                                  "rollout.mode=async", "rollout.num_workers=2"])
+    cfg.rollout.worker_devices = ["cuda:6", "cuda:7"]  # rollout.worker_devices: each worker on a device of its own
+    own = estimate(cfg, arch, prompt_tokens=10, device_memory=80 * GIB, accelerator=True)
+    assert own.static == hf.static and own.rollout == 0
+    assert any("each on a device of its own" in note and "20.00 GiB there" in note for note in own.notes), own.notes
+    # vllm-cpu: VLLM_CPU_KVCACHE_SPACE sizes the KV cache where it is set
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    _, cpu = _vllm_plan(accelerator=False)
+    assert cpu.parts["vLLM KV cache + activations"] == 3 * GIB
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    _, unknown = _vllm_plan(device_memory=None)
+    assert unknown.parts["vLLM KV cache + activations"] == 0 and "--device-memory" in " ".join(unknown.notes)
+
+
+def test_a_vllm_share_that_does_not_fit_names_the_sleep_level_and_the_share(monkeypatch):
+    from portarl.trainer.memory.plan import advice
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cfg, plan = _vllm_plan("rollout.vllm_gpu_memory_utilization=1", device_memory=2 * GIB)  # and the trainer beside it
+    assert plan.fits is False
+    tips = " ".join(advice(plan, cfg))
+    assert "sleep" in tips and "rollout.vllm_gpu_memory_utilization (now 1;" in tips, tips
+    cfg, tight = _vllm_plan("rollout.vllm_gpu_memory_utilization=0.01", device_memory=10 * 2**20)  # < its weights
+    assert "leaves no room for a KV cache" in " ".join(tight.notes)

@@ -131,3 +131,42 @@ def test_staleness_0_reproduces_colocated_vllm_bitwise(async_s0, tmp_path):
     for a, b in zip(ref, got):
         differ = {k: (v, b.get(k)) for k, v in a.items() if not k.startswith("time/") and b.get(k) != v}
         assert not differ, f"step {a['step']}: {differ}"
+
+
+def test_two_vllm_workers_share_the_steps_and_each_samples_the_version_it_reports(tmp_path, monkeypatch):
+    """rollout.num_workers=2 with the vllm engine and collective weight sync: worker (s - 1)
+    mod 2 generates the batch of step s with a vLLM engine of its own; every version a
+    worker loaded is the trainer's bitwise (its copy, dumped after the load), and the
+    behaviour log-probs of every batch are those of the version it reports (so that
+    worker's vLLM engine holds it), not those of version 0."""
+    from safetensors.torch import load_file
+    import torch
+
+    from portarl.rollout.async_worker import DUMP_ENV
+
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    monkeypatch.setenv(DUMP_ENV, str(dumps))
+    weights, batches = capture_async(monkeypatch)
+    trainer = _train(tmp_path / "run", "rollout.mode=async", "rollout.num_workers=2", "rollout.weight_sync=collective",
+                     "rollout.sync_bucket_mb=0.01", "train.steps=4")
+    assert trainer.step == 4
+    assert not children(os.getpid()), "a rollout worker outlived the run"
+    log = _jsonl(tmp_path / "run" / "rollout_batches.jsonl")
+    assert [(b["step"], b["worker"], b["version"]) for b in log] == [(1, 0, 0), (2, 1, 0), (3, 0, 1), (4, 1, 2)]
+    for index, prefix in ((0, ""), (1, "w1-")):
+        worker_log = (tmp_path / "run" / (WORKER_LOG if index == 0 else f"rollout_worker-{index}.log")).read_text()
+        assert worker_log.count("starting vLLM") == 1, f"worker {index} did not run its own vLLM engine"
+        loaded = sorted(int(p.stem.split("v")[-1]) for p in dumps.glob(f"{prefix}v*.safetensors"))
+        reported = {b["version"] for b in log if b["worker"] == index}
+        assert reported <= set(loaded) and max(loaded) > 0, (index, reported, loaded)
+        assert [f"weights version {v} arrived whole" in worker_log for v in loaded] == [True] * len(loaded)
+        for version in loaded:
+            got, want = load_file(dumps / f"{prefix}v{version}.safetensors"), weights[version]
+            assert got.keys() == want.keys()
+            differ = [k for k in want if not torch.equal(got[k], want[k])]
+            assert not differ, f"worker {index}, version {version}: {differ[:3]} differ from the trainer's"
+    for step, version, rollout in batches:
+        assert behaviour_gap(trainer, weights[version], rollout) < ROLLOUT_FP32_ATOL, f"step {step}: not version {version}"
+        if version > 0:  # the check can fail: the first weights give log-probs measurably off
+            assert behaviour_gap(trainer, weights[0], rollout) > ROLLOUT_FP32_ATOL, f"step {step}: version 0 indistinguishable"

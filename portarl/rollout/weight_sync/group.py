@@ -52,7 +52,12 @@ class WeightSyncError(RuntimeError):
 
 
 class PeerLost(WeightSyncError):
-    """A rank of the group died, froze, gave up or closed while another waited on it."""
+    """A rank of the group died, froze, gave up or closed while another waited on it
+    (``rank``: which one; ``None`` where the store itself stopped answering)."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
 
 
 def liveness_timing(timeout_s: float) -> tuple[float, float]:
@@ -178,7 +183,7 @@ class SyncGroup:
         try:
             self._check_peers(ranks)
         except PeerLost as err:
-            raise PeerLost(f"{err} (while waiting for {what})" if what else str(err)) from None
+            raise PeerLost(f"{err} (while waiting for {what})" if what else str(err), err.rank) from None
 
     def _check_peers(self, ranks) -> None:
         now = time.monotonic()
@@ -187,14 +192,14 @@ class SyncGroup:
                 if self.store.check([self._state_key(r)]):
                     state = self.store.get(self._state_key(r)).decode()
                     what = "closed the group" if state == CLOSED else f"gave up: {state}"
-                    raise PeerLost(f"weight sync: rank {r} {what}")
+                    raise PeerLost(f"weight sync: rank {r} {what}", r)
                 beat = self.store.get(self._beat_key(r)).decode() if self.store.check([self._beat_key(r)]) else None
                 last, since = self._seen.get(r, (None, now))
                 if beat != last or r not in self._seen:
                     self._seen[r] = (beat, now)
                 elif now - since > self.stale_after_s:
                     raise PeerLost(f"weight sync: rank {r} has shown no sign of life for {now - since:.0f} s "
-                                   f"(stale_after_s={self.stale_after_s:g}): its process is stopped, frozen or gone")
+                                   f"(stale_after_s={self.stale_after_s:g}): its process is stopped, frozen or gone", r)
         except PeerLost:
             raise
         except Exception as err:  # connection refused / reset: rank 0, the store's host, is gone
@@ -203,7 +208,15 @@ class SyncGroup:
 
     def wait_until(self, ready, peers, what: str):
         """Poll ``ready()`` until it returns a value other than ``None`` (returned), checking
-        ``peers`` between polls; the polling interval grows from 0.5 ms to 20 ms."""
+        ``peers`` between polls; the polling interval grows from 0.5 ms to 20 ms.
+
+        ``peers`` may be a list that ``ready()`` shrinks as peers deliver their share (the
+        sender's acknowledgements). A peer found closed or failed is lost only if, polled
+        *after* its state was read, it still owes its share: a rank writes what it delivers
+        before it closes, through the same store connection, and the store applies one
+        connection's writes in order, so a close that is visible means whatever that rank
+        wrote before it is visible too. Re-polling then keeps a peer that delivered and
+        left from being reported lost, whatever the other peers still owe."""
         pause, next_check = 0.0005, 0.0
         while True:
             if self._closed:  # closed from another thread (a receiver's inbox at exit)
@@ -221,11 +234,13 @@ class SyncGroup:
             if now >= next_check:
                 try:
                     self.check_peers(peers, what)
-                except PeerLost:  # it may have delivered, then left, since ready() was polled
+                except PeerLost as lost:  # it may have delivered, then left, since ready() was polled
                     value = ready()
                     if value is not None:
                         return value
-                    raise
+                    if lost.rank is None or lost.rank in peers:
+                        raise
+                    continue  # it delivered its share before it left: check the others at once
                 next_check = now + min(self.interval, 1.0)
             time.sleep(pause)
             pause = min(pause * 2, 0.02)

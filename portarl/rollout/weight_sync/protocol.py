@@ -150,21 +150,28 @@ class WeightSender:
             self.version = version
             if wait_ack:
                 t0 = time.perf_counter()
-                # One key per receiver: a receiver that acknowledged and then closed the group
-                # (its last version, at exit) is done, not lost; only those still owing are checked.
-                owing = list(peers)
-
-                def all_acknowledged():
-                    owing[:] = [p for p in owing if not group.store.check([group.key("round", r, "ack", p)])]
-                    return True if not owing else None
-
-                group.wait_until(all_acknowledged, owing, f"acknowledgements of version {version}")
+                wait_for_acknowledgements(group, r, version)
                 stats.ack_seconds = time.perf_counter() - t0
         except BaseException as err:  # KeyboardInterrupt too: the receivers must stop waiting
             group.fail(f"the sender failed while sending version {version}: {type(err).__name__}: {err}")
             raise
         stats.seconds = time.perf_counter() - start
         return stats
+
+
+def wait_for_acknowledgements(group: SyncGroup, r: int, version: int) -> None:
+    """Wait until every receiver acknowledged round ``r`` (``version``). One key per
+    receiver, and only the receivers still owing one are watched: a receiver that
+    acknowledged its last version and then closed the group (at exit) is done, not lost,
+    even while another receiver is still loading (:meth:`SyncGroup.wait_until` re-polls
+    the acknowledgements after it reads a peer's state)."""
+    owing = list(group.receivers)
+
+    def all_acknowledged():
+        owing[:] = [p for p in owing if not group.store.check([group.key("round", r, "ack", p)])]
+        return True if not owing else None
+
+    group.wait_until(all_acknowledged, owing, f"acknowledgements of version {version}")
 
 
 class WeightReceiver:

@@ -57,6 +57,9 @@ Rollout phase, added to the static part (no gradients; the decode is chunked by
 - prefill: one layer's working set at a time, c P (2 H + n_h d + 2 n_kv d + 3 I) b, and the
   last position's logits and sampling buffers, 3 c V x 4.
 
+With ``rollout.engine: vllm``, or in async mode, the engine's share replaces these (held
+the whole run or in the rollout phase, by its sleep level): :mod:`portarl.trainer.memory.engine`.
+
 Peak = static + max(update, optimizer step, rollout). The no-grad scoring forwards (old /
 reference log-probs) need one layer's working set of one micro-batch, less than the update's.
 
@@ -72,6 +75,7 @@ import dataclasses
 import re
 
 from portarl.trainer.memory.arch import Arch, arch_of, prompt_lengths
+from portarl.trainer.memory.engine import engine_memory, gib, sleep_level
 
 CPU_CHUNK_BYTES = 4 << 20
 #: Host memory of one loaded example (the Example object, its prompt and answer strings)
@@ -100,6 +104,7 @@ class Plan:
     padding_free: bool
     activations_other: int  # saved activations with checkpointing flipped, for the table
     device_memory: int | None = None
+    notes: list = dataclasses.field(default_factory=list)  # the rollout engine's share, explained
 
     @property
     def phases(self) -> dict:
@@ -190,16 +195,27 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     foreach = sharded or cfg.optim.implementation == "foreach"
     parts["optimizer temporaries"] = n_t * b_opt // w if foreach else 0
     optimizer = grads + parts["update snapshot"] + parts["optimizer temporaries"] + (state if first_step else 0)
-    # Rollout phase.
-    c = min(cfg.rollout.max_batch_size or per_device, per_device) if cfg.rollout.engine == "hf" else per_device
-    kv = arch.kv_heads * arch.head_dim
-    parts["rollout KV cache"] = c * s * l * 2 * kv * b if cfg.rollout.engine == "hf" else 0
-    q = arch.heads * arch.head_dim
-    parts["rollout prefill + sampling"] = (c * prompt_tokens * (2 * arch.hidden + q + 2 * kv + 3 * arch.intermediate) * b
-                                           + 3 * c * arch.vocab * 4)
-    rollout = parts["rollout KV cache"] + parts["rollout prefill + sampling"]
+    # Rollout: the hf engine's tensors in the rollout phase, or vLLM's share of the device
+    # (held or in the rollout phase by its sleep level); async workers hold theirs all along.
+    r = cfg.rollout
+    sequences = cfg.train.prompts_per_step * r.group_size if r.mode == "async" else per_device  # one worker: whole steps
+    c = min(r.max_batch_size or sequences, sequences)
+    hf = _hf_rollout(arch, c, s, prompt_tokens, b) if r.engine == "hf" else {}
+    engine = engine_memory(cfg, n * b, hf, device_memory=device_memory, accelerator=accelerator)
+    parts.update(engine.held)
+    parts.update(engine.rollout)
+    held += sum(engine.held.values())
+    rollout = sum(engine.rollout.values())
     return Plan(arch, w, parts, held, update, rollout, optimizer, rows, s, ckpt, m, packed,
-                full if ckpt else checkpointed, device_memory)
+                full if ckpt else checkpointed, device_memory, engine.notes)
+
+
+def _hf_rollout(arch: Arch, c: int, s: int, prompt_tokens: int, b: int) -> dict:
+    """The hf engine's rollout tensors for a decode chunk of ``c`` sequences (module docstring)."""
+    kv, q = arch.kv_heads * arch.head_dim, arch.heads * arch.head_dim
+    return {"rollout KV cache": c * s * arch.layers * 2 * kv * b,
+            "rollout prefill + sampling": (c * prompt_tokens * (2 * arch.hidden + q + 2 * kv + 3 * arch.intermediate) * b
+                                           + 3 * c * arch.vocab * 4)}
 
 
 def plans_padding_free(cfg) -> bool:
@@ -229,11 +245,6 @@ def parse_size(text: str) -> int:
     return int(value * (1024 if binary else 1000) ** power)
 
 
-def gib(n: int) -> str:
-    """A size for people: GiB from 1 GiB up, MiB below."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def advice(plan: Plan, cfg) -> list[str]:
     """What to change when the plan does not fit (largest saving first)."""
     if plan.fits is not False:
@@ -248,8 +259,14 @@ def advice(plan: Plan, cfg) -> list[str]:
                     f"{_micro_batch(plan)})")
     if plan.phase == "optimizer step" and plan.parts.get("update snapshot"):
         tips.append("guards.update_snapshot=false (no copy of the parameters and optimizer state during the step)")
-    if plan.phase == "rollout":
+    if plan.phase == "rollout" and cfg.rollout.engine == "hf":
         tips.append("a smaller rollout.max_batch_size (the KV cache grows with it)")
+    if cfg.rollout.engine == "vllm":
+        if cfg.rollout.mode == "colocated" and not sleep_level(cfg.rollout):
+            knob = "rollout.sleep_level=1" if hasattr(cfg.rollout, "sleep_level") else "rollout.vllm_sleep_mode=true"
+            tips.append(f"{knob} (vLLM frees its memory while the trainer trains)")
+        tips.append(f"a smaller rollout.vllm_gpu_memory_utilization (now {cfg.rollout.vllm_gpu_memory_utilization:g}; "
+                    "vLLM's KV cache fills its share)")
     if plan.parts.get("KL reference"):
         tips.append("loss.kl_coef=0 or model.lora (no reference copy)")
     if cfg.precision.dtype == "fp32":
@@ -275,9 +292,10 @@ def render(plan: Plan, cfg) -> str:
              "peak memory per device, by part:"]
     for name, value in plan.parts.items():
         if value:
-            lines.append(f"  {name:<28}{gib(value):>12}")
+            lines.append(f"  {name:<32}{gib(value):>12}")
     other = "off" if plan.checkpointing else "on"
     lines.append(f"  (saved activations with checkpointing {other}: {gib(plan.activations_other)})")
+    lines += plan.notes
     phases = ", ".join(f"{k} {gib(v)}" for k, v in plan.phases.items())
     lines.append(f"held {gib(plan.static)} + the largest phase: {phases}")
     lines.append(f"estimated peak: {gib(plan.peak)} per device (in the {plan.phase} phase)")
