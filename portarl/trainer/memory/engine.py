@@ -89,7 +89,7 @@ def engine_memory(cfg, policy_bytes: int, hf_rollout: dict, *, device_memory: in
         engine = dict(hf_rollout)
     if r.mode == "async":
         workers = r.num_workers
-        if getattr(r, "worker_devices", None):  # rollout.worker_devices: none of it on the trainer's devices
+        if r.worker_devices:  # rollout.worker_devices: none of it on the trainer's devices
             notes.append(f"rollout engine: {workers} async worker(s), each on a device of its own "
                          f"(rollout.worker_devices): {gib(policy_bytes + sum(engine.values()))} there (a copy of "
                          f"the policy and its {r.engine} engine)")
