@@ -185,8 +185,9 @@ def test_async_with_lora_samples_the_merged_adapter_of_each_version(tmp_path, mo
 
 def test_config_refuses_what_async_cannot_do():
     TrainConfig.load(None, ["rollout.mode=async", "rollout.engine=vllm"])  # the vLLM worker: tests/vllm_engine
-    with pytest.raises(ConfigError, match="rollout.vllm_sleep_mode .*async mode the worker's vLLM generates"):
-        TrainConfig.load(None, ["rollout.mode=async", "rollout.engine=vllm", "rollout.vllm_sleep_mode=true"])
+    for setting in ("rollout.sleep_level=1", "rollout.vllm_sleep_mode=true"):  # the former spelling maps to it
+        with pytest.raises(ConfigError, match="rollout.sleep_level .*async mode the worker's vLLM generates"):
+            TrainConfig.load(None, ["rollout.mode=async", "rollout.engine=vllm", setting])
     with pytest.raises(ConfigError, match="rollout.dynamic_sampling .*not implemented in async mode"):
         TrainConfig.load(None, ["rollout.mode=async", "rollout.dynamic_sampling=true"])
     with pytest.raises(ConfigError, match="rollout.mode"):

