@@ -156,6 +156,8 @@ def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, 
 
 class VLLMRollout(RolloutEngine):
     name = "vllm"
+    # The state :meth:`__init__` sets, with the defaults of an engine that never slept.
+    sleep_level, external_launcher, _asleep, _weights_lost = 0, False, False, None
 
     def __init__(self, model_dir: str | Path, *, eos_token_id: int | list[int], dtype: torch.dtype = torch.float32,
                  gpu_memory_utilization: float = 0.5, max_model_len: int = 2048, seed: int = 0,
