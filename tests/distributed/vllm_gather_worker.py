@@ -34,24 +34,24 @@ def lora_model(tied: bool):
     return model
 
 
-def main(out: Path) -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if world > 1 else 0
-    for tied in (True, False):
-        model = lora_model(tied)
-        if world > 1:
-            from portarl.distributed import shard
+def received(tied: bool, sharded: bool) -> dict:
+    """What this rank's engine would be handed for the LoRA model (contiguous, for saving)."""
+    model = lora_model(tied)
+    if not sharded:
+        return {k: v.contiguous() for k, v in local_weights(model)}
+    from portarl.distributed import shard
 
-            shard(base_model(model))  # as portarl.trainer.setup.place_model does with model.lora
-            weights = dict(gathered_weights(model, dtype=torch.float32, bucket_mb=0.01))
-        else:
-            weights = dict(local_weights(model))
-        save_file({k: v.contiguous() for k, v in weights.items()},
-                  str(out / f"{'tied' if tied else 'untied'}-rank{rank}.safetensors"))
-    if world > 1:
-        dist.barrier()
+    shard(base_model(model))  # as portarl.trainer.setup.place_model does with model.lora
+    return {k: v.contiguous() for k, v in gathered_weights(model, dtype=torch.float32, bucket_mb=0.01)}
+
+
+def main(out: Path) -> None:
+    sharded, rank = int(os.environ.get("WORLD_SIZE", "1")) > 1, int(os.environ.get("RANK", "0"))
+    if sharded:
+        dist.init_process_group("gloo")
+    for tied in (True, False):  # each rank writes its own file: no barrier needed
+        save_file(received(tied, sharded), str(out / f"{'tied' if tied else 'untied'}-rank{rank}.safetensors"))
+    if sharded:
         dist.destroy_process_group()
 
 

@@ -162,12 +162,16 @@ def test_sleep_level_is_refused_on_the_cpu(make_trainer):
 
 
 def test_vllm_sleep_mode_is_sleep_level_1():
-    assert TrainConfig.load(None, ["rollout.vllm_sleep_mode=true"]).rollout.sleep_level == 1
-    assert TrainConfig.load(None, ["rollout.vllm_sleep_mode=true", "rollout.sleep_level=1"]).rollout.sleep_level == 1
-    with pytest.raises(ConfigError, match="rollout.vllm_sleep_mode true is the former spelling .*rollout.sleep_level=2"):
-        TrainConfig.load(None, ["rollout.vllm_sleep_mode=true", "rollout.sleep_level=2"])
+    vllm = "rollout.engine=vllm"
+    assert TrainConfig.load(None, [vllm, "rollout.vllm_sleep_mode=true"]).rollout.sleep_level == 1
+    both = TrainConfig.load(None, [vllm, "rollout.vllm_sleep_mode=true", "rollout.sleep_level=1"])
+    assert both.rollout.sleep_level == 1
+    with pytest.raises(ConfigError, match="vllm_sleep_mode true is the former spelling .*rollout.sleep_level=2"):
+        TrainConfig.load(None, [vllm, "rollout.vllm_sleep_mode=true", "rollout.sleep_level=2"])
     with pytest.raises(ConfigError, match="rollout.sleep_level must be 0"):
-        TrainConfig.load(None, ["rollout.sleep_level=3"])
+        TrainConfig.load(None, [vllm, "rollout.sleep_level=3"])
+    with pytest.raises(ConfigError, match="rollout.sleep_level puts the vllm engine to sleep; the hf engine"):
+        TrainConfig.load(None, ["rollout.sleep_level=1"])
 
 
 def test_tensor_parallel_groups_are_refused_with_the_reason():

@@ -39,8 +39,8 @@ SETS = [*TRAIN_SETS, f"train.steps={STEPS}", f"train.prompts_per_step={PROMPTS}"
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out, probe = tmp_path_factory.mktemp("run"), tmp_path_factory.mktemp("probe")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(HERE / "vllm_torchrun_worker.py"),
-           str(probe), "train", "--device", "cpu", "--output-dir", str(out),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           str(HERE / "vllm_torchrun_worker.py"), str(probe), "train", "--device", "cpu", "--output-dir", str(out),
            *[arg for item in SETS for arg in ("--set", item)]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)

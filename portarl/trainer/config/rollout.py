@@ -146,8 +146,11 @@ class RolloutConfig:
         _check(not self.vllm_sleep_mode or self.sleep_level in (0, 1), "rollout.vllm_sleep_mode",
                f"true is the former spelling of rollout.sleep_level=1 and disagrees with rollout.sleep_level="
                f"{self.sleep_level}: remove rollout.vllm_sleep_mode", self.vllm_sleep_mode)
-        if self.vllm_sleep_mode:
+        if self.vllm_sleep_mode and self.engine == "vllm":  # (with hf it never did anything, as before)
             self.sleep_level = 1  # one knob from here on
+        _check(self.engine == "vllm" or not self.sleep_level, "rollout.sleep_level",
+               "puts the vllm engine to sleep; the hf engine samples the trainer's own model and has nothing to "
+               "free: set rollout.sleep_level=0 or rollout.engine=vllm", self.sleep_level)
         # The worker's vLLM generates while the trainer computes: there is no idle phase for
         # sleep mode to free memory in, and a setting that silently does nothing is refused.
         _check(self.mode != "async" or self.engine != "vllm" or not self.sleep_level, "rollout.sleep_level",
