@@ -7,8 +7,9 @@ launched through the external launcher; at every step it generated on the versio
 just before (1, 2, 3), its own prompts (the two ranks' groups are disjoint and together
 the step's batch); its log-probs equal the trainer's (the rank's own
 ``mismatch/abs_diff_max``, before the mean over ranks) within ``ROLLOUT_FP32_ATOL``, with a
-learning rate large enough that an engine on older weights, or one holding only its own
-shard, would be far outside it; no tensor file was written outside the run's checkpoints.
+learning rate large enough that an engine left on older weights is far outside it (an
+engine synced only once: gaps of ~1.1 at steps 2 and 3); no tensor file was written
+outside the run's checkpoints.
 
 Time: no fixed deadline; the subprocess limit only bounds a run that has already hung.
 """
