@@ -119,8 +119,9 @@ def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, 
 
     ``external_launcher``: one engine in each torchrun rank, on the process group the
     trainer initialised before (vLLM's ``ExecutorWithExternalLauncher``, which needs the
-    engine core in-process); ``tensor_parallel_size`` consecutive ranks share one engine. ``load_format="dummy"``: start from random
-    weights (``model_dir`` then needs only its ``config.json``; the first sync loads them).
+    engine core in-process), or one per ``tensor_parallel_size`` consecutive ranks.
+    ``load_format="dummy"``: start from random weights (``model_dir`` then needs only its
+    ``config.json``; the first sync loads them).
     """
     if sleep_level not in (0, 1, 2):
         raise ValueError(f"rollout.sleep_level must be 0, 1 or 2, got {sleep_level!r}")
@@ -347,7 +348,8 @@ def engine_from_config(cfg, model_dir: str | Path, stop_token_ids: list[int], dt
                        **launch) -> VLLMRollout:
     """The vllm engine with the ``rollout.vllm_*`` settings of a TrainConfig, in this process:
     the trainer's (colocated) or the asynchronous rollout worker's (``rollout.mode: async``).
-    ``launch``: :class:`VLLMRollout`'s ``external_launcher`` / ``load_format`` (torchrun)."""
+    ``launch``: :class:`VLLMRollout`'s ``external_launcher``, ``tensor_parallel_size`` and
+    ``load_format`` (torchrun)."""
     r = cfg.rollout
     prompt_budget = 64
     # Multi-turn episodes (tools / environment) grow past one prompt and one completion.
