@@ -124,6 +124,28 @@ class RolloutConfig:
     #: "hermes", "qwen_xml", "llama3_json" or "template" (the tokenizer's response_template).
     tool_format: str = "auto"
 
+    def _check_sleep_and_parallel(self) -> None:
+        """``sleep_level`` (with its former spelling ``vllm_sleep_mode``) and
+        ``tensor_parallel_size``: what the engine and mode can do."""
+        _positive_int(self, "rollout", "sleep_level", allow_zero=True)
+        _check(self.sleep_level in (0, 1, 2), "rollout.sleep_level", "must be 0 (off), 1 or 2", self.sleep_level)
+        _check(not self.vllm_sleep_mode or self.sleep_level in (0, 1), "rollout.vllm_sleep_mode",
+               f"true is the former spelling of rollout.sleep_level=1 and disagrees with rollout.sleep_level="
+               f"{self.sleep_level}: remove rollout.vllm_sleep_mode", self.vllm_sleep_mode)
+        if self.vllm_sleep_mode and self.engine == "vllm":  # (with hf it never did anything, as before)
+            self.sleep_level = 1  # one knob from here on
+        _check(self.engine == "vllm" or not self.sleep_level, "rollout.sleep_level",
+               "puts the vllm engine to sleep; the hf engine samples the trainer's own model and has nothing to "
+               "free: set rollout.sleep_level=0 or rollout.engine=vllm", self.sleep_level)
+        _check(self.mode != "async" or not self.sleep_level, "rollout.sleep_level",
+               "frees vLLM's memory while the trainer computes in colocated mode; in async mode the worker's vLLM "
+               "generates while the trainer computes: set rollout.sleep_level=0 or rollout.mode=colocated",
+               self.sleep_level)
+        _positive_int(self, "rollout", "tensor_parallel_size")
+        _check(self.tensor_parallel_size == 1 or (self.engine == "vllm" and self.mode == "colocated"),
+               "rollout.tensor_parallel_size", "> 1 is for the colocated vllm engine under torchrun (a group of "
+               "consecutive ranks shares one engine); set it to 1", self.tensor_parallel_size)
+
     def validate(self):
         _positive_int(self, "rollout", "max_generation_rounds", "max_turns")
         _positive_int(self, "rollout", *(["max_episode_tokens"] if self.max_episode_tokens is not None else []))
@@ -142,26 +164,9 @@ class RolloutConfig:
                self.weight_sync)
         _number(self, "rollout", "sync_bucket_mb", low=0.0)
         _positive_int(self, "rollout", "num_workers")
-        _positive_int(self, "rollout", "sleep_level", allow_zero=True)
-        _check(self.sleep_level in (0, 1, 2), "rollout.sleep_level", "must be 0 (off), 1 or 2", self.sleep_level)
-        _check(not self.vllm_sleep_mode or self.sleep_level in (0, 1), "rollout.vllm_sleep_mode",
-               f"true is the former spelling of rollout.sleep_level=1 and disagrees with rollout.sleep_level="
-               f"{self.sleep_level}: remove rollout.vllm_sleep_mode", self.vllm_sleep_mode)
-        if self.vllm_sleep_mode and self.engine == "vllm":  # (with hf it never did anything, as before)
-            self.sleep_level = 1  # one knob from here on
-        _check(self.engine == "vllm" or not self.sleep_level, "rollout.sleep_level",
-               "puts the vllm engine to sleep; the hf engine samples the trainer's own model and has nothing to "
-               "free: set rollout.sleep_level=0 or rollout.engine=vllm", self.sleep_level)
         # The worker's vLLM generates while the trainer computes: there is no idle phase for
         # sleep mode to free memory in, and a setting that silently does nothing is refused.
-        _check(self.mode != "async" or self.engine != "vllm" or not self.sleep_level, "rollout.sleep_level",
-               "frees vLLM's memory while the trainer computes in colocated mode; in async mode the worker's vLLM "
-               "generates while the trainer computes: set rollout.sleep_level=0 or rollout.mode=colocated",
-               self.sleep_level)
-        _positive_int(self, "rollout", "tensor_parallel_size")
-        _check(self.tensor_parallel_size == 1 or (self.engine == "vllm" and self.mode == "colocated"),
-               "rollout.tensor_parallel_size", "> 1 is for the colocated vllm engine under torchrun (a group of "
-               "consecutive ranks shares one engine); set it to 1", self.tensor_parallel_size)
+        self._check_sleep_and_parallel()
         _check(self.mode != "async" or not self.dynamic_sampling, "rollout.dynamic_sampling",
                "extra generation rounds are not implemented in async mode yet: set rollout.dynamic_sampling=false "
                "or rollout.mode=colocated", self.dynamic_sampling)
