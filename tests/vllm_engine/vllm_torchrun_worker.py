@@ -1,0 +1,80 @@
+"""One torchrun rank of ``portarl train`` (the CLI's own ``main``) with a probe: what this
+rank's vllm engine was asked to generate and on which weights version, the rank's own
+mismatch metrics (before the mean over ranks), how its engine was launched, and every
+weights file the process wrote. Written to ``<probe_dir>/rank<r>.json`` after each event
+(the CLI leaves a torchrun job through ``os._exit``).
+
+Usage: torchrun --nproc-per-node 2 vllm_torchrun_worker.py <probe_dir> train --set ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+PROBE = Path(sys.argv[1])
+RANK = int(os.environ["RANK"])
+RECORD = {"generate": [], "metrics": [], "engines": [], "weights_files": []}
+
+
+def _flush() -> None:
+    tmp = PROBE / f"rank{RANK}.json.tmp"
+    tmp.write_text(json.dumps(RECORD))
+    os.replace(tmp, PROBE / f"rank{RANK}.json")
+
+
+def _recording(fn, path_arg: int):
+    def wrapper(*args, **kwargs):
+        path = args[path_arg] if len(args) > path_arg else kwargs.get("filename", kwargs.get("f"))
+        if isinstance(path, (str, os.PathLike)):  # not an in-memory buffer (torch.save into BytesIO)
+            RECORD["weights_files"].append(str(path))
+            _flush()
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+# Every way portarl writes tensors to a file, patched before portarl imports it.
+safetensors.torch.save_file = _recording(safetensors.torch.save_file, 1)
+safetensors.torch.save_model = _recording(safetensors.torch.save_model, 1)
+torch.save = _recording(torch.save, 1)
+
+from portarl import distributed as pdist  # noqa: E402
+from portarl.rollout.vllm import VLLMRollout  # noqa: E402
+
+_generate, _init, _mean = VLLMRollout.generate, VLLMRollout.__init__, pdist.mean_metrics
+
+
+def generate(self, prompts, seeds, params):
+    batch = _generate(self, prompts, seeds, params)
+    RECORD["generate"].append({"version": self.weights_version, "prompts": [list(map(int, p)) for p in prompts],
+                               "seeds": [int(s) for s in seeds]})
+    _flush()
+    return batch
+
+
+def init(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    parallel = self.llm.llm_engine.vllm_config.parallel_config
+    RECORD["engines"].append({"backend": parallel.distributed_executor_backend,
+                              "tensor_parallel_size": parallel.tensor_parallel_size})
+    _flush()
+
+
+def mean_metrics(ctx, metrics):
+    RECORD["metrics"].append({k: float(v) for k, v in metrics.items() if k.startswith("mismatch/")})
+    _flush()
+    return _mean(ctx, metrics)
+
+
+VLLMRollout.generate, VLLMRollout.__init__, pdist.mean_metrics = generate, init, mean_metrics
+
+if __name__ == "__main__":
+    from portarl.cli import main
+
+    sys.exit(main(sys.argv[2:]))
