@@ -41,12 +41,6 @@ def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def sleep_level(rollout) -> int:
-    """The engine's sleep level: 0 (it never sleeps), 1 or 2. ``rollout.vllm_sleep_mode:
-    true`` is level 1 (the spelling before ``rollout.sleep_level``)."""
-    return int(getattr(rollout, "sleep_level", 0) or 0) or (1 if rollout.vllm_sleep_mode else 0)
-
-
 @dataclasses.dataclass
 class EngineMemory:
     """The engine's bytes on the device: ``held`` (through the whole run) and ``rollout``
@@ -102,7 +96,7 @@ def engine_memory(cfg, policy_bytes: int, hf_rollout: dict, *, device_memory: in
         return EngineMemory(held, rollout, notes)
     if r.engine == "hf":
         return EngineMemory(held, engine, notes)
-    level = sleep_level(r)
+    level = r.sleep_level
     if level == 0:
         held.update(engine)
         notes.append("rollout engine: sleep level 0: vLLM keeps its memory while the trainer trains")
@@ -115,4 +109,4 @@ def engine_memory(cfg, policy_bytes: int, hf_rollout: dict, *, device_memory: in
     return EngineMemory(held, rollout, notes)
 
 
-__all__ = ["EngineMemory", "engine_memory", "gib", "sleep_level", "vllm_reservation"]
+__all__ = ["EngineMemory", "engine_memory", "gib", "vllm_reservation"]

@@ -75,7 +75,7 @@ import dataclasses
 import re
 
 from portarl.trainer.memory.arch import Arch, arch_of, prompt_lengths
-from portarl.trainer.memory.engine import engine_memory, gib, sleep_level
+from portarl.trainer.memory.engine import engine_memory, gib
 
 CPU_CHUNK_BYTES = 4 << 20
 #: Host memory of one loaded example (the Example object, its prompt and answer strings)
@@ -262,9 +262,8 @@ def advice(plan: Plan, cfg) -> list[str]:
     if plan.phase == "rollout" and cfg.rollout.engine == "hf":
         tips.append("a smaller rollout.max_batch_size (the KV cache grows with it)")
     if cfg.rollout.engine == "vllm":
-        if cfg.rollout.mode == "colocated" and not sleep_level(cfg.rollout):
-            knob = "rollout.sleep_level=1" if hasattr(cfg.rollout, "sleep_level") else "rollout.vllm_sleep_mode=true"
-            tips.append(f"{knob} (vLLM frees its memory while the trainer trains)")
+        if cfg.rollout.mode == "colocated" and not cfg.rollout.sleep_level:
+            tips.append("rollout.sleep_level=1 (vLLM frees its memory while the trainer trains)")
         tips.append(f"a smaller rollout.vllm_gpu_memory_utilization (now {cfg.rollout.vllm_gpu_memory_utilization:g}; "
                     "vLLM's KV cache fills its share)")
     if plan.parts.get("KL reference"):
