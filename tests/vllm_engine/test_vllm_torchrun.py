@@ -39,20 +39,28 @@ SETS = [*TRAIN_SETS, f"train.steps={STEPS}", f"train.prompts_per_step={PROMPTS}"
         "logging.plot=false"]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+#: LoRA adapters (FSDP2 over the peft model): each engine gets the merged weights
+LORA = ("model.lora.r=4", "model.lora.target_modules=[q_proj, v_proj, up_proj]")
+
+
+@pytest.fixture(scope="module", params=[(1, ()), (2, ()), (1, LORA)], ids=["tp1", "tp2", "tp1-lora"])
 def run(request, tmp_path_factory):
-    """``tp1``: an engine per rank; ``tp2``: the two ranks share one tensor-parallel engine."""
+    """``tp1``: an engine per rank; ``tp2``: the two ranks share one tensor-parallel engine;
+    ``tp1-lora``: an engine per rank, the policy trained through LoRA adapters."""
+    tp, extra = request.param
+    if extra:
+        pytest.importorskip("peft", reason="model.lora needs peft (the lora extra)")
     out, probe = tmp_path_factory.mktemp("run"), tmp_path_factory.mktemp("probe")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            str(HERE / "vllm_torchrun_worker.py"), str(probe), "train", "--device", "cpu", "--output-dir", str(out),
-           *[arg for item in (*SETS, f"rollout.tensor_parallel_size={request.param}") for arg in ("--set", item)]]
+           *[arg for item in (*SETS, f"rollout.tensor_parallel_size={tp}", *extra) for arg in ("--set", item)]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     segments = set(SHM.glob("*cpushm*"))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     ranks = [json.loads((probe / f"rank{r}.json").read_text()) for r in range(2)]
     ranks[0]["shm_left"] = sorted(map(str, set(SHM.glob("*cpushm*")) - segments))
-    return out, ranks, request.param
+    return out, ranks, tp
 
 
 def test_two_ranks_train_three_steps(run):
