@@ -61,13 +61,17 @@ class Bucket:
         self.tensors.append(tensor)
         self.numel += tensor.numel()
 
-    def pack(self, device: torch.device | str = "cpu", out: torch.Tensor | None = None) -> torch.Tensor:
+    def pack(self, device: torch.device | str = "cpu", out: torch.Tensor | None = None,
+             copy: bool = False) -> torch.Tensor:
         """One contiguous 1-D buffer on ``device`` holding every tensor's elements in order:
-        the tensor itself when the bucket is one contiguous tensor there (no copy), else a
-        copy into ``out`` (a reusable byte buffer of at least :attr:`nbytes`) or a new buffer."""
-        if len(self.tensors) == 1 and self.tensors[0].is_contiguous() and self.tensors[0].device == torch.device(device):
+        the tensor itself when the bucket is one contiguous tensor there (no copy) unless
+        ``copy`` and it fits ``out``, else a copy into ``out`` (a reusable byte buffer of at
+        least :attr:`nbytes`) or a new buffer."""
+        fits = out is not None and out.numel() >= self.nbytes
+        if (len(self.tensors) == 1 and self.tensors[0].is_contiguous() and self.tensors[0].device == torch.device(device)
+                and not (copy and fits)):
             return self.tensors[0].reshape(-1)
-        if out is not None and out.numel() >= self.nbytes:
+        if fits:
             flat = out[:self.nbytes].view(self.dtype)
         else:
             flat = torch.empty(self.numel, dtype=self.dtype, device=device)

@@ -7,11 +7,20 @@ One version is one *round* (numbered from 1 on both sides, in step):
    each receiver waits for the header (watching the sender's liveness), checks it, and
    takes part in the broadcast into a fresh staging buffer;
 2. the sender puts the commit record (version, bucket count, bytes, tensor count) under
-   ``round/<r>/commit``;
+   ``round/<r>/commit`` once the last bucket's broadcast has started (a receiver reads it
+   only after its own share of every broadcast completed, so it never vouches for data
+   still on the wire);
 3. each receiver checks the commit against what it staged; only then does it hand the
    version to its ``load`` callable (vLLM's in-place reload, a plain model's
    ``load_state_dict``) and acknowledge (``round/<r>/ack/<rank>``, one key per receiver,
    which the sender may wait for).
+
+A sender that must not block on its receivers (the async trainer, whose worker's receiving
+thread competes for the GIL with its generating thread) sends with ``defer=True``: the
+call returns once the last bucket is on the wire, from the sender's own buffer, and the
+commit record posted; the completion of that transfer and the acknowledgements are waited
+for by :meth:`WeightSender.settle`, which the next ``send`` calls first (before it reuses
+the buffer or deletes the round's keys).
 
 So a receiver loads a version whole or not at all: a sender that dies, fails or is killed
 in the middle of a bucket leaves no commit, the receiver raises :class:`TornVersion`
@@ -89,6 +98,7 @@ class WeightSender:
         self.version: int | None = None
         self._last_buckets = 0
         self._buffers: list = [None, None]
+        self._unsettled = None  # a deferred send: (round, version, its last transfer's wait)
 
     def _buffer(self, slot: int):
         """Two reusable pack buffers of one bucket each: bucket ``i + 1`` is packed into one
@@ -97,14 +107,17 @@ class WeightSender:
             self._buffers[slot] = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.group.device)
         return self._buffers[slot]
 
-    def send(self, version: int, items, *, wait_ack: bool = True, on_bucket=None) -> SyncStats:
+    def send(self, version: int, items, *, defer: bool = False, on_bucket=None) -> SyncStats:
         """Publish ``items`` (``(name, tensor)`` pairs, consumed once, in order) as
-        ``version``; with ``wait_ack`` return once every receiver loaded it. ``on_bucket(i, names)``
-        is called before bucket ``i`` is broadcast (fault injection in tests)."""
+        ``version``; return once every receiver loaded it, or with ``defer`` once the last
+        bucket is on the wire and the commit record posted (:meth:`settle` waits for the
+        rest; the next send calls it first). ``on_bucket(i, names)`` is called before
+        bucket ``i`` is broadcast (fault injection in tests)."""
         if self.group.closed:
             raise WeightSyncError("weight sync: the group is closed")
         if self.version is not None and version <= self.version:
             raise ValueError(f"weight versions must increase: {version} after {self.version}")
+        self.settle()
         group, peers = self.group, self.group.receivers
         self.round += 1
         r = self.round
@@ -116,9 +129,14 @@ class WeightSender:
                             *(group.key("round", r - 2, "ack", p) for p in peers)):
                     group.store.delete_key(key)
             pending = None  # the bucket on the wire while the next one is packed (double buffering)
-            for index, bucket in enumerate(buckets_of(items, self.bucket_bytes)):
+            owned = False  # the last bucket was packed into a buffer of the sender's own
+            for index, (bucket, last) in enumerate(_with_last(buckets_of(items, self.bucket_bytes))):
                 t0 = time.perf_counter()
-                flat = bucket.pack(group.device, out=self._buffer(index % 2))
+                buffer = self._buffer(index % 2)
+                # deferred: the last bucket stays on the wire after send returns, so it must
+                # not be the caller's tensor (the trainer's optimizer updates it in place)
+                flat = bucket.pack(group.device, out=buffer, copy=defer and last)
+                owned = flat.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
                 check = crc32(flat) if self.checksum else None
                 stats.pack_seconds += time.perf_counter() - t0
                 if on_bucket is not None:
@@ -136,9 +154,10 @@ class WeightSender:
                 stats.buckets += 1
                 stats.tensors += len(bucket.names)
                 stats.bytes += bucket.nbytes
-            if pending is not None:
+            if pending is not None and not (defer and owned):
                 t0 = time.perf_counter()
                 pending()
+                pending = None
                 stats.transfer_seconds += time.perf_counter() - t0
             if not stats.buckets:
                 raise ValueError(f"weight version {version} has no tensors")
@@ -148,7 +167,9 @@ class WeightSender:
             group.store.set(group.key("round", r, "commit"),
                             commit_record(r, version, stats.buckets, stats.bytes, stats.tensors))
             self.version = version
-            if wait_ack:
+            if defer:
+                self._unsettled = (r, version, pending)
+            else:
                 t0 = time.perf_counter()
                 wait_for_acknowledgements(group, r, version)
                 stats.ack_seconds = time.perf_counter() - t0
@@ -157,6 +178,54 @@ class WeightSender:
             raise
         stats.seconds = time.perf_counter() - start
         return stats
+
+    @property
+    def unsettled(self) -> int | None:
+        """The version of a deferred send not yet settled (``None``: none)."""
+        return self._unsettled[1] if self._unsettled is not None else None
+
+    def settle(self) -> float:
+        """Wait until the deferred send's last transfer completed and every receiver
+        acknowledged its version (no-op without one); returns the seconds waited. A receiver
+        that refused the version, failed or died raises here, as it would have in ``send``."""
+        if self._unsettled is None:
+            return 0.0
+        r, version, pending = self._unsettled
+        self._unsettled = None
+        t0 = time.perf_counter()
+        try:
+            if pending is not None:
+                pending()
+            wait_for_acknowledgements(self.group, r, version)
+        except BaseException as err:
+            self.group.fail(f"the sender failed while settling version {version}: {type(err).__name__}: {err}")
+            raise
+        return time.perf_counter() - t0
+
+
+def _next_record(store, bucket_key: str, commit_key: str):
+    """``("bucket", header)``, ``("commit", record)`` or ``None`` (neither posted yet). The
+    commit is looked for first: the sender posts every header before the commit, so once
+    the commit is seen a header that is not there will not come. (Looking for the header
+    first could miss it, posted right after, and then see the commit that followed it: a
+    deferred send posts the commit without waiting for the receivers.)"""
+    committed = store.check([commit_key])
+    if store.check([bucket_key]):
+        return "bucket", store.get(bucket_key)
+    return ("commit", store.get(commit_key)) if committed else None
+
+
+def _with_last(iterable):
+    """``(item, is_last)`` pairs, looking one item ahead (the buckets are streamed)."""
+    it = iter(iterable)
+    try:
+        item = next(it)
+    except StopIteration:
+        return
+    for following in it:
+        yield item, False
+        item = following
+    yield item, True
 
 
 def wait_for_acknowledgements(group: SyncGroup, r: int, version: int) -> None:
@@ -202,10 +271,8 @@ class WeightReceiver:
             index = 0
             while True:
                 bucket_key, commit_key = group.key("round", r, "bucket", index), group.key("round", r, "commit")
-                raw = group.wait_until(
-                    lambda: ("bucket", group.store.get(bucket_key)) if group.store.check([bucket_key]) else
-                    ("commit", group.store.get(commit_key)) if group.store.check([commit_key]) else None,
-                    sender, f"the header of bucket {index} of round {r}")
+                raw = group.wait_until(lambda: _next_record(group.store, bucket_key, commit_key), sender,
+                                       f"the header of bucket {index} of round {r}")
                 if raw[0] == "commit":
                     break
                 head = parse_header(raw[1], r, index, version)

@@ -5,8 +5,9 @@ of the policy) generates and scores batch t+1 while the trainer learns from batc
 
 Schedule, with S = ``rollout.max_staleness``: at the start of step t the trainer holds the
 weights of optimizer step t - 1 (version t - 1). It publishes them (``rollout.weight_sync``
-``collective``: broadcast to the worker's receiving thread in buckets, acknowledged once
-whole, :mod:`portarl.trainer.asynchronous.sync`; ``file``: one of S + 1
+``collective``: broadcast to the worker's receiving thread in buckets, its acknowledgement
+that the version arrived whole checked before the next version is sent,
+:mod:`portarl.trainer.asynchronous.sync`; ``file``: one of S + 1
 safetensors files in ``<output_dir>/async_weights``, rewritten in place once the worker has
 loaded the version it held: :class:`~portarl.trainer.asynchronous.weights.WeightSlots`; then a
 ``weights`` message, which the worker handles between batches), makes
@@ -228,9 +229,14 @@ class AsyncRollout:
         is kept in :attr:`failure` (raised by :meth:`_collect`, on every rank)."""
         if self.failure is not None or self.sync.group.closed:
             return
+        sent = version
         try:
             for client in self.clients:  # each worker joined the group before it said ready
                 client.wait_ready()
+            previous = self.sync.sender.unsettled  # settled first: sent a step ago, checked now
+            sent = version if previous is None else previous
+            self.sync.sender.settle()
+            sent = version
             self.sync.send(version, state)
             self.pending = (version, None)
         except RolloutWorkerError as err:
@@ -238,9 +244,9 @@ class AsyncRollout:
         except Exception as err:
             from portarl.rollout.async_worker import one_line
 
-            exited = [c.exited(f"while weights version {version} was sent to it") for c in self.clients]
+            exited = [c.exited(f"while weights version {sent} was sent to it") for c in self.clients]
             self.failure = next((e for e in exited if e is not None), None) or RolloutWorkerError(
-                one_line(f"weights version {version} could not be sent whole to the {self.name} "
+                one_line(f"weights version {sent} could not be sent whole to the {self.name} "
                          f"({type(err).__name__}: {err}); the worker refuses a torn version and keeps the one it "
                          f"loaded last (version {self.loaded if self.loaded >= 0 else 'none'} acknowledged as loaded)"))
 

@@ -4,11 +4,19 @@ rollout worker (the worker's end: :class:`~portarl.rollout.weight_sync.inbox.Ver
 Rank 0 hosts a weight-sync group (itself, the sender, and every worker) on a store
 bound to the loopback interface (the worker is its child, on its host), and sends every
 version with :class:`~portarl.rollout.weight_sync.WeightSender`: buckets of
-``rollout.sync_bucket_mb``, a JSON header each, the commit record last, then it waits for
-the worker's acknowledgement that the version arrived whole (the worker's receiving thread
-acknowledges while its main thread may still be generating; it loads the version at its
-``weights`` request). A send that fails midway leaves a torn version the worker refuses;
-the caller stops the run with a checkpoint.
+``rollout.sync_bucket_mb``, a JSON header each, the commit record last. It does not wait
+there for the transfer to end or for the worker's acknowledgement that the version arrived
+whole: the worker's receiving thread takes part in the broadcast and acknowledges when it
+gets the GIL from its generating main thread (16-19 ms of the trainer's step on the demo
+model, measured; bench/results/async-publish.md), so :meth:`CollectiveSync.send` waits for
+the previous version's (:meth:`~portarl.rollout.weight_sync.WeightSender.settle`), a step
+later, and leaves its own on the wire from a buffer of its own (``defer``). The
+guarantees are the receiver's and unchanged: the worker loads a version at its ``weights``
+request only once it arrived whole (:class:`~portarl.rollout.weight_sync.inbox.VersionInbox`),
+so no batch is generated with a version still on the wire. A send that fails midway leaves
+a torn version the worker refuses; a worker that refused, failed or died is reported by the
+next send (or, sooner, by the wait for its batch); the caller stops the run with a
+checkpoint.
 
 The data plane is Gloo over host memory. The worker runs on the trainer's own device
 (``rollout.mode: async`` gives it no device of its own yet), and NCCL refuses two ranks on
@@ -59,14 +67,15 @@ class CollectiveSync:
                 "world_size": self.group.world_size}
 
     def send(self, version: int, state: dict):
-        """Send ``state`` (``{name: tensor}``) as ``version``; returns its SyncStats once
-        every worker acknowledged it arrived whole."""
+        """Send ``state`` (``{name: tensor}``) as ``version`` once the previous version
+        was acknowledged whole by every worker; returns its SyncStats with the last bucket
+        still on the wire (settled by the next send)."""
         def on_bucket(index, names):
             if self.fault is not None and self.fault == (version, index):
                 raise SenderStopped(f"fault injection ({FAULT_ENV}): the sender stopped after {index} buckets of "
                                     f"version {version}")
 
-        return self.sender.send(version, state.items(), on_bucket=on_bucket)
+        return self.sender.send(version, state.items(), defer=True, on_bucket=on_bucket)
 
     def close(self) -> None:
         """Leave the group (after the worker: this rank hosts the store)."""
