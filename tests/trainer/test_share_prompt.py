@@ -20,7 +20,7 @@ from portarl.parity.tolerances import fp32_result
 from portarl.trainer.config.fields import ConfigError
 from portarl.trainer.phases.micro_batches import micro_batches
 from portarl.trainer.phases.sequences import build_batch, completion_logprobs
-from test_memory_checkpointing import _assert_same
+from test_memory_checkpointing import _assert_same, _gradients
 from test_padding_free import LAYOUTS, VOCAB, _fake_trainer, _model, _tolerance
 
 EOS = 2
@@ -185,11 +185,9 @@ def test_auto_on_where_supported_true_refused_elsewhere():
         _cfg(share_prompt="yes").validate()
 
 
-def test_step_with_reference_equal_unshared(make_trainer, monkeypatch):
-    """A whole step (KL to a reference copy, old log-probs recomputed, entropy): every
-    metric and the updated weights, shared vs unshared rows, within fp32 tolerance."""
+def _spy_shared(monkeypatch) -> list[bool]:
+    """Whether each packed micro-batch used shared-prompt rows."""
     import portarl.trainer.phases.micro_batches as mb
-    from trainer_fast import varied_reward
 
     seen: list[bool] = []
     real = mb.pack_micro_batch
@@ -200,6 +198,29 @@ def test_step_with_reference_equal_unshared(make_trainer, monkeypatch):
         return out
 
     monkeypatch.setattr(mb, "pack_micro_batch", spy)
+    return seen
+
+
+@pytest.mark.parametrize("setting", [[], ["train.gradient_checkpointing=true"], ["model.lora.r=4"],
+                                     ["train.max_tokens_per_micro_batch=30"]],
+                         ids=["plain", "checkpointing", "lora", "budget"])
+def test_step_gradients_equal_padded(tmp_path, monkeypatch, setting):
+    if "model.lora.r=4" in setting:
+        pytest.importorskip("peft")
+    seen = _spy_shared(monkeypatch)
+    padded, _ = _gradients(tmp_path, monkeypatch, "train.padding_free=false", *setting, name="padded")
+    assert not seen
+    shared, trainer = _gradients(tmp_path, monkeypatch, "train.share_prompt=true", *setting, name="shared")
+    assert trainer.padding_free.share_prompt and any(seen)
+    _assert_same(padded, shared)
+
+
+def test_step_with_reference_equal_unshared(make_trainer, monkeypatch):
+    """A whole step (KL to a reference copy, old log-probs recomputed, entropy): every
+    metric and the updated weights, shared vs unshared rows, within fp32 tolerance."""
+    from trainer_fast import varied_reward
+
+    seen = _spy_shared(monkeypatch)
     runs = {}
     for value in ("false", "true"):
         trainer = make_trainer(f"train.share_prompt={value}", "loss.kl_coef=0.05", "train.old_logprobs=recompute",
