@@ -145,3 +145,22 @@ def test_smollm2_attention_across_sequences_is_caught(smollm2, monkeypatch, dtyp
     with pytest.raises(AssertionError, match="logp"):
         _assert_packed_equal_padded(model, batch, Layout("varlen"), dtype)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_smollm2_shared_prompt_rows_equal_padded(smollm2, dtype):
+    """Shared-prompt rows (``train.share_prompt``, the default with sdpa) on the real model:
+    two of the example's prompts, each with every completion of the fixture (empty, one
+    token, ending at <|im_end|>, cut off), log-probs and entropy equal the padded path's."""
+    from test_share_prompt import _assert_shared_equal_padded
+
+    model, batch = smollm2
+    model = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
+    auto = resolve_padding_free(TrainConfig.load(EXAMPLE), model)
+    assert auto.share_prompt
+    real = batch.attention_mask.bool()
+    prompts = [batch.input_ids[i, : batch.prompt_width][real[i, : batch.prompt_width]].tolist() for i in (1, 3)]
+    completions = [batch.input_ids[i, batch.prompt_width:][real[i, batch.prompt_width:]].tolist()
+                   for i in range(len(REPLIES))]
+    grouped = build_batch([p for p in prompts for _ in completions], completions * len(prompts), 0, "cpu")
+    _assert_shared_equal_padded(model, grouped, auto, dtype)

@@ -21,7 +21,8 @@ from portarl.trainer.config.fields import ConfigError
 from portarl.trainer.phases.micro_batches import micro_batches
 from portarl.trainer.phases.sequences import build_batch, completion_logprobs
 from test_memory_checkpointing import _assert_same, _gradients
-from test_padding_free import LAYOUTS, VOCAB, _fake_trainer, _model, _tolerance
+from test_padding_free import (LAYOUTS, STEP_SETTINGS, VOCAB, _fake_trainer, _model, _tolerance, assert_steps_equal,
+                               step_with_reference)
 
 EOS = 2
 MAX_NEW = 8
@@ -201,9 +202,7 @@ def _spy_shared(monkeypatch) -> list[bool]:
     return seen
 
 
-@pytest.mark.parametrize("setting", [[], ["train.gradient_checkpointing=true"], ["model.lora.r=4"],
-                                     ["train.max_tokens_per_micro_batch=30"]],
-                         ids=["plain", "checkpointing", "lora", "budget"])
+@STEP_SETTINGS
 def test_step_gradients_equal_padded(tmp_path, monkeypatch, setting):
     if "model.lora.r=4" in setting:
         pytest.importorskip("peft")
@@ -218,24 +217,7 @@ def test_step_gradients_equal_padded(tmp_path, monkeypatch, setting):
 def test_step_with_reference_equal_unshared(make_trainer, monkeypatch):
     """A whole step (KL to a reference copy, old log-probs recomputed, entropy): every
     metric and the updated weights, shared vs unshared rows, within fp32 tolerance."""
-    from trainer_fast import varied_reward
-
     seen = _spy_shared(monkeypatch)
-    runs = {}
-    for value in ("false", "true"):
-        trainer = make_trainer(f"train.share_prompt={value}", "loss.kl_coef=0.05", "train.old_logprobs=recompute",
-                               "data.max_operand=999", "rollout.max_new_tokens=6", rewards=[varied_reward])
-        row = trainer.train_step()
-        runs[value] = row, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    want, got = (step_with_reference(make_trainer, f"train.share_prompt={value}") for value in ("false", "true"))
     assert any(seen) and not all(seen)  # the unshared run, then the shared one
-    (want, want_params), (got, got_params) = runs["false"], runs["true"]
-    keys = {k for k in want if not k.startswith("time/") and k != "_events"}
-    assert {"kl", "entropy", "loss", "grad_norm"} <= keys, sorted(keys)
-    for key in sorted(keys):
-        a, b = want[key], got[key]
-        if isinstance(a, float) and a == a:
-            assert abs(a - b) <= fp32_result(abs(a)).atol, f"{key}: unshared {a!r} vs shared {b!r}"
-        else:
-            assert a == b or (a != a and b != b), key
-    for name, p in want_params.items():
-        assert (got_params[name] - p).abs().max() <= fp32_result(float(p.abs().max())).atol, name
+    assert_steps_equal(want, got)

@@ -33,6 +33,11 @@ How transformers (5.x) runs a packed sequence, and what portarl hands it:
   ``model.attn_implementation: flash_attention_2``. Not run on this project's CPU
   machines: the selection is tested, the kernels are transformers'.
 
+Shared-prompt rows (``train.share_prompt``, :mod:`portarl.trainer.phases.share_prompt`): on
+the "rows" layout, a group's samples hold their prompt once, under an explicit 4-D mask
+(``Packed.attention_mask``, which transformers uses as is) instead of the mask derived from
+the position ids.
+
 Any other attention implementation (a custom registered one, ``paged|...``) or a model
 whose modeling code does not build its masks through ``masking_utils.create_causal_mask``
 would let tokens attend across sequences: :func:`packing_support` names why, and
