@@ -214,7 +214,8 @@ def pack_micro_batch(part, prompt_lens: list[int], completion_lens: list[int], l
     if layout.share_prompt and keys is not None:
         shared = pack_shared(part, prompt_lens, completion_lens, keys, layout, (len(groups), row_width))
         if shared is not None:
-            return shared
+            ids, positions, scored, where, mask = shared
+            return Packed(ids, positions, scored, where, attention_mask=mask)
     src: list[int] = []
     pos: list[int] = []
     scored: list[int] = []
