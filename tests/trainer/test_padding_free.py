@@ -271,9 +271,13 @@ def _one_row_layout(monkeypatch) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("setting", [[], ["train.gradient_checkpointing=true"], ["model.lora.r=4"],
-                                     ["train.max_tokens_per_micro_batch=30"]],
-                         ids=["plain", "checkpointing", "lora", "budget"])
+#: Training settings the packed gradients are checked under (here and in test_share_prompt.py).
+STEP_SETTINGS = pytest.mark.parametrize("setting", [[], ["train.gradient_checkpointing=true"], ["model.lora.r=4"],
+                                                    ["train.max_tokens_per_micro_batch=30"]],
+                                        ids=["plain", "checkpointing", "lora", "budget"])
+
+
+@STEP_SETTINGS
 def test_gradients_equal_padded(tmp_path, monkeypatch, setting):
     if "model.lora.r=4" in setting:
         pytest.importorskip("peft")
@@ -290,23 +294,33 @@ def test_gradients_equal_padded(tmp_path, monkeypatch, setting):
 def test_step_metrics_with_reference_and_entropy_equal_padded(make_trainer, monkeypatch):
     """A whole step with KL to a reference copy, old log-probs recomputed, entropy logged:
     every metric and the updated weights, packed vs padded, within fp32 tolerance."""
+    seen = _one_row_layout(monkeypatch)
+    want, got = (step_with_reference(make_trainer, f"train.padding_free={value}") for value in ("false", "true"))
+    assert max(seen) > 1
+    assert_steps_equal(want, got)
+
+
+def step_with_reference(make_trainer, setting: str) -> tuple[dict, dict]:
+    """``(metrics row, parameters)`` after one step with ``setting``, KL to a reference
+    copy, old log-probs recomputed and entropy logged."""
     from trainer_fast import varied_reward
 
-    seen = _one_row_layout(monkeypatch)
-    runs = {}
-    for value in ("false", "true"):
-        trainer = make_trainer(f"train.padding_free={value}", "loss.kl_coef=0.05", "train.old_logprobs=recompute",
-                               "data.max_operand=999", "rollout.max_new_tokens=6", rewards=[varied_reward])
-        row = trainer.train_step()
-        runs[value] = row, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    (want, want_params), (got, got_params) = runs["false"], runs["true"]
-    assert max(seen) > 1
+    trainer = make_trainer(setting, "loss.kl_coef=0.05", "train.old_logprobs=recompute", "data.max_operand=999",
+                           "rollout.max_new_tokens=6", rewards=[varied_reward])
+    row = trainer.train_step()
+    return row, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def assert_steps_equal(want_run, got_run) -> None:
+    """Two runs of :func:`step_with_reference`: every metric (timings aside) and every
+    updated weight within the fp32 tolerance."""
+    (want, want_params), (got, got_params) = want_run, got_run
     keys = {k for k in want if not k.startswith("time/") and k != "_events"}
     assert {"kl", "entropy", "loss", "grad_norm", "mismatch/abs_diff_max"} <= keys, sorted(keys)
     for key in sorted(keys):
         a, b = want[key], got[key]
         if isinstance(a, float) and a == a:
-            assert abs(a - b) <= fp32_result(abs(a)).atol, f"{key}: padded {a!r} vs packed {b!r}"
+            assert abs(a - b) <= fp32_result(abs(a)).atol, f"{key}: {a!r} vs {b!r}"
         else:
             assert a == b or (a != a and b != b), key
     for name, p in want_params.items():

@@ -66,12 +66,20 @@ class TrainSection:
     #: "auto": on where the model's attention supports it, else padded (logged once);
     #: true: refuse a model without support; false: the padded layout.
     padding_free: str | bool = "auto"
+    #: Shared-prompt rows (:mod:`portarl.trainer.phases.share_prompt`): on padding-free rows,
+    #: the samples of a group hold their prompt once (each completion attends to it and to
+    #: itself under an explicit 4-D mask), where that computes less than one row per sample.
+    #: "auto": on with sdpa / eager attention on padding-free rows, else off; true: refuse
+    #: anything else (flash / flex attention, padding_free off); false: every sample whole.
+    share_prompt: str | bool = "auto"
 
     def validate(self):
         _check(isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto",
                "train.gradient_checkpointing", "must be auto, true or false", self.gradient_checkpointing)
         _check(isinstance(self.padding_free, bool) or self.padding_free == "auto", "train.padding_free",
                "must be auto, true or false", self.padding_free)
+        _check(isinstance(self.share_prompt, bool) or self.share_prompt == "auto", "train.share_prompt",
+               "must be auto, true or false", self.share_prompt)
         _positive_int(self, "train", *(["max_tokens_per_micro_batch"] if self.max_tokens_per_micro_batch is not None
                                        else []))
         _check(self.old_logprobs in ("auto", "recompute"), "train.old_logprobs", "must be 'auto' or 'recompute'",

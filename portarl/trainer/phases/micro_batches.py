@@ -163,13 +163,18 @@ def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice
         if dist.enabled:
             count = pdist.all_reduce(dist, torch.tensor([float(len(parts))]), op=torch.distributed.ReduceOp.MAX)
             parts = split_to(parts, int(count.item()))
+    keys = None
+    if packing is not None and packing.share_prompt:  # each row's prompt tokens: equal ones are shared
+        prompts = batch.input_ids[:, :p_width].tolist()
+        keys = [tuple(row[p_width - p:]) for row, p in zip(prompts, prompt_lens)]
     out = []
     for part in parts:
         rows = torch.tensor(part, dtype=torch.long, device=batch.labels.device)
         p_lens, c_lens = [prompt_lens[i] for i in part], [completion_lens[i] for i in part]
         micro = trimmed(batch, rows, max(p_lens), max(max(1, c) for c in c_lens))
         if packing is not None:
-            micro = dataclasses.replace(micro, packed=pack_micro_batch(micro, p_lens, c_lens, packing))
+            micro = dataclasses.replace(micro, packed=pack_micro_batch(
+                micro, p_lens, c_lens, packing, None if keys is None else [keys[i] for i in part]))
         out.append((rows, micro))
     return out
 

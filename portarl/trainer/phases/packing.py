@@ -33,6 +33,11 @@ How transformers (5.x) runs a packed sequence, and what portarl hands it:
   ``model.attn_implementation: flash_attention_2``. Not run on this project's CPU
   machines: the selection is tested, the kernels are transformers'.
 
+Shared-prompt rows (``train.share_prompt``, :mod:`portarl.trainer.phases.share_prompt`): on
+the "rows" layout, a group's samples hold their prompt once, under an explicit 4-D mask
+(``Packed.attention_mask``, which transformers uses as is) instead of the mask derived from
+the position ids.
+
 Any other attention implementation (a custom registered one, ``paged|...``) or a model
 whose modeling code does not build its masks through ``masking_utils.create_causal_mask``
 would let tokens attend across sequences: :func:`packing_support` names why, and
@@ -56,6 +61,7 @@ import logging
 import torch
 
 from portarl.trainer.phases.pack_rows import choose_rows
+from portarl.trainer.phases.share_prompt import pack_shared, resolve_share_prompt
 
 log = logging.getLogger("portarl.train")
 
@@ -81,10 +87,11 @@ class Packed:
     where: torch.Tensor
     cu_seq_lens: torch.Tensor | None = None
     max_length: int | None = None
+    attention_mask: torch.Tensor | None = None  # [rows, 1, W, W]: shared-prompt rows (share_prompt.py)
 
     def forward_kwargs(self) -> dict:
-        kwargs = {"input_ids": self.input_ids, "attention_mask": None, "position_ids": self.position_ids,
-                  "use_cache": False}
+        kwargs = {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
+                  "position_ids": self.position_ids, "use_cache": False}
         if self.cu_seq_lens is not None:
             kwargs.update(cu_seq_lens_q=self.cu_seq_lens, cu_seq_lens_k=self.cu_seq_lens,
                           max_length_q=self.max_length, max_length_k=self.max_length)
@@ -98,12 +105,16 @@ class Layout:
     "rows", the model's multiply-adds per token in one decoder layer's linear maps
     (``linear``) and per attended key (``attention``), from which the row length is
     chosen; ``longest_only``: rows no longer than the longest sequence (eager attention
-    keeps each row's [heads, width, width] weights for the backward)."""
+    keeps each row's [heads, width, width] weights for the backward); ``share_prompt``:
+    rows hold a group's prompt once (:mod:`portarl.trainer.phases.share_prompt`) under a
+    4-D mask, boolean (``mask_dtype`` None) or additive in ``mask_dtype``."""
 
     kind: str
     linear: int = 1
     attention: int = 0
     longest_only: bool = False
+    share_prompt: bool = False
+    mask_dtype: torch.dtype | None = None
 
 
 def layout_of(config, kind: str) -> Layout:
@@ -165,25 +176,29 @@ def resolve_padding_free(cfg, model) -> Layout | None:
     None with one log line saying why; true -> the layout, or ConfigError naming the setting."""
     value = cfg.train.padding_free
     if value is False:
-        return None
+        return resolve_share_prompt(cfg, model, None)  # share_prompt=true without packing: refused
     kind, why = packing_support(model)
     if kind is not None:
         log.debug("padding-free micro-batches: on (%s)", why)  # the default: no line (errors stay one line)
-        return layout_of(_hf_base(model).config, kind)
+        return resolve_share_prompt(cfg, model, layout_of(_hf_base(model).config, kind))
     if value is True:
         from portarl.trainer.config.fields import ConfigError
 
         raise ConfigError(f"train.padding_free=true: {why}; set train.padding_free=auto (padded where unsupported) "
                          "or false, or model.attn_implementation=sdpa")
+    resolve_share_prompt(cfg, model, None)  # share_prompt=true without packing: refused
     log.info("padding-free micro-batches: off, padded instead (%s; train.padding_free=auto)", why)
     return None
 
 
-def pack_micro_batch(part, prompt_lens: list[int], completion_lens: list[int], layout: Layout) -> Packed:
+def pack_micro_batch(part, prompt_lens: list[int], completion_lens: list[int], layout: Layout,
+                     keys: list | None = None) -> Packed:
     """The :class:`Packed` layout of ``part`` (a padded micro-batch, :class:`~portarl.trainer.
     sequences.TokenBatch`, prompts right-aligned to ``part.prompt_width``) whose row i has
     ``prompt_lens[i]`` prompt and ``completion_lens[i]`` completion tokens. Index
-    arithmetic on the host (the lengths are already there), one copy to the device per tensor."""
+    arithmetic on the host (the lengths are already there), one copy to the device per tensor.
+    With ``layout.share_prompt`` and ``keys`` (row i's prompt tokens), rows with equal
+    prompts share them where that computes less (:func:`portarl.trainer.phases.share_prompt.pack_shared`)."""
     width = part.input_ids.shape[1]
     t = part.labels.shape[1]
     lengths = [p + c for p, c in zip(prompt_lens, completion_lens)]
@@ -196,6 +211,11 @@ def pack_micro_batch(part, prompt_lens: list[int], completion_lens: list[int], l
                              f"{part.prompt_width} + {t} columns")
     groups = choose_rows(lengths, layout)
     row_width = max(sum(lengths[i] for i in g) for g in groups)
+    if layout.share_prompt and keys is not None:
+        shared = pack_shared(part, prompt_lens, completion_lens, keys, layout, (len(groups), row_width))
+        if shared is not None:
+            ids, positions, scored, where, mask = shared
+            return Packed(ids, positions, scored, where, attention_mask=mask)
     src: list[int] = []
     pos: list[int] = []
     scored: list[int] = []
