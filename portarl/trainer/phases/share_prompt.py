@@ -98,10 +98,9 @@ def _units(prompt_lens, completion_lens, keys, layout) -> list[list[int]]:
         groups.setdefault(key, []).append(i)
     units = []
     for rows in groups.values():
-        p = prompt_lens[rows[0]]
-        shared = p + sum(max(completion_lens[i] - 1, 0) for i in rows)
-        alone = sum(row_cost(1, p + max(completion_lens[i] - 1, 0), layout) for i in rows)
-        if len(rows) > 1 and p and row_cost(1, shared, layout) < alone:
+        shared = unit_length(rows, prompt_lens, completion_lens)
+        alone = sum(row_cost(1, unit_length([i], prompt_lens, completion_lens), layout) for i in rows)
+        if len(rows) > 1 and prompt_lens[rows[0]] and row_cost(1, shared, layout) < alone:
             units.append(rows)
         else:
             units.extend([i] for i in rows)
