@@ -55,7 +55,8 @@ step s; every worker gets every version in the same order relative to its reques
 schedule above holds for each (:meth:`AsyncRollout.worker_of`).
 
 Under torchrun (FSDP2) the workers are started by rank 0, each generating whole steps' batches. Publishing is collective: every rank gathers the full weights with rank 0
-(:func:`portarl.trainer.asynchronous.weights.rollout_state_dict`), which writes the file.
+(:func:`portarl.trainer.asynchronous.weights.rollout_tensors`), which sends them a tensor at a
+time (``weight_sync: collective``) or writes the file.
 Rank 0 alone talks to the worker; it hands every rank the scored batch, or the error that
 stops the run, as JSON over a Gloo group of its own (:func:`portarl.distributed.broadcast_json`,
 with a timeout long enough for rank 0's own waits: :func:`share_timeout_s`), and each rank
@@ -84,7 +85,7 @@ from portarl.trainer.asynchronous.client import (STARTUP_MIN_S, WORKER_LOG, Roll
 from portarl.trainer.asynchronous.resume import restore_in_flight
 from portarl.trainer.asynchronous.sync import CollectiveSync
 from portarl.trainer.run.logfiles import prepare_log
-from portarl.trainer.asynchronous.weights import WeightSlots, rollout_state_dict
+from portarl.trainer.asynchronous.weights import WeightSlots, drain, rollout_state_dict, rollout_tensors
 
 BATCH_LOG = "rollout_batches.jsonl"
 
@@ -212,10 +213,17 @@ class AsyncRollout:
         if self.published == version:
             return 0.0
         started = time.perf_counter()
-        state = rollout_state_dict(self.trainer.model, self.dtype, self.dist.is_main)  # collective under FSDP2
-        if state is not None and self.sync is not None:
-            self._send(version, state)
-        elif state is not None:
+        model = self.trainer.model
+        if self.sync is not None:  # rank 0, collective: each tensor gathered, cast and sent in turn
+            items = rollout_tensors(model, self.dtype, True, device=self.sync.group.device)
+            try:
+                self._send(version, items)
+            finally:  # a send that failed midway: the other ranks still wait in the gathers that follow
+                drain(items)
+            self.published = version
+            return time.perf_counter() - started
+        state = rollout_state_dict(model, self.dtype, self.dist.is_main)  # collective under FSDP2
+        if state is not None:
             occupant = self.slots.occupant(version)
             while occupant is not None and self.loaded < occupant:  # a worker still needs the slot's version
                 lagging = min(self.clients, key=lambda c: c.loaded)
@@ -224,8 +232,9 @@ class AsyncRollout:
         self.published = version
         return time.perf_counter() - started
 
-    def _send(self, version: int, state: dict) -> None:
-        """Rank 0, ``weight_sync: collective``: broadcast ``version`` to the worker. A failure
+    def _send(self, version: int, items) -> None:
+        """Rank 0, ``weight_sync: collective``: broadcast ``version`` (``items``: its
+        ``(name, tensor)`` pairs, streamed) to the workers. A failure
         is kept in :attr:`failure` (raised by :meth:`_collect`, on every rank)."""
         if self.failure is not None or self.sync.group.closed:
             return
@@ -237,7 +246,7 @@ class AsyncRollout:
             sent = version if previous is None else previous
             self.sync.sender.settle()
             sent = version
-            self.sync.send(version, state)
+            self.sync.send(version, items)
             self.pending = (version, None)
         except RolloutWorkerError as err:
             self.failure = err

@@ -66,8 +66,8 @@ class CollectiveSync:
         return {"host": HOST, "port": self.group.port, "timeout_s": self.group.timeout_s, "rank": worker + 1,
                 "world_size": self.group.world_size}
 
-    def send(self, version: int, state: dict):
-        """Send ``state`` (``{name: tensor}``) as ``version`` once the previous version
+    def send(self, version: int, items):
+        """Send ``items`` (``(name, tensor)`` pairs, consumed once) as ``version`` once the previous version
         was acknowledged whole by every worker; returns its SyncStats with the last bucket
         still on the wire (settled by the next send)."""
         def on_bucket(index, names):
@@ -75,7 +75,7 @@ class CollectiveSync:
                 raise SenderStopped(f"fault injection ({FAULT_ENV}): the sender stopped after {index} buckets of "
                                     f"version {version}")
 
-        return self.sender.send(version, state.items(), defer=True, on_bucket=on_bucket)
+        return self.sender.send(version, items, defer=True, on_bucket=on_bucket)
 
     def close(self) -> None:
         """Leave the group (after the worker: this rank hosts the store)."""

@@ -57,24 +57,43 @@ def tied_twins(model: torch.nn.Module) -> set[str]:
     return twins
 
 
-def rollout_state_dict(model: torch.nn.Module, dtype: torch.dtype, is_main: bool = True) -> dict | None:
-    """``{name: tensor}`` (contiguous, on the CPU) for the worker's plain model, on the rank
-    with ``is_main``; ``None`` elsewhere. Collective under FSDP2: every rank must call it."""
+def rollout_tensors(model: torch.nn.Module, dtype: torch.dtype, is_main: bool = True, device="cpu"):
+    """Yield ``(name, tensor)`` (contiguous, on ``device``) for the worker's plain model, one
+    tensor at a time, on the rank with ``is_main``; yield nothing elsewhere. Collective under
+    FSDP2: every rank must run it to the end, in step (a rank that stops early leaves the
+    others inside a gather: :func:`drain`). ``device``: where the receiving end wants the
+    tensors (the host for a file or Gloo; the trainer's device for NCCL / HCCL, so a tensor
+    never makes the round trip through host memory)."""
     twins = tied_twins(model)
     state = merged_state_dict(model) if is_lora(model) else model.state_dict()
-    out = {} if is_main else None
     for name, tensor in state.items():
         if name in twins:
             continue
         t = tensor.detach()
         if hasattr(t, "full_tensor"):  # an FSDP2 shard: gather (every rank takes part)
             t = t.full_tensor()
-        if out is None:
+        if not is_main:
             continue
         if t.is_floating_point() and t.dtype != dtype:
             t = t.to(dtype)
-        out[name] = t.cpu().contiguous()
-    return out
+        yield name, t.to(device).contiguous()
+
+
+def drain(items) -> None:
+    """Run ``items`` (a :func:`rollout_tensors` generator) to its end, discarding what it
+    yields: the rest of its gathers, which the other ranks are waiting in."""
+    for _ in items:
+        pass
+
+
+def rollout_state_dict(model: torch.nn.Module, dtype: torch.dtype, is_main: bool = True) -> dict | None:
+    """``{name: tensor}`` (contiguous, on the CPU) for the worker's plain model, on the rank
+    with ``is_main``; ``None`` elsewhere. Collective under FSDP2: every rank must call it."""
+    items = rollout_tensors(model, dtype, is_main)
+    if not is_main:
+        drain(items)
+        return None
+    return dict(items)
 
 
 def write_rollout_weights(model: torch.nn.Module, dtype: torch.dtype, path: Path, is_main: bool = True) -> bool:
@@ -158,4 +177,4 @@ class WeightSlots:
             self._close(slot)
 
 
-__all__ = ["WeightSlots", "rollout_state_dict", "tied_twins", "write_rollout_weights"]
+__all__ = ["WeightSlots", "drain", "rollout_state_dict", "rollout_tensors", "tied_twins", "write_rollout_weights"]
