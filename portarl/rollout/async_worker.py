@@ -111,6 +111,7 @@ class Worker:
         from portarl.reward_runner import RewardRunner
         from portarl.rollout import SamplingParams
         from portarl.tokenizer import as_codec, chat_template_option
+        from portarl.trainer.checkpoint import seed_global_rngs
         from portarl.trainer.config import TrainConfig
         from portarl.trainer.guards.precision import DTYPES
 
@@ -129,6 +130,7 @@ class Worker:
         # tools / environment: the episodes, and so the tools, run here (portarl.multiturn)
         self.agent = make_agent(cfg, self.codec, spec["search_dirs"])
         self.engine = build_engine(cfg, self.model, tokenizer, self.codec, spec["work_dir"])
+        seed_global_rngs(cfg.train.seed)  # the rewards run here: user code's randomness, as in the trainer
         self.rewards = RewardRunner([(r.name, r.weight) for r in cfg.rewards], search_dirs=spec["search_dirs"],
                                     timeout_s=cfg.train.reward_timeout_s)
         r = cfg.rollout
@@ -141,7 +143,7 @@ class Worker:
 
             sync = spec["weight_sync"]
             self.inbox = VersionInbox(sync["host"], int(sync["port"]), int(sync["rank"]), int(sync["world_size"]),
-                                      float(sync["timeout_s"]))
+                                      float(sync["timeout_s"]), comm=sync.get("comm", "gloo"), device=self.device)
         self.index = int(spec.get("index", 0))  # its number among rollout.num_workers
         self.fault, self.fault_step = parse_fault(os.environ.get(FAULT_ENV))
         self.idle_since = time.perf_counter()

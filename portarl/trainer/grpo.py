@@ -43,7 +43,7 @@ from portarl.rollout import SamplingParams
 from portarl.multiturn.agent import make_agent
 from portarl.tokenizer import as_codec, chat_template_option
 from portarl.user_code import UserCodeGuard, agree_on_failure
-from portarl.trainer.checkpoint import CheckpointManager
+from portarl.trainer.checkpoint import CheckpointManager, seed_global_rngs
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
 from portarl.trainer.guards.detectors import DegenerateDetector, GuardTripped, SpikeDetector
@@ -350,6 +350,7 @@ class GRPOTrainer:
     def _train(self, resume: bool, overwrite: bool, start_if_none: bool) -> TrainResult:
         cfg = self.config
         changes = run_dir.prepare_run(self, resume=resume, overwrite=overwrite)
+        seed_global_rngs(cfg.train.seed)  # user code's randomness; a checkpoint's states replace it on resume
         if resume:
             persistence.resume(self, start_if_none)
             run_dir.check_steps_ahead(self.step, cfg.train.steps, self.output_dir)

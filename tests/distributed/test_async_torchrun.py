@@ -190,3 +190,26 @@ def test_two_workers_under_torchrun_share_the_steps_and_hold_the_trainers_weight
     assert (out / "rollout_worker-1.log").exists()
     assert "arrived whole" in (out / "rollout_worker-1.log").read_text()
     assert _worker_gone(proc.stderr)
+
+
+def test_a_send_cut_midway_stops_every_rank_at_the_same_step_with_a_checkpoint(tmp_path):
+    """Rank 0 stops sending version 2 after 1 of its buckets (fault injection), while rank 1
+    is still gathering the rest of that version's shards with it (publishing is a stream of
+    collective gathers): rank 0 runs the remaining gathers before it reports, so both ranks
+    reach the step's end, stop there with one sharded checkpoint, and the worker never
+    loaded the torn version."""
+    from portarl.rollout.async_worker import DUMP_ENV
+    from portarl.trainer.asynchronous.sync import FAULT_ENV
+
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    proc = _train(tmp_path / "run", 2, "train.steps=4", ASYNC, "rollout.weight_sync=collective",
+                  "rollout.sync_bucket_mb=0.01", "checkpoint.every=1",
+                  env=_env(**{FAULT_ENV: "stop@2:1", DUMP_ENV: str(dumps)}))
+    assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, proc.stderr[-4000:]  # the ranks' code: 3
+    assert proc.stderr.count("weights version 2 could not be sent whole") >= 2, proc.stderr[-4000:]  # both ranks
+    loaded = sorted(int(p.stem[1:]) for p in dumps.glob("v*.safetensors"))
+    assert loaded and max(loaded) <= 1, loaded
+    latest = CheckpointManager(tmp_path / "run").latest()
+    assert CheckpointManager.is_sharded(latest) and CheckpointManager.load_state(latest)["step"] == 2
+    assert _worker_gone(proc.stderr)

@@ -28,13 +28,33 @@ from proc_tree import children
 from test_async_rollout import _jsonl, _run, _start
 
 HERE = Path(__file__).parent
+STANDIN = HERE.parent / "weight_sync"
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the worker dies with the trainer on Linux")
 
 #: 10 KiB buckets: the tiny model's version travels in many buckets (a fault can cut one midway)
 SMALL_BUCKETS = "rollout.sync_bucket_mb=0.01"
 
 
-@pytest.mark.parametrize("sync", ["collective", "file"])
+def _device_comm_standin(monkeypatch, log_dir: Path) -> None:
+    """``rollout.sync_comm`` resolved to nccl, carried by the STAND-IN of vLLM's communicator
+    (tests/weight_sync/standin_vllm.py: bytes over Gloo on the CPU) in the trainer and, through
+    its sitecustomize, in the worker: the run's plumbing of the device path, not hardware."""
+    sys.path.insert(0, str(STANDIN))
+    import standin_vllm
+
+    from portarl.rollout.weight_sync import device_comm
+    from portarl.trainer.asynchronous import sync
+
+    for name, module in standin_vllm.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(device_comm, "DeviceStreams", standin_vllm.StandInStreams)
+    monkeypatch.setattr(standin_vllm.StandInCommunicator, "log_dir", str(log_dir))
+    monkeypatch.setattr(sync, "choose_comm", lambda setting, device, workers: ("nccl", "the stand-in"))
+    monkeypatch.setenv("PORTARL_TEST_STANDIN_VLLM", str(log_dir))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(STANDIN / "standin_site"), os.environ["PYTHONPATH"]]))
+
+
+@pytest.mark.parametrize("sync", ["collective", "file", "collective-nccl-standin"])
 def test_the_workers_weights_equal_the_trainers_bitwise_at_every_version(tmp_path, monkeypatch, sync):
     from async_capture import capture_async
 
@@ -42,6 +62,10 @@ def test_the_workers_weights_equal_the_trainers_bitwise_at_every_version(tmp_pat
     dumps.mkdir()
     monkeypatch.setenv(DUMP_ENV, str(dumps))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    standin = sync.endswith("-standin")
+    if standin:
+        _device_comm_standin(monkeypatch, tmp_path)
+        sync = "collective"
     if sync == "collective":  # no weights file is written: the versions travel through the group
         def no_file(self, state, version):
             raise AssertionError("rollout.weight_sync=collective wrote a weights file")
@@ -68,6 +92,11 @@ def test_the_workers_weights_equal_the_trainers_bitwise_at_every_version(tmp_pat
         assert len(arrived) == len(loaded) and all(" 1 buckets" not in line for line in arrived), arrived
     else:
         assert "arrived whole" not in log
+    if standin:  # every bucket went through the device communicator, on both ends
+        buckets = sum(int(line.split(" buckets")[0].rsplit("(", 1)[1]) for line in arrived)
+        for rank in (0, 1):
+            calls = _jsonl(tmp_path / f"comm-rank{rank}.jsonl")
+            assert len(calls) == buckets and all(c["dtype"] == "torch.uint8" for c in calls), (rank, len(calls), buckets)
     assert not children(os.getpid()), "the worker outlived the run"
 
 

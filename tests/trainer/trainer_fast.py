@@ -35,3 +35,14 @@ def varied_reward(prompt, completion, answer):
     sample happens to stop early."""
     return float(sum(map(ord, completion)) % 5)
 
+
+
+def global_rng_reward(prompt, completion, answer):
+    """A reward that draws from Python's, NumPy's and torch's global generators, as user
+    code does (exploration bonuses, sampled judges): reproducible only if the run seeds them."""
+    import random
+
+    import numpy as np
+    import torch
+
+    return random.random() + float(np.random.rand()) + float(torch.rand(()))

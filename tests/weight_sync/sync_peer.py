@@ -51,8 +51,20 @@ def _port(out: Path) -> int:
     return int((out / "port").read_text())
 
 
+def _comm(args) -> dict:
+    """The data plane: Gloo, or NCCL / HCCL over the stand-in of vLLM's communicator
+    (:mod:`standin_vllm`, on the CPU: not a hardware test)."""
+    if args.comm == "gloo":
+        return {}
+    import standin_vllm
+
+    standin_vllm.install(args.out)
+    return {"comm": args.comm, "device": "cpu"}
+
+
 def sender(args) -> int:
-    group = SyncGroup("127.0.0.1", 0, 0, args.world, timeout_s=args.timeout_s, stale_after_s=args.stale_after_s)
+    group = SyncGroup("127.0.0.1", 0, 0, args.world, timeout_s=args.timeout_s, stale_after_s=args.stale_after_s,
+                      **_comm(args))
     tmp = Path(args.out) / "port.tmp"
     tmp.write_text(str(group.port))
     os.replace(tmp, Path(args.out) / "port")
@@ -79,7 +91,7 @@ def receiver(args) -> int:
     out = Path(args.out) / f"rank{args.rank}"
     out.mkdir(parents=True, exist_ok=True)
     group = SyncGroup("127.0.0.1", _port(Path(args.out)), args.rank, args.world, timeout_s=args.timeout_s,
-                      stale_after_s=args.stale_after_s)
+                      stale_after_s=args.stale_after_s, **_comm(args))
     from safetensors.torch import save_file
 
     sync, kept = WeightReceiver(group), {}
@@ -117,6 +129,7 @@ def main() -> None:
     p.add_argument("--pause-s", type=float, default=0.0)
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--stale-after-s", type=float, default=None)
+    p.add_argument("--comm", choices=["gloo", "nccl", "hccl"], default="gloo")
     args = p.parse_args()
     code = 1
     try:

@@ -9,9 +9,8 @@ device. This checks portarl's logic around them; it is not a hardware test."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
-import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,57 +18,19 @@ import torch.distributed as dist
 
 from portarl.rollout.weight_sync.device_comm import VllmDeviceComm
 
-
-@dataclasses.dataclass
-class StandInGroup:
-    rank: int
-    world_size: int
-    store: object
-
-
-class StandInCommunicator:
-    library_loads = True
-
-    def __init__(self, group, device):
-        self.device = torch.device(device)
-        self.disabled = group.world_size == 1 or not self.library_loads
-        self.calls: list = []
-        self.stopped = False
-
-    def broadcast(self, tensor, src, stream=None):
-        if self.disabled:
-            return  # what both do: nothing sent, nothing said
-        assert tensor.device == self.device, "the communicator's device only"
-        self.calls.append((tensor, src, stream))
-
-    def destroy(self):  # PyNccl's name; PyHccl's is close()
-        self.stopped = True
-
-
-class StandInHccl(StandInCommunicator):
-    destroy = None
-
-    def close(self):
-        self.stopped = True
+sys.path.insert(0, str(Path(__file__).parent))
+import standin_vllm  # noqa: E402
 
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    modules = {"vllm": types.ModuleType("vllm"), "vllm.distributed": types.ModuleType("vllm.distributed"),
-               "vllm.distributed.utils": types.ModuleType("vllm.distributed.utils"),
-               "vllm.distributed.device_communicators": types.ModuleType("vllm.distributed.device_communicators"),
-               "vllm.distributed.device_communicators.pynccl": types.ModuleType("pynccl"),
-               "vllm_ascend": types.ModuleType("vllm_ascend"),
-               "vllm_ascend.distributed": types.ModuleType("vllm_ascend.distributed"),
-               "vllm_ascend.distributed.device_communicators": types.ModuleType("device_communicators"),
-               "vllm_ascend.distributed.device_communicators.pyhccl": types.ModuleType("pyhccl")}
-    modules["vllm.distributed.utils"].StatelessProcessGroup = StandInGroup
-    modules["vllm.distributed.device_communicators.pynccl"].PyNcclCommunicator = StandInCommunicator
-    modules["vllm_ascend.distributed.device_communicators.pyhccl"].PyHcclCommunicator = StandInHccl
-    for name, module in modules.items():
+    from portarl.rollout.weight_sync import device_comm
+
+    for name, module in standin_vllm.modules().items():
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(StandInCommunicator, "library_loads", True)
-    return StandInCommunicator
+    monkeypatch.setattr(device_comm, "DeviceStreams", standin_vllm.StandInStreams)
+    monkeypatch.setattr(standin_vllm.StandInCommunicator, "library_loads", True)
+    return standin_vllm.StandInCommunicator
 
 
 @pytest.mark.parametrize("kind", ["nccl", "hccl"])
@@ -86,7 +47,7 @@ def test_buckets_go_out_as_their_bytes_from_rank_0(stand_in, kind, dtype):
     flat = torch.randn(37, dtype=torch.float32).to(dtype)
     done = comm.broadcast(flat)
     (sent, src, stream), = comm.comm.calls
-    assert src == 0 and stream is not None
+    assert src == 0 and stream is comm.streams.stream and stream.waited_for_current == 1  # ordered after the pack
     assert sent.dtype == torch.uint8 and sent.data_ptr() == flat.data_ptr()  # no copy, every dtype alike
     assert torch.equal(sent.view(dtype), flat)
     assert done() is True

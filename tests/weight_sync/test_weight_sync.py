@@ -1,6 +1,6 @@
 """Weight sync through a process group with real processes: a sender (the trainer's rank 0)
-and two receivers over Gloo, bitwise at every version, a sender SIGKILLed mid-bucket, a slow
-sender that is alive."""
+and two receivers over Gloo (and over the stand-in of vLLM's NCCL / HCCL communicators),
+bitwise at every version, a sender SIGKILLed mid-bucket, a slow sender that is alive."""
 
 from __future__ import annotations
 
@@ -69,9 +69,14 @@ def _assert_bitwise(path: Path, version: int) -> None:
         assert torch.equal(_bits(got[name]), _bits(tensor)), f"{name} differs in version {version}"
 
 
-@pytest.mark.parametrize("checksum", [False, True], ids=["counts", "crc32"])
-def test_two_receivers_get_every_version_bitwise(tmp_path, checksum):
-    results = _run_group(tmp_path, "--versions", "3", *(["--checksum"] if checksum else []))
+#: The data planes: Gloo, and NCCL / HCCL through the STAND-IN of vLLM's communicators
+#: (tests/weight_sync/standin_vllm.py: bytes over Gloo on the CPU; not a hardware test).
+COMMS = [("gloo", False), ("gloo", True), ("nccl", False), ("hccl", False)]
+
+
+@pytest.mark.parametrize("comm,checksum", COMMS, ids=["gloo-counts", "gloo-crc32", "nccl-standin", "hccl-standin"])
+def test_two_receivers_get_every_version_bitwise(tmp_path, comm, checksum):
+    results = _run_group(tmp_path, "--versions", "3", "--comm", comm, *(["--checksum"] if checksum else []))
     for rank, (code, output) in results.items():
         assert code == 0, f"rank {rank}:\n{output[-3000:]}"
     stats = [json.loads(line) for line in (tmp_path / "sender.jsonl").read_text().splitlines()]
@@ -80,15 +85,22 @@ def test_two_receivers_get_every_version_bitwise(tmp_path, checksum):
     for rank in (1, 2):
         for version in (1, 2, 3):
             _assert_bitwise(tmp_path / f"rank{rank}" / f"v{version}.safetensors", version)
+    if comm != "gloo":  # every bucket went through the device communicator, as bytes, each after its pack
+        for rank in (0, 1, 2):
+            calls = [json.loads(line) for line in (tmp_path / f"comm-rank{rank}.jsonl").read_text().splitlines()]
+            assert len(calls) == sum(s["buckets"] for s in stats), rank
+            assert all(c["dtype"] == "torch.uint8" and c["src"] == 0 for c in calls), calls[:3]
+            assert [c["ordered"] for c in calls] == list(range(1, len(calls) + 1)), "a broadcast not ordered after its pack"
 
 
-def test_sender_killed_mid_bucket_leaves_receivers_on_the_previous_version(tmp_path):
+@pytest.mark.parametrize("comm", ["gloo", "nccl"], ids=["gloo", "nccl-standin"])
+def test_sender_killed_mid_bucket_leaves_receivers_on_the_previous_version(tmp_path, comm):
     """The sender is SIGKILLed 50 ms after it starts version 2's bucket of 64 MiB (its
     header published, its broadcast begun, a transfer of ~0.1 s here when both sides run): no
     receiver loads version 2; each says so and keeps version 1, found by liveness (the
     sender's store is gone), not by the transfer's timeout."""
     results = _run_group(tmp_path, "--versions", "3", "--bucket-mb", "1", "--timeout-s", str(TIMEOUT_S),
-                         sender_extra=["--kill-in", "2"])
+                         "--comm", comm, sender_extra=["--kill-in", "2"])
     assert results[0][0] == -9, results[0][1][-3000:]
     big = int((tmp_path / "killed_in_bucket").read_text())
     for rank in (1, 2):

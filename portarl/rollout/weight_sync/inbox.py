@@ -10,9 +10,12 @@ model (:func:`load_version`) between two batches. A torn version is never staged
 thread records the refusal, the worker stays on the version it loaded last, and a later
 ``take`` raises it.
 
-Memory: a staged version is one copy of the weights in the worker's host memory until it
-is taken (at most ``max_staleness + 1`` of them while the worker finishes the batches in
-flight); taking version v drops every older one.
+Memory: a staged version is one copy of the weights until it is taken (at most
+``max_staleness + 1`` of them while the worker finishes the batches in flight); taking
+version v drops every older one. Over Gloo they are in host memory. Over NCCL / HCCL a
+version arrives in the worker's device memory, and only the newest stays there: an older
+one still waiting is moved to host memory when the next arrives, so the device holds at
+most one staged copy beside the model and its engine (``portarl plan`` counts it).
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ class VersionInbox:
     """Rank ``rank`` of the weight-sync group hosted by the trainer at ``host:port``; a
     thread receives every version into :attr:`staged`."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
-        self.group = SyncGroup(host, port, rank, world_size, timeout_s=timeout_s)
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, comm: str = "gloo",
+                 device=None):
+        self.group = SyncGroup(host, port, rank, world_size, timeout_s=timeout_s, comm=comm, device=device)
         self.receiver = WeightReceiver(self.group, loaded=-1)  # the trainer's first version is 0
         self._cond = threading.Condition()
         self._staged: dict[int, dict] = {}
@@ -44,6 +48,11 @@ class VersionInbox:
 
     def _stage(self, version: int, tensors: dict) -> None:
         with self._cond:
+            if self.group.comm_kind != "gloo":  # one staged version on the device: the newest
+                for older, staged in self._staged.items():
+                    if any(t.device.type != "cpu" or t.untyped_storage().nbytes() > t.nbytes for t in staged.values()):
+                        # each tensor copied out of the bucket buffers, which are then freed
+                        self._staged[older] = {name: t.to("cpu", copy=True) for name, t in staged.items()}
             self._staged[version] = tensors
             self._cond.notify_all()
 

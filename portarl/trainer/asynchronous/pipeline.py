@@ -172,11 +172,10 @@ class AsyncRollout:
                 "search_dirs": cfg.code_search_dirs()}
         self.batch_log_path = Path(trainer.output_dir) / BATCH_LOG
         prepare_log(self.batch_log_path, trainer.step)
-        workers = cfg.rollout.num_workers
         if cfg.rollout.weight_sync == "collective":
-            self.sync = CollectiveSync(cfg.rollout.sync_bucket_mb, cfg.rollout.timeout_s, workers)
+            self.sync = CollectiveSync.for_run(cfg, trainer.device)
         try:
-            for i in range(workers):
+            for i in range(cfg.rollout.num_workers):
                 sync = {"weight_sync": self.sync.spec(i)} if self.sync is not None else {}
                 device, env = spec["device"], {}
                 if cfg.rollout.worker_devices is not None:  # a device of its own, the only one it sees
@@ -212,18 +211,14 @@ class AsyncRollout:
         version = self.trainer.step
         if self.published == version:
             return 0.0
-        started = time.perf_counter()
-        model = self.trainer.model
+        started, model = time.perf_counter(), self.trainer.model
         if self.sync is not None:  # rank 0, collective: each tensor gathered, cast and sent in turn
             items = rollout_tensors(model, self.dtype, True, device=self.sync.group.device)
             try:
                 self._send(version, items)
             finally:  # a send that failed midway: the other ranks still wait in the gathers that follow
                 drain(items)
-            self.published = version
-            return time.perf_counter() - started
-        state = rollout_state_dict(model, self.dtype, self.dist.is_main)  # collective under FSDP2
-        if state is not None:
+        elif (state := rollout_state_dict(model, self.dtype, self.dist.is_main)) is not None:  # collective (FSDP2)
             occupant = self.slots.occupant(version)
             while occupant is not None and self.loaded < occupant:  # a worker still needs the slot's version
                 lagging = min(self.clients, key=lambda c: c.loaded)

@@ -50,6 +50,18 @@ def rng_state() -> dict:
     return state
 
 
+def seed_global_rngs(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators from ``train.seed``. portarl
+    samples from generators of its own and never draws from these, but user code does (a
+    reward that calls ``random.random()`` or ``torch.rand``), and they start from the OS's
+    entropy (torch 2.13 seeds its default generator at start too): without this, two runs
+    with one config differ wherever such code draws. A resumed run sets them back to the
+    checkpoint's states instead (:func:`set_rng_state`)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # every device's default generator as well
+
+
 def set_rng_state(state: dict) -> None:
     py, npy = state["python"], state["numpy"]
     random.setstate((py["version"], tuple(py["internal"]), py["gauss"]))

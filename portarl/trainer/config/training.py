@@ -24,7 +24,9 @@ class TrainSection:
     mini_batches: int = 1
     #: Sequences per forward/backward; gradients accumulate over the batch.
     micro_batch_size: int = 64
-    #: Run seed: prompt order, per-sample sampling seeds and mini-batch shuffles derive from it.
+    #: Run seed: prompt order, per-sample sampling seeds and mini-batch shuffles derive from it;
+    #: Python's, NumPy's and torch's global generators (what user rewards draw from) are seeded
+    #: with it at the start of a run, and restored from the checkpoint on --resume.
     seed: int = 0
     #: Supervised warm-up steps on (prompt, answer) before GRPO (0: none).
     sft_warmup_steps: int = 40

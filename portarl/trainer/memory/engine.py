@@ -21,7 +21,9 @@ holds a copy of the policy (N b) and its engine (R for vLLM; the ``hf`` engine's
 and prefill) the whole run, since it generates while the trainer trains, and never sleeps;
 the trainer itself has no rollout phase. The workers run on rank 0's device, or each on a
 device of its own with ``rollout.worker_devices`` (then the plan names what one needs
-there and counts nothing of them on the trainer's devices).
+there and counts nothing of them on the trainer's devices but, where the weights travel
+device to device (``rollout.sync_comm``), rank 0's two bucket buffers; the worker's device
+then also holds the version being staged, N b).
 
 Not counted: what vLLM keeps while asleep (its CUDA / ACL context, CUDA graphs, a few
 buffers), and vLLM's own process overhead.
@@ -84,9 +86,14 @@ def engine_memory(cfg, policy_bytes: int, hf_rollout: dict, *, device_memory: in
     if r.mode == "async":
         workers = r.num_workers
         if r.worker_devices:  # rollout.worker_devices: none of it on the trainer's devices
+            there, what = policy_bytes + sum(engine.values()), f"a copy of the policy and its {r.engine} engine"
+            if accelerator and r.weight_sync == "collective" and r.sync_comm != "gloo":
+                # device to device (rollout.sync_comm): rank 0 packs into two bucket buffers on
+                # its device; a worker stages the newest version in its device's memory
+                held["weight-sync bucket buffers"] = 2 * int(r.sync_bucket_mb * 2**20)
+                there, what = there + policy_bytes, what + ", and a version staged as it arrives (rollout.sync_comm)"
             notes.append(f"rollout engine: {workers} async worker(s), each on a device of its own "
-                         f"(rollout.worker_devices): {gib(policy_bytes + sum(engine.values()))} there (a copy of "
-                         f"the policy and its {r.engine} engine)")
+                         f"(rollout.worker_devices): {gib(there)} there ({what})")
             return EngineMemory(held, rollout, notes)
         held["workers' policy copies"] = workers * policy_bytes
         held.update({"workers' " + name.removeprefix("rollout ").replace("cache + act", "+ act"): workers * value
