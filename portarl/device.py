@@ -126,3 +126,28 @@ def child_placement(device: str, environ: dict[str, str]) -> tuple[str, dict[str
         raise ValueError(f"{device} is not visible here ({variable}={environ[variable]} shows {len(visible)} "
                          "device(s), numbered from 0)")
     return f"{kind}:0", {variable: visible[index] if visible else str(index)}
+
+
+
+
+def placed(device) -> tuple[str, int]:
+    """``(type, index)`` of a device name, the index 0 where none is given ("cuda" is cuda:0,
+    as a process that sees the device uses it)."""
+    kind, index = parse_device(str(device))
+    return kind, index or 0
+
+
+def check_worker_devices(worker_devices: list, trainer_device: torch.device, local_ranks: int | None) -> None:
+    """Refuse ``rollout.worker_devices`` that a training rank on this node uses: rank 0's
+    device, or under torchrun (``local_ranks``: its ranks on this node) devices 0 to
+    ``local_ranks - 1`` of rank 0's numbering, one per rank. A worker there would share it
+    (two copies of the model, two processes' kernels interleaved) where the setting exists
+    to give it a device of its own."""
+    if trainer_device.type == "cpu":
+        return
+    used = [trainer_device.index or 0] if local_ranks is None else list(range(local_ranks))
+    taken = [str(d) for d in worker_devices if placed(d) in {(trainer_device.type, i) for i in used}]
+    if taken:
+        names = ", ".join(f"{trainer_device.type}:{i}" for i in used)
+        raise ValueError(f"rollout.worker_devices {taken} are training devices (the trainer's ranks on this node use "
+                         f"{names}): give each worker a device no rank trains on, or launch fewer ranks per node")

@@ -5,6 +5,7 @@ trainer side is checked up to the worker's start, and the CPU case end to end)."
 from __future__ import annotations
 
 import pytest
+import torch
 
 from portarl.device import child_placement
 from portarl.trainer import GRPOTrainer, build_from_config
@@ -70,3 +71,39 @@ def test_each_worker_is_started_on_its_device_with_only_it_visible(tmp_path, mon
     rollout = pipeline.AsyncRollout(trainer)
     rollout.close()
     assert started == [(0, "cpu", {}), (1, "cpu", {})]
+
+
+@pytest.mark.parametrize("workers, trainer, local_ranks, taken", [
+    (["cuda:1"], "cuda:0", None, None),
+    (["cuda:0"], "cuda:0", None, "cuda:0"),
+    (["cuda"], "cuda:0", None, "cuda"),  # "cuda" is device 0
+    (["cuda:0"], "cuda:1", None, None),  # one process on cuda:1: cuda:0 is free
+    (["cuda:3", "cuda:4"], "cuda:0", 4, "cuda:3"),  # torchrun --nproc-per-node 4: ranks on cuda:0-3
+    (["cuda:4", "cuda:5"], "cuda:0", 4, None),
+    (["cpu"], "cpu", 2, None),
+])
+def test_a_worker_on_a_training_ranks_device_is_refused(workers, trainer, local_ranks, taken):
+    from portarl.device import check_worker_devices
+
+    if taken is None:
+        check_worker_devices(workers, torch.device(trainer), local_ranks)
+    else:
+        with pytest.raises(ValueError, match=rf"rollout.worker_devices \['{taken}'\] are training devices.*fewer ranks"):
+            check_worker_devices(workers, torch.device(trainer), local_ranks)
+
+
+def test_the_async_trainer_checks_its_workers_against_the_nodes_ranks(tmp_path, monkeypatch):
+    """Under torchrun rank r trains on device r of rank 0's numbering: with 8 ranks on the
+    node, workers on cuda:6 and cuda:7 would share the devices of ranks 6 and 7."""
+    import types
+
+    from portarl.trainer.asynchronous.pipeline import check_async_trainer
+
+    cfg = fast_config(tmp_path, "rollout.mode=async", "rollout.num_workers=2", "rollout.worker_devices=[cuda:6, cuda:7]")
+    trainer = types.SimpleNamespace(rollout_if_built=None, config=cfg, device=torch.device("cuda", 0),
+                                    dist=types.SimpleNamespace(enabled=True), rewards_from_config=True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match=r"\['cuda:6', 'cuda:7'\] are training devices .*cuda:0, cuda:1"):
+        check_async_trainer(trainer)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
+    check_async_trainer(trainer)

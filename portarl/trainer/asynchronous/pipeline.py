@@ -78,7 +78,7 @@ from typing import NamedTuple
 import torch
 
 from portarl import distributed as pdist
-from portarl.device import child_placement
+from portarl.device import check_worker_devices, child_placement
 from portarl.reward_runner import RewardError
 from portarl.trainer.asynchronous.client import (STARTUP_MIN_S, WORKER_LOG, RolloutWorkerError, WorkerClient, as_batch,
                                           check_batch, reward_error, slice_reply, validate_batch)
@@ -106,6 +106,9 @@ def check_async_trainer(trainer) -> None:
     """What async mode cannot do (yet), refused before the worker starts."""
     if trainer.rollout_if_built is not None:
         raise ValueError("rollout.mode=async builds its own engine in a worker process: do not pass rollout_engine")
+    if trainer.config.rollout.worker_devices:  # under torchrun rank r trains on device r of this node
+        check_worker_devices(trainer.config.rollout.worker_devices, trainer.device,
+                             int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if trainer.dist.enabled else None)
     if trainer.config.rollout.engine == "vllm":  # else the worker dies at start-up with it in its log
         from portarl.rollout.vllm import vllm_unavailable_reason
 

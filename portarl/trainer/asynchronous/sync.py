@@ -75,7 +75,7 @@ def choose_comm(setting: str, trainer_device: torch.device, worker_devices: list
     trainer's numbering; None: on the trainer's device). ``auto`` takes the device's
     communicator where it can run and Gloo otherwise; ``nccl`` / ``hccl`` where it cannot
     is a :class:`ConfigError` naming why and the fix."""
-    from portarl.device import parse_device
+    from portarl.device import placed as placed_on
 
     def fallback(why: str) -> tuple[str, str]:
         if setting != "auto":
@@ -95,7 +95,7 @@ def choose_comm(setting: str, trainer_device: torch.device, worker_devices: list
         return fallback("the workers run on the trainer's device (no rollout.worker_devices), and a communicator "
                         "takes one rank per device")
     own = (kind, trainer_device.index or 0)
-    placed = [(k, 0 if i is None else i) for k, i in (parse_device(str(d)) for d in worker_devices)]
+    placed = [placed_on(d) for d in worker_devices]
     if any(k != kind for k, _ in placed):
         return fallback(f"rollout.worker_devices {worker_devices} are not all {kind} devices")
     if own in placed:

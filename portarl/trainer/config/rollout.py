@@ -109,8 +109,9 @@ class RolloutConfig:
     #: once. The staleness rule is unchanged.
     num_workers: int = 1
     #: mode "async": one device per worker (e.g. [cuda:6, cuda:7]), so that generation has
-    #: devices of its own; each worker's process sees only its device. None: every worker
-    #: runs on the trainer's device.
+    #: devices of its own; each worker's process sees only its device. A device a training
+    #: rank uses is refused (under torchrun, ranks train on devices 0 to N-1 of the node).
+    #: None: every worker runs on the trainer's device.
     worker_devices: list | None = None
     #: mode "async": seconds the trainer waits for the worker's next batch (or message)
     #: before it names the worker as hung and stops with a checkpoint.
