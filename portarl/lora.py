@@ -21,6 +21,7 @@ sync and export; each of those calls one helper here instead of knowing peft's l
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -85,31 +86,60 @@ def _lora_layers(model):
     return [(name, module) for name, module in inner.named_modules() if isinstance(module, LoraLayer)]
 
 
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole: an FSDP2 shard (a DTensor) gathered with ``full_tensor()``, an
+    all-gather that every rank must run at the same point; any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 @torch.no_grad()
+def merged_tensors(model, skip=frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`merged_state_dict` one ``(name, tensor)`` at a time, in the state dict's order,
+    each tensor whole (:func:`full`), the names in ``skip`` left out (not gathered either).
+
+    Under FSDP2 (torchrun) every tensor is a shard: each is gathered, and an adapted
+    layer's weight is folded from its gathered base weight and its gathered ``lora_A`` /
+    ``lora_B`` when the weight's turn comes, so no rank holds more than one layer's full
+    tensors beyond its shards, every rank runs the same gathers in the same order (the
+    caller exhausts the generator on every rank), and the fold is the one a single
+    process computes from the same full weights, bitwise. Folding the shards instead
+    (DTensor arithmetic) would run other matmuls than one process's (on row blocks, which
+    a CPU kernel does not always round alike: ``B[:9] @ A`` against the first rows of
+    ``B @ A`` for a 17x8 ``B`` and an 8x33 ``A`` differ in the last bit), and would hold a
+    merged copy of every adapted weight before the first tensor comes out."""
+    if not is_lora(model):
+        for name, tensor in model.state_dict().items():
+            if name not in skip:
+                yield name, full(tensor.detach())
+        return
+    layers = {f"{name}.weight": layer for name, layer in _lora_layers(model)
+              if not getattr(layer, "merged", False) and not getattr(layer, "disable_adapters", False)}
+    for key, tensor in base_model(model).state_dict().items():
+        parts = key.split(".")
+        name = ".".join(p for p in parts if p != "base_layer")
+        if name in skip or any(p.startswith("lora_") for p in parts):
+            continue
+        tensor = full(tensor.detach())
+        layer = layers.get(name)
+        if layer is not None:  # W + scaling * B @ A, summed in fp32, stored in W's dtype
+            weight = tensor.float()
+            for a in layer.active_adapters:
+                if a in layer.lora_A:  # nn.Linear adapters only (apply_lora refuses the others)
+                    delta = (full(layer.lora_B[a].weight.detach()).float()
+                             @ full(layer.lora_A[a].weight.detach()).float()) * layer.scaling[a]
+                    weight = weight + (delta.T if getattr(layer, "fan_in_fan_out", False) else delta)
+            tensor = weight.to(tensor.dtype)
+        yield name, tensor
+
+
 def merged_state_dict(model) -> dict[str, torch.Tensor]:
     """The weights of ``model`` with every active adapter folded in (``W + scaling * B @ A``,
     summed in fp32, stored in ``W``'s dtype), under the base model's parameter names (no
     ``base_model.model.``, no ``.base_layer``, no ``lora_*``). A non-peft model: its own
-    ``state_dict``. The model itself is left as it was (not merged)."""
-    if not is_lora(model):
-        return dict(model.state_dict())
-    out = {}
-    for key, tensor in base_model(model).state_dict().items():
-        parts = key.split(".")
-        if any(p.startswith("lora_") for p in parts):
-            continue
-        out[".".join(p for p in parts if p != "base_layer")] = tensor.detach()
-    for name, layer in _lora_layers(model):
-        if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
-            continue  # already folded in, or switched off
-        key = f"{name}.weight"
-        weight = out[key].float()
-        for a in layer.active_adapters:
-            if a in layer.lora_A:  # nn.Linear adapters only (apply_lora refuses the others)
-                delta = (layer.lora_B[a].weight.float() @ layer.lora_A[a].weight.float()) * layer.scaling[a]
-                weight = weight + (delta.T if getattr(layer, "fan_in_fan_out", False) else delta)
-        out[key] = weight.to(out[key].dtype)
-    return out
+    ``state_dict``. The model itself is left as it was (not merged). An FSDP2-sharded
+    model: every tensor gathered whole (collective; :func:`merged_tensors` gives them one at
+    a time)."""
+    return dict(merged_tensors(model))
 
 
 def save_merged(model, directory: str | Path, tokenizer=None) -> Path:

@@ -1,6 +1,6 @@
 """The trainer's weights as the colocated vllm engine takes them, in memory.
 
-One process: the model's own tensors (LoRA folded in aside, :func:`portarl.lora.merged_state_dict`),
+One process: the model's own tensors (LoRA folded in aside, :func:`portarl.lora.merged_tensors`),
 handed over as a list of references, no copies.
 
 Under torchrun (FSDP2, one engine per rank through vLLM's external launcher) every
@@ -26,22 +26,23 @@ from collections.abc import Iterator
 
 import torch
 
-from portarl.lora import merged_state_dict
+from portarl.lora import merged_tensors
 
 MIB = 1 << 20
 
 
-def _engine_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` the engine loads: the merged state dict without a tied output head
-    (vLLM ties it to the embedding itself). Under FSDP2 the tensors are DTensor shards."""
+def _engine_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` the engine loads, one at a time: the merged weights
+    (:func:`portarl.lora.merged_tensors`) without a tied output head (vLLM ties it to the
+    embedding itself). Under FSDP2 each is gathered whole (an all-gather: every rank, this
+    order), a LoRA layer folded from its gathered base weight and adapter."""
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    return [(name, tensor.detach()) for name, tensor in merged_state_dict(model).items()
-            if not (tied and name == "lm_head.weight")]
+    return merged_tensors(model, skip={"lm_head.weight"} if tied else frozenset())
 
 
 def local_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """One process: the engine's weights as references to the model's tensors."""
-    return _engine_state(model)
+    return list(_engine_state(model))
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -60,8 +61,6 @@ def gathered_weights(model: torch.nn.Module, *, dtype: torch.dtype | None = None
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in _engine_state(model):
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()  # an all-gather: every rank, this order
         if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
             tensor = tensor.to(dtype)
         bucket.append((name, tensor))

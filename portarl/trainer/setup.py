@@ -31,9 +31,6 @@ def check_distributed_config(cfg: TrainConfig, world: int) -> None:
     if cfg.train.sft_warmup_steps and cfg.train.sft_batch_size % world:
         raise ConfigError(f"train.sft_batch_size={cfg.train.sft_batch_size} must be a multiple of the {world} ranks "
                           "(each rank takes an equal share of every warm-up batch)")
-    if cfg.model.lora is not None and cfg.rollout.mode == "async":
-        raise ConfigError("model.lora with rollout.mode=async and several ranks is not supported yet (the merged "
-                          "weights would be folded from FSDP2 shards); use rollout.mode=colocated, or one process")
     # rollout.engine=vllm, colocated: one engine per rank or per rollout.tensor_parallel_size
     # ranks (vLLM's external launcher), each rank rolling out its own groups.
     tp = cfg.rollout.tensor_parallel_size

@@ -77,6 +77,62 @@ def test_the_gathered_shards_are_the_unsharded_weights(published, tied, dtype):
         assert torch.equal(value, expected[key]), key
 
 
+@pytest.mark.parametrize("tied", ["tied", "untied"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_gathered_lora_shards_are_one_process_merged_weights(published, tied, dtype):
+    """model.lora: rank 0 publishes W + scaling * B @ A folded from the gathered shards,
+    under the base model's names: one process's merged_state_dict of the same full
+    weights, cast to the rollout dtype, bitwise."""
+    pytest.importorskip("peft")
+    from portarl.lora import merged_state_dict
+    from vllm_gather_worker import lora_model
+
+    name = f"lora-{tied}-{dtype}.safetensors"
+    one, two = (load_file(str(d / name)) for d in published)
+    merged = merged_state_dict(lora_model(tied == "tied"))
+    want = {k: v.to(torch.float32 if dtype == "fp32" else torch.bfloat16) for k, v in merged.items()
+            if not (tied == "tied" and k == "lm_head.weight")}
+    assert list(two) == list(one) and two.keys() == want.keys()
+    assert not any("lora_" in k or "base_layer" in k for k in two)
+    for key in want:
+        assert torch.equal(one[key], want[key]) and torch.equal(two[key], want[key]), key
+    base = tiny_state(tied == "tied")
+    assert any(not torch.equal(want[k].float(), base[k]) for k in want), "the adapter must change the weights"
+
+
+def tiny_state(tied: bool) -> dict:
+    from fsdp_linear_worker import tiny
+
+    return tiny(tied).state_dict()
+
+
+@pytest.mark.parametrize("tied", ["tied", "untied"])
+def test_lora_publish_gathers_one_layer_at_a_time_in_the_same_order_on_every_rank(published, tied):
+    """Under FSDP2 each published tensor is gathered just before it is sent: a plain weight
+    alone, an adapted one with its layer's lora_B and lora_A (folded whole, not from
+    shards); rank 1 runs the very same gathers in the same order; a tied head is not
+    gathered at all."""
+    pytest.importorskip("peft")
+    _, two = published
+    ranks = [json.loads((two / f"lora-{tied}-gathers-rank{r}.json").read_text()) for r in (0, 1)]
+    published_names = [name for name, _ in ranks[0][:-1]]
+    assert sorted(published_names) == sorted(load_file(str(two / f"lora-{tied}-fp32.safetensors")))
+    assert ranks[0][-1] == [None, []], "every gather comes before the tensor it belongs to"
+    adapted = 0
+    for name, gathered in ranks[0][:-1]:
+        module, leaf = name.rsplit(".", 1)
+        if not module.endswith(("q_proj", "v_proj", "up_proj")):
+            assert gathered == [name], (name, gathered)
+        elif leaf == "weight":
+            adapted += 1
+            assert gathered == [f"{module}.base_layer.weight", f"{module}.lora_B.default.weight",
+                                f"{module}.lora_A.default.weight"], (name, gathered)
+        else:  # an adapted layer's bias: its base layer's
+            assert gathered == [f"{module}.base_layer.{leaf}"], (name, gathered)
+    assert adapted == 6  # 3 adapted projections in each of the 2 layers
+    assert ranks[1] == [[None, [g for _, gathered in ranks[0] for g in gathered]]]
+
+
 # ------------------------------------------------------------------- whole runs
 @pytest.fixture(scope="module")
 def async_two(tmp_path_factory):
@@ -213,3 +269,84 @@ def test_a_send_cut_midway_stops_every_rank_at_the_same_step_with_a_checkpoint(t
     latest = CheckpointManager(tmp_path / "run").latest()
     assert CheckpointManager.is_sharded(latest) and CheckpointManager.load_state(latest)["step"] == 2
     assert _worker_gone(proc.stderr)
+
+
+# ------------------------------------------------------------------- LoRA, async
+def _merged_from(directory: Path | None) -> dict[str, torch.Tensor]:
+    """The merged weights (portarl.lora.merged_state_dict, one process) of a LoRA run's
+    checkpoint (sharded or not); ``None``: the initial adapter's (B = 0: the base)."""
+    from portarl.lora import load_adapter, merged_state_dict
+    from test_torchrun_options import _lora_model
+
+    model = _lora_model()
+    if directory is not None and CheckpointManager.is_sharded(directory):
+        CheckpointManager.load_sharded(directory, model, torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad]))
+    elif directory is not None:
+        load_adapter(model, directory)
+    return {k: v.detach().clone() for k, v in merged_state_dict(model).items()}
+
+
+@pytest.mark.parametrize("sync", ["collective", "file"])
+def test_lora_async_on_two_ranks_publishes_the_merged_weights_of_every_version_bitwise(tmp_path, sync):
+    """model.lora under 2-rank torchrun, async: rank 0 publishes W + scaling * B @ A, each
+    adapted weight folded from the gathered base weight and adapter, and every version the
+    worker loaded is what one process's merged_state_dict gives from that step's sharded
+    checkpoint, bitwise, under the base model's names."""
+    pytest.importorskip("peft")
+    from portarl.rollout.async_worker import DUMP_ENV
+    from test_torchrun_options import LORA
+
+    out, dumps = tmp_path / "run", tmp_path / "dumps"
+    dumps.mkdir()
+    proc = _train(out, 2, "train.steps=3", ASYNC, *LORA, f"rollout.weight_sync={sync}", "optim.lr=5e-2",
+                  "checkpoint.keep_last=10", env=_env(**{DUMP_ENV: str(dumps)}))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3]
+    checkpoints = {CheckpointManager.load_state(d)["step"]: d for d in CheckpointManager(out).complete()}
+    assert all(CheckpointManager.is_sharded(d) for d in checkpoints.values())
+    loaded = sorted(int(p.stem[1:]) for p in dumps.glob("v*.safetensors"))
+    batches = _jsonl(out / "rollout_batches.jsonl")
+    assert {b["version"] for b in batches} <= set(loaded) and [v for v in loaded if v > 0], loaded
+    start = _merged_from(None)
+    for version in loaded:
+        worker = load_file(str(dumps / f"v{version}.safetensors"))
+        want = _merged_from(checkpoints[version]) if version else start
+        assert worker.keys() == want.keys() and not any("lora_" in k or "base_layer" in k for k in worker)
+        differ = [k for k in want if not torch.equal(worker[k], want[k])]
+        assert not differ, f"version {version}: {differ[:3]} differ from the trainer's merged weights"
+        if version:  # the check can fail: the trained adapter moved the merged weights
+            assert any(not torch.equal(worker[k], start[k]) for k in want), f"version {version} is the base"
+    assert _worker_gone(proc.stderr)
+
+
+def test_lora_async_on_two_ranks_matches_one_process(tmp_path):
+    """The same LoRA async run (2 steps, staleness 0, unshared rows) on 1 process and on 2
+    ranks: step 1 (version 0) samples the same completions and updates the adapter alike
+    (tolerances of test_fsdp_gloo.py); step 2 is sampled by version 1, merged on one
+    process and folded from the gathered shards on two: the same completions again, and the
+    same step."""
+    pytest.importorskip("peft")
+    from test_fsdp_gloo import assert_params_close
+    from test_torchrun_options import LORA, _adapter, _lora_model
+
+    single, double = tmp_path / "single", tmp_path / "double"
+    for out, ranks in ((single, 1), (double, 2)):
+        proc = _train(out, ranks, "train.steps=2", ASYNC, *LORA, "rollout.max_staleness=0", "train.share_prompt=false",
+                      "checkpoint.keep_last=10")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    assert _jsonl(single / "rollout_batches.jsonl") == _jsonl(double / "rollout_batches.jsonl")
+    assert [b["version"] for b in _jsonl(double / "rollout_batches.jsonl")] == [0, 1]
+    for a, b in zip(_rows(single), _rows(double), strict=True):
+        assert a["reward/mean"] == b["reward/mean"] and a["reward/std"] == b["reward/std"], a["step"]
+        for key in ("loss", "pg/loss", "kl/loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=RTOL, abs=ATOL), (a["step"], key)
+    first = [next(d for d in CheckpointManager(out).complete() if CheckpointManager.load_state(d)["step"] == 1)
+             for out in (single, double)]
+    one, two = _lora_model(), _lora_model()
+    from portarl.lora import load_adapter
+
+    load_adapter(one, first[0])
+    assert CheckpointManager.is_sharded(first[1])
+    CheckpointManager.load_sharded(first[1], two, torch.optim.AdamW([p for p in two.parameters() if p.requires_grad]))
+    assert_params_close(_adapter(one), _adapter(two), _adapter(_lora_model()))

@@ -74,13 +74,12 @@ def test_lora_config_defaults_and_errors_name_the_field():
 
 
 def test_lora_passes_the_distributed_checks():
-    """LoRA runs under FSDP2 (tests/distributed/test_torchrun_options.py trains it on 2 ranks)."""
+    """LoRA runs under FSDP2, colocated and async (tests/distributed/test_torchrun_options.py
+    and test_async_torchrun.py train it on 2 ranks)."""
     from portarl.trainer.setup import check_distributed_config
 
-    check_distributed_config(TrainConfig.load(None, [*FAST, "model.lora.r=4"]), 2)
-    cfg = TrainConfig.load(None, [*FAST, "model.lora.r=4", "rollout.mode=async"])
-    with pytest.raises(ConfigError, match="model.lora with rollout.mode=async and several ranks"):
-        check_distributed_config(cfg, 2)
+    for mode in ("colocated", "async"):
+        check_distributed_config(TrainConfig.load(None, [*FAST, "model.lora.r=4", f"rollout.mode={mode}"]), 2)
 
 
 def test_missing_peft_is_one_line_naming_the_extra(monkeypatch, tmp_path, capsys):

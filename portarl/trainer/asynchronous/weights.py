@@ -9,9 +9,11 @@ here and nowhere else:
   ``full_tensor()``, a collective, so *every rank* calls :func:`rollout_state_dict` at the
   same point, in the same order; only rank 0 keeps the full tensors (the others get
   ``None``), one tensor at a time, so no rank ever holds more than one extra full tensor.
-- **LoRA**: the adapter is folded in on the side (:func:`portarl.lora.merged_state_dict`,
+- **LoRA**: the adapter is folded in on the side (:func:`portarl.lora.merged_tensors`,
   ``W + scaling * B @ A`` summed in fp32), under the base model's names; the training
-  model is never merged in place.
+  model is never merged in place. Under FSDP2 each adapted weight is folded from its
+  gathered base weight and gathered ``lora_A`` / ``lora_B``, one layer at a time: the
+  merged weights of one process holding the same full weights, bitwise.
 - **Tied weights** (the output head sharing the embedding): written once, under the first
   name (``load_model`` fills the tied twin); a gathered or merged state dict no longer
   shares the storage ``safetensors.torch.save_model`` would detect.
@@ -40,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from portarl.lora import base_model, is_lora, merged_state_dict
+from portarl.lora import base_model, merged_tensors
 
 
 def tied_twins(model: torch.nn.Module) -> set[str]:
@@ -64,14 +66,7 @@ def rollout_tensors(model: torch.nn.Module, dtype: torch.dtype, is_main: bool = 
     others inside a gather: :func:`drain`). ``device``: where the receiving end wants the
     tensors (the host for a file or Gloo; the trainer's device for NCCL / HCCL, so a tensor
     never makes the round trip through host memory)."""
-    twins = tied_twins(model)
-    state = merged_state_dict(model) if is_lora(model) else model.state_dict()
-    for name, tensor in state.items():
-        if name in twins:
-            continue
-        t = tensor.detach()
-        if hasattr(t, "full_tensor"):  # an FSDP2 shard: gather (every rank takes part)
-            t = t.full_tensor()
+    for name, t in merged_tensors(model, skip=tied_twins(model)):  # each gathered whole (collective)
         if not is_main:
             continue
         if t.is_floating_point() and t.dtype != dtype:
