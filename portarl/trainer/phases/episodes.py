@@ -15,7 +15,9 @@ from portarl.multiturn.episode import EpisodeRunner
 
 def lock_step(dist):
     """``agree(n)``: the largest running-episode count over ranks (each turn's rows), so
-    every rank runs the same generate calls (FSDP forwards are collective)."""
+    every rank runs the same generate calls (FSDP forwards are collective, and so is a
+    vllm engine that ``rollout.tensor_parallel_size`` ranks share:
+    :mod:`portarl.rollout.vllm_tp`)."""
     if not dist.enabled:
         return None
     return lambda n: int(pdist.all_reduce(dist, torch.tensor([float(n)]), op=torch.distributed.ReduceOp.MAX).item())
