@@ -102,6 +102,9 @@ def test_each_rank_keeps_its_own_episodes_with_its_own_environments_answers(rank
         answers = [m["content"] for ep in rank["episodes"] for m in ep["messages"] if m["role"] != "assistant"]
         assert [ep["turns"] for ep in rank["episodes"]] == [1 + 2 * r] * G
         assert answers == [f"rank {r} pid {rank['pid']}"] * (2 * r * G)
-    last = ranks[0]["calls"][-1]["prompts"]  # the group's last turn, as rank 0 sent it
-    for tokens in ranks[1]["tokens"]:  # rank 1's contexts (its environment's answers in them) reached the engine
-        assert any(tokens[: len(p)] == p and len(p) > len(ranks[1]["calls"][0]["prompts"][G]) for p in last[G:])
+    # Rank 1's third-turn contexts (its environment's answers in them) reached the engine as
+    # rank 0 sent it its requests too: rank 1's rows of the group's last call, on rank 0.
+    first_prompt = len(ranks[1]["calls"][0]["prompts"][G])
+    third_turn = ranks[0]["calls"][-1]["prompts"][G:]
+    for tokens in ranks[1]["tokens"]:
+        assert any(len(p) > first_prompt and tokens[: len(p)] == p for p in third_turn)

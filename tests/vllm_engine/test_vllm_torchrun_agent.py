@@ -55,7 +55,8 @@ def run(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            str(HERE / "vllm_torchrun_worker.py"), str(probe), "train", "--device", "cpu", "--output-dir", str(out),
            *[arg for item in sets for arg in ("--set", item)]]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(TRAINER_TESTS), os.environ.get("PYTHONPATH", "")])}
+    path = [str(HERE), str(TRAINER_TESTS), os.environ.get("PYTHONPATH", "")]  # the worker, agent_tools
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return out, [json.loads((probe / f"rank{r}.json").read_text()) for r in range(2)]
