@@ -5,7 +5,8 @@ against an engine that does what the vllm engine does for a TP group
 (:func:`portarl.rollout.vllm_tp.group_requests`, one generate over the group's requests,
 :func:`~portarl.rollout.vllm_tp.own_share`), and an environment whose answers differ by
 rank on purpose (``agent_tools.RankEnv``: rank 0's episodes end after one turn, rank 1's
-after three, each answer naming the rank and its pid).
+after three, each answer naming the rank and its pid). And a stop signal that ends an
+environment call on one rank only stops both ranks together, at the same call.
 
 The real engine is in tests/vllm_engine/test_vllm_torchrun_agent.py (``make test-vllm``)."""
 
@@ -34,7 +35,24 @@ class _Group:
         self.cpu_group, self.rank_in_group, self.world_size = dist.group.WORLD, rank, world
 
 
-def _rank(rank: int, store: str, out: str) -> None:
+def _interrupt_turn_2(executor) -> None:
+    """The executor's first ``env_step`` of turn 2 (the ``G + 1``-th) ends as a stop signal
+    arriving during the call would end it (``UserCodeGuard``: ``UserCodeError`` of kind
+    ``interrupted``)."""
+    from portarl.user_code import UserCodeError
+
+    run, steps = executor.run, []
+
+    def interrupted(op, *args):
+        steps.append(op == "env_step")
+        if op == "env_step" and sum(steps) == G + 1:
+            raise UserCodeError("RankEnv.step", None, "was interrupted by SIGTERM", kind="interrupted")
+        return run(op, *args)
+
+    executor.run = interrupted
+
+
+def _rank(rank: int, store: str, out: str, interrupt: bool) -> None:
     import sys
 
     sys.path.insert(0, str(TRAINER_TESTS))
@@ -48,6 +66,7 @@ def _rank(rank: int, store: str, out: str) -> None:
     from portarl.tokenizer import TextCodec
     from portarl.trainer import TrainConfig
     from portarl.trainer.phases.episodes import play
+    from portarl.user_code import UserCodeError
 
     class GroupEngine(ScriptedRollout):
         """One engine for the group: every rank's requests gathered, all generated, this rank's rows kept."""
@@ -72,9 +91,16 @@ def _rank(rank: int, store: str, out: str) -> None:
         engine = GroupEngine(model, tok, ["one", "two", "three"])
         examples = [Example([{"role": "user", "content": f"Count {rank}"}], None, {}, f"row {rank}")]
         prompts = [codec.encode_prompt(ex.prompt) for ex in examples for _ in range(G)]
-        rollout, _, metrics, _ = play(agent, engine, SamplingParams(max_new_tokens=12), examples, prompts,
-                                      [10 * rank + i for i in range(G)], G, pdist.DistContext(rank, 2, 0, "gloo"))
-        agent.close()
+        if interrupt and rank == 1:
+            _interrupt_turn_2(agent.executor)
+        try:
+            rollout, _, metrics, _ = play(agent, engine, SamplingParams(max_new_tokens=12), examples, prompts,
+                                          [10 * rank + i for i in range(G)], G, pdist.DistContext(rank, 2, 0, "gloo"))
+        except UserCodeError as err:  # what the trainer's loop stops on (portarl.trainer.loop.stop_on_user_code)
+            Path(out, f"rank{rank}.json").write_text(json.dumps({"raised": str(err), "calls": engine.group_calls}))
+            return
+        finally:
+            agent.close()
         Path(out, f"rank{rank}.json").write_text(json.dumps({
             "pid": os.getpid(), "calls": engine.group_calls, "episodes": rollout.episodes,
             "tokens": [list(p) + list(c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids)]}))
@@ -82,11 +108,14 @@ def _rank(rank: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+def _spawn(tmp: Path, interrupt: bool = False) -> list[dict]:
+    mp.spawn(_rank, args=(str(tmp / "store"), str(tmp), interrupt), nprocs=2, join=True)
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp-episodes")
-    mp.spawn(_rank, args=(str(tmp / "store"), str(tmp)), nprocs=2, join=True)
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    return _spawn(tmp_path_factory.mktemp("tp-episodes"))
 
 
 def test_the_ranks_of_a_group_send_the_engine_the_same_requests_at_every_turn(ranks):
@@ -108,3 +137,14 @@ def test_each_rank_keeps_its_own_episodes_with_its_own_environments_answers(rank
     third_turn = ranks[0]["calls"][-1]["prompts"][G:]
     for tokens in ranks[1]["tokens"]:
         assert any(len(p) > first_prompt and tokens[: len(p)] == p for p in third_turn)
+
+
+def test_a_stop_signal_in_one_ranks_environment_call_stops_both_ranks_at_the_same_call(tmp_path):
+    """Rank 1's first environment step of turn 2 is interrupted: it does not leave the loop
+    alone (rank 0 would wait for it at the group's next call), both ranks raise at the next
+    agreement, rank 0 with rank 1's message, after the same engine calls."""
+    zero, one = _spawn(tmp_path, interrupt=True)
+    assert one["raised"] == "RankEnv.step was interrupted by SIGTERM"
+    assert zero["raised"] == "RankEnv.step was interrupted by SIGTERM (on rank 1)"
+    assert len(zero["calls"]) == len(one["calls"]) == 2  # turns 1 and 2; none after the interrupted step
+    assert [(c["prompts"], c["seeds"]) for c in zero["calls"]] == [(c["prompts"], c["seeds"]) for c in one["calls"]]
