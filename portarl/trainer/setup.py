@@ -32,14 +32,12 @@ def check_distributed_config(cfg: TrainConfig, world: int) -> None:
         raise ConfigError(f"train.sft_batch_size={cfg.train.sft_batch_size} must be a multiple of the {world} ranks "
                           "(each rank takes an equal share of every warm-up batch)")
     # rollout.engine=vllm, colocated: one engine per rank or per rollout.tensor_parallel_size
-    # ranks (vLLM's external launcher), each rank rolling out its own groups.
+    # ranks (vLLM's external launcher), each rank rolling out its own groups (with tools or
+    # an environment too: portarl.rollout.vllm_tp says why the group's turns stay in step).
     tp = cfg.rollout.tensor_parallel_size
     if world % tp:
         raise ConfigError(f"rollout.tensor_parallel_size={tp} must divide the {world} ranks (each group of {tp} "
                           "consecutive ranks shares one vLLM engine)")
-    if tp > 1 and (cfg.tools or cfg.environment is not None):
-        raise ConfigError("rollout.tensor_parallel_size > 1 with tools or an environment is not supported yet: the "
-                          "ranks of a group would have to take their turns in step; set rollout.tensor_parallel_size=1")
 
 
 def check_rollout_config(cfg: TrainConfig, device, world: int = 1) -> None:

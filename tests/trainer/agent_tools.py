@@ -57,6 +57,13 @@ def reward_env_text(prompts, completions, conversation, **columns):
     return [float(sum(m["role"] == "assistant" for m in conv)) for conv in conversation]
 
 
+def reward_final_length(prompts, completions, **columns):
+    """A batched reward with spread even for an untrained model (advantages and gradients
+    not 0): the final turn's length modulo 3 (a conversational prompt's completion is
+    ``[{"role": "assistant", "content": text}]``)."""
+    return [float(len(c[-1]["content"] if isinstance(c, list) else c) % 3) for c in completions]
+
+
 class CountEnv:
     """Answers every reply with "again" until the third, then is done; reward: replies seen."""
 
@@ -106,3 +113,21 @@ class LongResetEnv(CountEnv):
     def reset(self, row):
         super().reset(row)
         return "x" * 5000
+
+
+class RankEnv:
+    """Answers each reply with this process's torchrun rank and pid; done after
+    ``1 + 2 * rank`` replies (rank 0: one turn, rank 1: three), so the ranks of one
+    tensor-parallel group play different numbers of turns and append different text on
+    purpose. Reward: replies seen."""
+
+    def reset(self, row):
+        self.replies = 0
+        return None
+
+    def step(self, message):
+        self.replies += 1
+        rank = int(os.environ["RANK"])
+        if self.replies >= 1 + 2 * rank:
+            return {"observation": None, "done": True, "reward": float(self.replies)}
+        return f"rank {rank} pid {os.getpid()}"

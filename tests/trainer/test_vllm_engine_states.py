@@ -185,5 +185,9 @@ def test_tensor_parallel_groups_need_colocated_vllm_under_torchrun(make_trainer)
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=2 needs torchrun"):
         make_trainer(*tp2)
     check_distributed_config(TrainConfig.load(None, tp2), 4)
+    # multi-turn episodes too: each rank's own episodes, the group's calls in lock step (portarl.rollout.vllm_tp)
+    check_distributed_config(TrainConfig.load(None, [*tp2, "environment=agent_tools:CountEnv",
+                                                     "rewards=[{name: environment}]"]), 2)
+    check_distributed_config(TrainConfig.load(None, [*tp2, "tools=['agent_tools:multiply']"]), 2)
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=2 must divide the 3 ranks"):
         check_distributed_config(TrainConfig.load(None, [*tp2, "train.prompts_per_step=3"]), 3)

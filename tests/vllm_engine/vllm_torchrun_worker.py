@@ -1,5 +1,7 @@
 """One torchrun rank of ``portarl train`` (the CLI's own ``main``) with a probe: what this
-rank's vllm engine was asked to generate and on which weights version, the rank's own
+rank's vllm engine was asked to generate and on which weights version, what a
+tensor-parallel engine generated for the whole group (requests and outputs, before this
+rank kept its rows), the rank's multi-turn episodes, the rank's own
 mismatch metrics (before the mean over ranks), how its engine was launched, and every
 weights file the process wrote. Written to ``<probe_dir>/rank<r>.json`` after each event
 (the CLI leaves a torchrun job through ``os._exit``).
@@ -19,7 +21,8 @@ import torch
 
 PROBE = Path(sys.argv[1])
 RANK = int(os.environ["RANK"])
-RECORD = {"generate": [], "metrics": [], "engines": [], "weights_files": []}
+RECORD = {"generate": [], "group": [], "episodes": [], "metrics": [], "engines": [], "weights_files": [],
+          "pid": os.getpid()}
 
 
 def _flush() -> None:
@@ -45,9 +48,33 @@ safetensors.torch.save_model = _recording(safetensors.torch.save_model, 1)
 torch.save = _recording(torch.save, 1)
 
 from portarl import distributed as pdist  # noqa: E402
+from portarl.rollout import vllm_tp  # noqa: E402
 from portarl.rollout.vllm import VLLMRollout  # noqa: E402
+from portarl.trainer.phases import rollout as rollout_phase  # noqa: E402
 
 _generate, _init, _mean = VLLMRollout.generate, VLLMRollout.__init__, pdist.mean_metrics
+_group_requests, _own_share, _play = vllm_tp.group_requests, vllm_tp.own_share, rollout_phase.play
+
+
+def group_requests(prompts, seeds, group=None):
+    everyone, group_seeds, rows = _group_requests(prompts, seeds, group)
+    RECORD["group"].append({"seeds": group_seeds, "rows": [rows.start, rows.stop]})
+    return everyone, group_seeds, rows
+
+
+def own_share(batch, rows):
+    RECORD["group"][-1].update(prompts=batch.prompt_ids, completions=batch.completion_ids, logprobs=batch.logprobs)
+    _flush()
+    return _own_share(batch, rows)
+
+
+def play(agent, engine, sampling, examples, prompts, seeds, group_size, dist=None):
+    rollout, texts, metrics, events = _play(agent, engine, sampling, examples, prompts, seeds, group_size, dist)
+    RECORD["episodes"].append([{"turns": e["turns"], "finish": e["finish"], "messages": e["messages"],
+                                "prompt_len": len(p), "tokens": list(p) + list(c)}
+                               for e, p, c in zip(rollout.episodes, rollout.prompt_ids, rollout.completion_ids)])
+    _flush()
+    return rollout, texts, metrics, events
 
 
 def generate(self, prompts, seeds, params):
@@ -73,6 +100,7 @@ def mean_metrics(ctx, metrics):
 
 
 VLLMRollout.generate, VLLMRollout.__init__, pdist.mean_metrics = generate, init, mean_metrics
+vllm_tp.group_requests, vllm_tp.own_share, rollout_phase.play = group_requests, own_share, play
 
 if __name__ == "__main__":
     from portarl.cli import main

@@ -11,14 +11,27 @@ import torch
 from portarl import distributed as pdist
 from portarl.data import Example
 from portarl.multiturn.episode import EpisodeRunner
+from portarl.user_code import agree_on_failure
 
 
 def lock_step(dist):
-    """``agree(n)``: the largest running-episode count over ranks (each turn's rows), so
-    every rank runs the same generate calls (FSDP forwards are collective)."""
+    """``agree(n, failure)``: the largest running-episode count over ranks (each turn's
+    rows), so every rank runs the same generate calls (FSDP forwards are collective, and so
+    is a vllm engine that ``rollout.tensor_parallel_size`` ranks share:
+    :mod:`portarl.rollout.vllm_tp`). A rank's ``failure`` (a stop signal that ended a tool
+    or environment call) is raised on every rank, the first failing rank's message on the
+    others (:func:`~portarl.user_code.agree_on_failure`), in the same one reduction."""
     if not dist.enabled:
         return None
-    return lambda n: int(pdist.all_reduce(dist, torch.tensor([float(n)]), op=torch.distributed.ReduceOp.MAX).item())
+
+    def agree(n: int, failure=None) -> int:
+        got = pdist.all_reduce(dist, torch.tensor([float(n), float(failure is not None)]),
+                               op=torch.distributed.ReduceOp.MAX)
+        if got[1]:
+            raise agree_on_failure(dist, failure)
+        return int(got[0])
+
+    return agree
 
 
 def play(agent, engine, sampling, examples: list[Example], prompts, seeds, group_size: int, dist=None):
