@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,6 +26,7 @@ pytest.importorskip("transformers")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+HERE = Path(__file__).parent
 TRAINER_TESTS = Path(__file__).parents[1] / "trainer"
 TURNS, G = 3, 2
 
@@ -97,19 +100,32 @@ def _rank(rank: int, store: str, out: str, interrupt: bool) -> None:
             rollout, _, metrics, _ = play(agent, engine, SamplingParams(max_new_tokens=12), examples, prompts,
                                           [10 * rank + i for i in range(G)], G, pdist.DistContext(rank, 2, 0, "gloo"))
         except UserCodeError as err:  # what the trainer's loop stops on (portarl.trainer.loop.stop_on_user_code)
-            Path(out, f"rank{rank}.json").write_text(json.dumps({"raised": str(err), "calls": engine.group_calls}))
-            return
+            result = {"raised": str(err), "calls": engine.group_calls}
+        else:
+            result = {"pid": os.getpid(), "calls": engine.group_calls, "episodes": rollout.episodes,
+                      "tokens": [list(p) + list(c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids)]}
         finally:
             agent.close()
-        Path(out, f"rank{rank}.json").write_text(json.dumps({
-            "pid": os.getpid(), "calls": engine.group_calls, "episodes": rollout.episodes,
-            "tokens": [list(p) + list(c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids)]}))
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # neither rank closes its sockets while the other is still in a collective with it
     finally:
         dist.destroy_process_group()
+    # Gloo's threads outlive the group: interpreter finalisation can race them and abort the
+    # process ("terminate called without an active exception"; portarl/exit_path.py), as it
+    # did here at random. A rank that got this far leaves as a portarl rank does.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawn(tmp: Path, interrupt: bool = False) -> list[dict]:
-    mp.spawn(_rank, args=(str(tmp / "store"), str(tmp), interrupt), nprocs=2, join=True)
+    """The 2 ranks, spawned from a process of their own: ``mp.spawn`` leaves a helper
+    process of multiprocessing's (its resource tracker) running until the spawning process
+    exits, and the other tests check that a run leaves no child of the test process behind."""
+    cmd = [sys.executable, __file__, str(tmp), "interrupt" if interrupt else "whole"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -148,3 +164,8 @@ def test_a_stop_signal_in_one_ranks_environment_call_stops_both_ranks_at_the_sam
     assert zero["raised"] == "RankEnv.step was interrupted by SIGTERM (on rank 1)"
     assert len(zero["calls"]) == len(one["calls"]) == 2  # turns 1 and 2; none after the interrupted step
     assert [(c["prompts"], c["seeds"]) for c in zero["calls"]] == [(c["prompts"], c["seeds"]) for c in one["calls"]]
+
+
+if __name__ == "__main__":  # _spawn's process: OUT_DIR whole|interrupt
+    mp.spawn(_rank, args=(str(Path(sys.argv[1]) / "store"), sys.argv[1], sys.argv[2] == "interrupt"), nprocs=2,
+             join=True)
