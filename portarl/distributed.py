@@ -132,6 +132,12 @@ def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S)
     return DistContext(rank, world, local, BACKEND_FOR_DEVICE[device.type], host_group), device
 
 
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole: an FSDP2 shard (a DTensor) gathered with ``full_tensor()``, an
+    all-gather that every rank must run at the same point; any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def shutdown(agreed: bool = True) -> None:
     """Leave the job (steps 1-3 of :mod:`portarl.exit_path`); idempotent.
 

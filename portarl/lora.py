@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from portarl.distributed import full
+
 # peft's save_pretrained asks transformers a deprecated question on every checkpoint; the
 # answer is right, the FutureWarning is noise in every run's log.
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
@@ -86,13 +88,6 @@ def _lora_layers(model):
     return [(name, module) for name, module in inner.named_modules() if isinstance(module, LoraLayer)]
 
 
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` whole: an FSDP2 shard (a DTensor) gathered with ``full_tensor()``, an
-    all-gather that every rank must run at the same point; any other tensor as it is."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-@torch.no_grad()
 def merged_tensors(model, skip=frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`merged_state_dict` one ``(name, tensor)`` at a time, in the state dict's order,
     each tensor whole (:func:`full`), the names in ``skip`` left out (not gathered either).

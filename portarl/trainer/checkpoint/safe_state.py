@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from portarl.distributed import full
+
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
 FORMAT = 1
@@ -75,10 +77,7 @@ def set_rng_state(state: dict) -> None:
 # ------------------------------------------------------------------ encode / decode
 def _encode(value, tensors: dict, seen: dict):
     if isinstance(value, torch.Tensor):
-        t = value.detach()
-        if hasattr(t, "full_tensor"):  # a DTensor: store the full value
-            t = t.full_tensor()
-        t = t.cpu().contiguous()
+        t = full(value.detach()).cpu().contiguous()  # a DTensor: its full value
         # safetensors refuses tensors sharing memory (tied weights): store a copy of repeats.
         ptr = (t.data_ptr(), t.numel(), t.dtype) if t.numel() else None
         if ptr is not None and ptr in seen:

@@ -75,7 +75,7 @@ def run_sft(model, codec: TextCodec, examples: list[Example], *, steps: int, bat
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-            if sharded and not torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm):
+            if sharded and not torch.isfinite(pdist.full(norm)):
                 raise FloatingPointError(f"SFT gradient is not finite at step {step}")
             optimizer.step()
         else:
@@ -83,7 +83,7 @@ def run_sft(model, codec: TextCodec, examples: list[Example], *, steps: int, bat
             precision.scale_loss(loss).backward()
             if sharded:
                 norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-                overflow = not bool(torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+                overflow = not bool(torch.isfinite(pdist.full(norm)))
             else:
                 overflow = not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
             if overflow and precision.dynamic:

@@ -149,7 +149,7 @@ def grad_norm_of(targets: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
         zero = torch.zeros((), device=targets[0].device if targets else None)
         return zero, zero
     norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)  # as clip_grad_norm_ does
-    return norm, (norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return norm, pdist.full(norm)
 
 
 def _refuse_old_logp(trainer, on_policy: list, bad: int) -> None:
