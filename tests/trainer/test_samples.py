@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 
 from portarl.trainer.run.samples import SampleLog, pick
 
@@ -86,3 +88,8 @@ def test_portarl_episodes_reads_rows_written_before_segments(tmp_path, capsys):
     assert "skipped 1 line(s) of samples.jsonl that are not JSON" in captured.err
     assert main(["episodes", str(tmp_path / "nowhere")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+    # JSON only: quick where the run directory was copied to (no torch, no transformers)
+    code = (f"import sys; from portarl.cli import main; code = main(['episodes', {str(tmp_path)!r}]); "
+            "print(code, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split()[-3:] == ["0", "False", "False"], proc.stderr
