@@ -42,7 +42,8 @@ def add_parser(commands) -> None:
                    help="the sample index within the step (default: every sample logged at that step)")
     p.add_argument("--ids", action="store_true", help="also print each run's token ids")
     p.add_argument("--tokens", action="store_true",
-                   help="one token a line: position, id, loss mask, text (the tokenizer of the run's newest checkpoint)")
+                   help="one token a line: position, id, loss mask, text (decoded with the tokenizer of the run's "
+                        "newest checkpoint)")
     p.set_defaults(func=cmd_episodes)
 
 
@@ -96,8 +97,9 @@ def choose(rows: list[dict], step: int | None, sample: int | None) -> list[dict]
     if sample is None:
         return [at[k] for k in sorted(at, key=lambda k: (k is None, k))]
     if sample not in at:
-        raise EpisodesError(f"--sample {sample}: not logged at step {step}; logged samples: "
-                            f"{', '.join(str(k) for k in sorted(k for k in at if k is not None))} (logging.samples_count)")
+        logged = ", ".join(str(k) for k in sorted(k for k in at if k is not None))
+        raise EpisodesError(f"--sample {sample}: not logged at step {step}; logged samples: {logged} "
+                            "(logging.samples_count)")
     return [at[sample]]
 
 

@@ -63,7 +63,8 @@ def test_segments_are_the_scored_ids_and_loss_mask_by_who_wrote_them(tool_run):
         assert prompt.startswith("<|im_start|>system\n# Tools") and '"name": "multiply"' in prompt
         assert prompt.endswith("*34?<|im_end|>\n<|im_start|>assistant\n")
         tool = row["segments"][2]
-        assert tool["text"] == "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        assert tool["text"] == ("\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n"
+                                "<|im_start|>assistant\n")
         assert row["segments"][3]["text"] == ANSWER + "<|im_end|>"
         # the conversation's token counts are the segments' (the model's <|im_end|> is the model's)
         assert [m["tokens"] for m in row["conversation"]] == [len(s["ids"]) for s in row["segments"][1:]]
