@@ -7,6 +7,7 @@
                   [--resume | --overwrite]
     portarl sft   [--config FILE.yaml] [--set key=value ...] [--device D] [--output-dir DIR] [--steps N] [--overwrite]
     portarl export --checkpoint C --out DIR [--overwrite]
+    portarl episodes RUN [--step N] [--sample K] [--ids] [--tokens]
     portarl plan  [--config FILE.yaml] [--set key=value ...] [--devices N] [--device-memory 80GiB]
     portarl bench kernels | stability [compare | dump | locate] ...
     portarl bench step [--vs trl] [--steps N] [--rounds R] [--threads T] [--out FILE.json]
@@ -252,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_cmd_eval)
 
     cli_bench.add_parser(commands)
+    from portarl import cli_episodes
+
+    cli_episodes.add_parser(commands)  # portarl episodes RUN: samples.jsonl turn by turn, token ids and loss mask
     return parser
 
 

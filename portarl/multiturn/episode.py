@@ -80,7 +80,8 @@ class Episode:
     env_name: str | None = None
     env_key: str | None = None      # set while its environment lives
     env_failed: str | None = None   # reset failed: one turn, then the episode ends
-    messages: list = dataclasses.field(default_factory=list)
+    messages: list = dataclasses.field(default_factory=list)  # what the model read, in order
+    unread: list = dataclasses.field(default_factory=list)    # produced after its last turn, never appended
     turns: int = 0
     finish: str | None = None
     final_text: str = ""
@@ -194,7 +195,7 @@ class EpisodeRunner:
         elif not ended:
             ep.finish = "length"
         elif ep.env_failed:
-            ep.messages.append({"role": "user", "content": ep.env_failed, "tokens": 0})
+            ep.unread.append({"role": "user", "content": ep.env_failed})
             ep.finish = "env_error"
         if ep.finish:
             return
@@ -204,13 +205,13 @@ class EpisodeRunner:
             if last:
                 ep.finish = "max_turns"
                 return
-            messages = tool_result_messages(self._run_calls(ep, parsed), self.agent.template_tools)
+            messages, role = tool_result_messages(self._run_calls(ep, parsed), self.agent.template_tools), "tool"
         elif ep.env_key is not None:
-            messages = self._step_environment(ep, last)
+            messages, role = self._step_environment(ep, last), "environment"
         else:
             ep.finish = "stop"
         if ep.finish is None:
-            self._append(ep, messages, ids[-1])
+            self._append(ep, messages, ids[-1], role)
 
     # -------------------------------------------------------------- tool calls
     def _run_calls(self, ep: Episode, parsed) -> list[tuple[str, str]]:
@@ -255,8 +256,8 @@ class EpisodeRunner:
             ep.env_rewards.append(step["reward"])
         message = {"role": step["role"], "content": step["observation"]}
         if step["done"] or last:
-            if step["observation"] is not None:  # shown in the sample log, not appended: nothing reads it
-                ep.messages.append({**message, "tokens": 0})
+            if step["observation"] is not None:  # shown in the sample log as unread: nothing reads it
+                ep.unread.append(message)
             ep.finish = "done" if step["done"] else "max_turns"
             return []
         return [message]
@@ -266,7 +267,7 @@ class EpisodeRunner:
         ep.env_key = None
         ep.counts.env_errors += 1
         ep.counts.first_error = ep.counts.first_error or f"environment: {problem}"
-        ep.messages.append({"role": "user", "content": f"Error: the environment's {problem}", "tokens": 0})
+        ep.unread.append({"role": "user", "content": f"Error: the environment's {problem}"})
         ep.finish = "env_error"
 
     def _end_environment(self, ep: Episode) -> None:
@@ -285,18 +286,17 @@ class EpisodeRunner:
         ep.env_key = None
 
     # ---------------------------------------------------------------- helpers
-    def _append(self, ep: Episode, messages: list[dict], last_token: int) -> None:
-        """Append ``messages`` (their ids, the next generation prompt included); the first
-        message's ``tokens`` counts them all. No room left in the budget: the episode ends,
-        the messages shown in the sample log but not appended (nothing would read them)."""
+    def _append(self, ep: Episode, messages: list[dict], last_token: int, role: str) -> None:
+        """Append ``messages`` (their ids, the next generation prompt included; ``role``:
+        ``tool`` or ``environment``); the first message's ``tokens`` counts them all. No room
+        left in the budget: the episode ends, the messages kept as unread (nothing reads them)."""
         ids = self.agent.renderer.continuation_ids(messages, last_token)
         budget = self.agent.max_episode_tokens
-        fits = budget is None or len(ep.traj.ids) + len(ids) < budget
-        for k, m in enumerate(messages):
-            ep.messages.append({**m, "tokens": len(ids) if fits and k == 0 else 0})
-        if fits:
-            ep.traj.add_context(ids)
+        if budget is None or len(ep.traj.ids) + len(ids) < budget:
+            ep.messages += [{**m, "tokens": len(ids) if k == 0 else 0} for k, m in enumerate(messages)]
+            ep.traj.add_context(ids, role)
         else:
+            ep.unread += messages
             ep.finish = "budget"
 
     def _raw_text(self, ids) -> str:

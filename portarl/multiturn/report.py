@@ -1,7 +1,7 @@
 """What a batch of episodes reports: the ``agent/*`` metrics, one event when user code
 failed (a tool or environment that raised, hung, returned something that is not JSON or
 killed its process), and each episode's record for the sample log (its conversation, turn
-by turn, with the tokens each message took).
+by turn, with the tokens each message took, and who wrote each run of its token ids).
 
 Metrics (per step; means over episodes, so one process and several ranks, whose metrics
 are averaged, read alike, except ``agent/tool_success_frac``, ``agent/env_reward_mean`` and
@@ -99,8 +99,12 @@ def errors_event(episodes) -> tuple | None:
 
 
 def episode_record(ep) -> dict:
-    """An episode for the sample log: its messages after the prompt and how it ended."""
-    return {"turns": ep.turns, "finish": ep.finish, "messages": ep.messages, "env_reward": ep.env_reward,
+    """An episode for the sample log: the messages after the prompt that the model read, the
+    ones produced after its last turn that it never read (``unread``: a final observation, an
+    environment's error, results past the token budget), who wrote each run of its ids
+    (``segments``, :class:`~portarl.multiturn.trajectory.Trajectory`) and how it ended."""
+    return {"turns": ep.turns, "finish": ep.finish, "messages": ep.messages, "unread": ep.unread,
+            "segments": ep.traj.segments, "env_reward": ep.env_reward,
             "tool_calls": ep.counts.calls, "tool_errors": ep.counts.errors, "malformed_calls": ep.counts.malformed,
             "final": ep.final_text}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from portarl.reward_runner import RewardError
 from portarl.trainer.asynchronous.pipeline import RolloutWorkerError
-from portarl.trainer.run.samples import SampleLog
+from portarl.trainer.run.samples import SampleLog, exact_text
 from portarl.trainer.setup import forced_backend
 from portarl.trainer.run.signals import StopRequested
 from portarl.trainer.guards.step_guard import UpdateUnrecoverable
@@ -37,7 +37,8 @@ def run_loop(trainer, logger, last_ckpt: Path | None) -> Path | None:
     elif trainer.uses_reference() and trainer.ref_model is None:
         trainer.ref_model = trainer.make_reference()
     samples = SampleLog(trainer.output_dir, cfg.logging.samples_every, cfg.logging.samples_count,
-                        getattr(logger, "writer", None)) if trainer.dist.is_main else None
+                        getattr(logger, "writer", None), decode=exact_text(trainer.codec.tokenizer)) \
+        if trainer.dist.is_main else None
     while trainer.step < cfg.train.steps:
         with forced_backend(cfg.precision.backend):
             optimizer_steps = trainer.scheduler.last_epoch

@@ -131,3 +131,13 @@ class RankEnv:
         if self.replies >= 1 + 2 * rank:
             return {"observation": None, "done": True, "reward": float(self.replies)}
         return f"rank {rank} pid {os.getpid()}"
+
+
+class JudgeEnv:
+    """Done at the first reply, with a verdict the model never reads (its episode is over)."""
+
+    def reset(self, row):
+        return "Answer in one word."
+
+    def step(self, message):
+        return {"observation": "Verdict: fine.", "done": True, "reward": 1.0}

@@ -55,8 +55,10 @@ def test_a_failing_environment_ends_its_episode_with_a_message_and_the_run_goes_
         for _ in range(2):
             metrics = trainer.train_step()
             episode = trainer.last_samples["episodes"][0]
-            assert episode["messages"][-1]["content"] == ("Error: the environment's step raised RuntimeError: the "
-                                                          "environment broke")
+            # the error ended the episode after the model's turn: the model never read it
+            assert episode["unread"] == [{"role": "user", "content": "Error: the environment's step raised "
+                                          "RuntimeError: the environment broke"}]
+            assert [m["role"] for m in episode["messages"]] == ["assistant"]
             assert episode["finish"] == "env_error" and metrics["agent/env_errors"] == 1  # every episode
             assert metrics["reward/environment"] == 0.0 and metrics["skipped"] == 0
             assert any(kind == "tool_errors" for kind, _, _ in metrics["_events"])

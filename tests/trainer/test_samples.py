@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 
 from portarl.trainer.run.samples import SampleLog, pick
 
@@ -53,3 +55,41 @@ def test_training_writes_samples_at_the_first_step_and_every_n(make_trainer, tmp
     rows = [json.loads(line) for line in (trainer.output_dir / "samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2, 4, 4, 4]
     assert all(r["prompt"].endswith("=") and set(r["rewards"]) == {"math_exact", "format"} for r in rows)
+
+
+def test_a_single_turn_row_is_its_prompt_and_completion_ids(make_trainer, monkeypatch):
+    """Token truth (issue 44): the segments are the ids the trainer scored, the prompt as the
+    model saw it (the built-in tokenizer's <bos> included); the loss covers the completion."""
+    from scored_rows import capture_scored_batches, segment_mismatch
+
+    batches = capture_scored_batches(monkeypatch)
+    trainer = make_trainer("train.steps=1", "logging.samples_every=1", "logging.samples_count=2")
+    trainer.train()
+    rows = [json.loads(line) for line in (trainer.output_dir / "samples.jsonl").read_text().splitlines()]
+    decode = lambda ids: trainer.tokenizer.decode(list(ids), skip_special_tokens=False)  # noqa: E731
+    for row in rows:
+        assert segment_mismatch(row, batches[0], decode) is None
+        assert [(s["role"], s["loss_mask"]) for s in row["segments"]] == [("prompt", 0), ("model", 1)]
+        assert row["prompt"].startswith("<bos>") and row["prompt"].endswith("=")
+
+
+def test_portarl_episodes_reads_rows_written_before_segments(tmp_path, capsys):
+    from portarl.cli import main
+
+    old = {"step": 2, "sample": 0, "prompt": "2+2=", "completion": "4", "rewards": {}, "reward": 1.0,
+           "advantage": 0.5, "finish_reason": "stop"}
+    (tmp_path / "samples.jsonl").write_text(json.dumps(old) + "\n" + '{"step": 3, "sam')  # cut short by a crash
+    assert main(["episodes", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [
+        "step 2, sample 0: finish stop, reward 1.0, advantage 0.5",
+        "  (no token ids: this row was written before samples.jsonl carried segments)",
+        "  prompt", "    | 2+2=", "  assistant (? tokens)", "    | 4"]
+    assert "skipped 1 line(s) of samples.jsonl that are not JSON" in captured.err
+    assert main(["episodes", str(tmp_path / "nowhere")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    # JSON only: quick where the run directory was copied to (no torch, no transformers)
+    code = (f"import sys; from portarl.cli import main; code = main(['episodes', {str(tmp_path)!r}]); "
+            "print(code, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split()[-3:] == ["0", "False", "False"], proc.stderr

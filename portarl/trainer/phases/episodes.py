@@ -47,14 +47,15 @@ def play(agent, engine, sampling, examples: list[Example], prompts, seeds, group
 def reward_examples(examples: list[Example], group_size: int, rollout, with_environment: bool) -> list[Example]:
     """One row per sample for the rewards: its data row plus the columns ``conversation``
     (the messages after the prompt: role, content, and the parsed ``tool_calls`` of a model
-    turn that made some) and, with an environment, ``env_reward`` (the episode's
+    turn that made some; last, what came after the model's last turn and it never read, such
+    as the environment's final observation) and, with an environment, ``env_reward`` (the episode's
     environment reward, :mod:`portarl.multiturn.environment`; 0.0 when the environment
     failed), which the built-in reward ``environment`` returns."""
     out = []
     for i, record in enumerate(rollout.episodes):
         ex = examples[i // group_size]
         columns = {**ex.columns, "conversation": [{k: m[k] for k in ("role", "content", "tool_calls") if k in m}
-                                                  for m in record["messages"]]}
+                                                  for m in record["messages"] + record["unread"]]}
         if with_environment:
             columns["env_reward"] = record["env_reward"] if record["env_reward"] is not None else 0.0
         out.append(Example(ex.prompt, ex.answer, columns, ex.where))

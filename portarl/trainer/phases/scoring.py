@@ -128,7 +128,9 @@ def score(trainer, phase, metrics: dict) -> Scored:
     trainer.last_samples = {"prompts": [examples[i // g].prompt_text for i in range(len(phase.texts))],
                             "completions": phase.texts, "finished": rollout.finished,
                             "rewards": reward_values, "total": rewards.tolist(),
-                            "advantages": None, "episodes": getattr(rollout, "episodes", None)}
+                            "advantages": None, "episodes": getattr(rollout, "episodes", None),
+                            "prompt_ids": rollout.prompt_ids, "completion_ids": rollout.completion_ids,
+                            "model_mask": getattr(rollout, "model_mask", None)}
     metrics.update(reward_metrics)
     rewards = trainer.run_hooks("reward", rewards)
     guard.check("reward", rewards)
