@@ -131,3 +131,35 @@ class RankEnv:
         if self.replies >= 1 + 2 * rank:
             return {"observation": None, "done": True, "reward": float(self.replies)}
         return f"rank {rank} pid {os.getpid()}"
+
+
+#: Ten megabytes of text: a tool that dumps a file or a web page whole.
+FLOOD = "START " + "lorem ipsum dolor " * (10_000_000 // 18) + " END"
+
+
+def flood() -> str:
+    """Return ten megabytes of text."""
+    return FLOOD
+
+
+def echo(n: int) -> str:
+    """Return n characters.
+
+    Args:
+        n: How many.
+    """
+    return "y" * n
+
+
+class FloodEnv:
+    """Ten megabytes of reset text, then ten megabytes of observation, then done."""
+
+    def reset(self, row):
+        self.replies = 0
+        return FLOOD
+
+    def step(self, message):
+        self.replies += 1
+        if self.replies >= 2:
+            return {"observation": None, "done": True, "reward": 1.0}
+        return FLOOD
