@@ -178,7 +178,8 @@ class EpisodeRunner:
             return ep
         ep.env_key = key
         if got.value:  # appended to the last user message, as TRL's environment_factory does
-            ep.traj.prompt_ids = self.codec.encode_prompt(_with_observation(example.prompt, self._bounded(ep, got.value, in_room=False)))
+            text = self._bounded(ep, got.value, in_room=False)  # too long for the context: refused below
+            ep.traj.prompt_ids = self.codec.encode_prompt(_with_observation(example.prompt, text))
         return ep
 
     def _after_turn(self, ep: Episode, ids, logprobs, ended: bool, last: bool) -> None:

@@ -151,15 +151,13 @@ def echo(n: int) -> str:
     return "y" * n
 
 
-class FloodEnv:
-    """Ten megabytes of reset text, then ten megabytes of observation, then done."""
+class FloodEnv(CountEnv):
+    """Ten megabytes of reset text, and of each observation until CountEnv is done."""
 
     def reset(self, row):
-        self.replies = 0
+        super().reset(row)
         return FLOOD
 
     def step(self, message):
-        self.replies += 1
-        if self.replies >= 2:
-            return {"observation": None, "done": True, "reward": 1.0}
-        return FLOOD
+        out = super().step(message)
+        return FLOOD if isinstance(out, str) else out

@@ -114,15 +114,15 @@ def test_a_10mb_environment_observation_and_reset_text_are_cut_and_a_step_trains
         prompt = trainer.tokenizer.decode(phase.rollout.prompt_ids[0])
         assert "What is 12*34?\n\nSTART lorem" in prompt and TRUNCATED.search(prompt)  # the reset text, cut
         episode = phase.rollout.episodes[0]
-        assert [m["role"] for m in episode["messages"]] == ["assistant", "user", "assistant"]
+        assert [m["role"] for m in episode["messages"]] == ["assistant", "user"] * 2 + ["assistant"]
         observation = episode["messages"][1]
         assert TRUNCATED.search(observation["content"]) and 0 < observation["tokens"] <= 64 + WRAPPING
         assert TRUNCATED.search(_appended_text(trainer, phase.rollout))
-        assert episode["finish"] == "done" and episode["truncated_observations"] == 2
+        assert episode["finish"] == "done" and episode["truncated_observations"] == 3  # reset, two steps
 
         metrics = trainer.train_step()
-        assert metrics["skipped"] == 0 and metrics["agent/truncated_observations"] == 2
-        assert metrics["reward/environment"] == 1.0
+        assert metrics["skipped"] == 0 and metrics["agent/truncated_observations"] == 3
+        assert metrics["reward/environment"] == 3.0
     finally:
         trainer.close()
 
