@@ -31,7 +31,7 @@ CONTEXT = 4096  # tiny_model's max_position_embeddings
 CAP = TrainConfig().rollout.max_tool_tokens
 #: The rendered observation around the kept tokens: the marker line and the template's
 #: turn tags (<|im_end|>, <|im_start|>user, <tool_response> ...): 85 tokens with this
-#: near character-level tokenizer (measured), so a cut at the cap + 1 token would not pass.
+#: near character-level tokenizer (measured); an uncut 10 MB result is millions.
 WRAPPING = 120
 #: Python memory (tracemalloc) a rollout with a 10 MB tool output may peak at: the output
 #: held a few times (the tool's string, its JSON round trip; measured: 19 MiB). Tokenised
