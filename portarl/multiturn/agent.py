@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from portarl.multiturn.environment import load_factories
+from portarl.multiturn.observations import ObservationCap
 from portarl.multiturn.parsing import detect_format, make_parser
 from portarl.multiturn.render import Renderer, declares_tools, tool_system_text
 from portarl.multiturn.settings import is_multiturn
@@ -29,6 +30,7 @@ class Agent:
     max_turns: int
     max_episode_tokens: int | None
     tool_format: str
+    observations: ObservationCap    # rollout.max_tool_tokens: every tool result and observation cut to it
 
     def close(self) -> None:
         """Stop the executor's process or forget its environments (every exit path)."""
@@ -71,7 +73,7 @@ def make_agent(cfg, codec, search_dirs=()) -> Agent | None:
 
         executor = LocalExecutor(tools, factories, r.tool_timeout_s)
     return Agent(codec, tools, factories, make_parser(fmt, codec.tokenizer), renderer, executor, template_tools,
-                 r.max_turns, r.max_episode_tokens, fmt)
+                 r.max_turns, r.max_episode_tokens, fmt, ObservationCap(codec, r.max_tool_tokens, r.tool_truncate_side))
 
 
 __all__ = ["Agent", "configure_codec", "make_agent"]

@@ -15,7 +15,9 @@ An episode ends (``finish`` reason) at:
   answered by the environment;
 - ``length``: a turn cut at ``rollout.max_new_tokens`` without an end token;
 - ``budget``: ``rollout.max_episode_tokens``, or the next turn would not fit the engine's
-  context (the model's ``max_position_embeddings``; vllm's ``vllm_max_model_len``);
+  context (the model's ``max_position_embeddings``; vllm's ``vllm_max_model_len``): what a
+  turn appends is appended only when the next turn still fits, so an episode never outgrows
+  either;
 - ``env_error``: the environment raised, hung or answered something malformed.
 
 ``stop`` and ``done`` count as finished (``RolloutBatch.finished``, what
@@ -25,7 +27,9 @@ others as truncated.
 Every call into user code goes through the agent's executor with ``rollout.tool_timeout_s``:
 an exception, a hang, a result that is not JSON, an unknown tool, arguments that do not fit
 its signature, or a call that does not parse becomes an ``Error: ...`` message the model
-reads in its next turn and a metric (:mod:`.report`); the run goes on.
+reads in its next turn and a metric (:mod:`.report`); the run goes on. Every tool result
+and environment observation (the reset text too) is first cut at ``rollout.max_tool_tokens``
+(:mod:`.observations`, ``agent/truncated_observations``).
 
 Under torchrun every rank's engine forward is collective, so every rank must run the same
 generate calls: ``agree(n, failure)`` (the maximum over ranks) sets each turn's row count and
@@ -120,8 +124,7 @@ class EpisodeRunner:
                                  "(raise rollout.vllm_max_model_len with vllm, or shorten the prompt)")
         for turn in range(self.agent.max_turns):
             for ep in episodes:
-                if ep.finish is None and ep.turns and self.limit is not None and \
-                        len(ep.traj.context()) + self.params.max_new_tokens > self.limit:
+                if ep.finish is None and ep.turns and not self._next_turn_fits(ep, 0):
                     ep.finish = "budget"
             running = [ep for ep in episodes if ep.finish is None]
             rows = self.agree(len(running), failure)  # raises on every rank when one failed
@@ -176,7 +179,8 @@ class EpisodeRunner:
             return ep
         ep.env_key = key
         if got.value:  # appended to the last user message, as TRL's environment_factory does
-            ep.traj.prompt_ids = self.codec.encode_prompt(_with_observation(example.prompt, got.value))
+            text = self._bounded(ep, got.value, in_room=False)  # too long for the context: refused below
+            ep.traj.prompt_ids = self.codec.encode_prompt(_with_observation(example.prompt, text))
         return ep
 
     def _after_turn(self, ep: Episode, ids, logprobs, ended: bool, last: bool) -> None:
@@ -222,7 +226,7 @@ class EpisodeRunner:
         for call in parsed.calls:
             ep.counts.calls += 1
             results.append((call.name, self._call(ep, call)))
-        return results
+        return [(name, self._bounded(ep, content)) for name, content in results]
 
     def _call(self, ep: Episode, call) -> str:
         tool = self.agent.tools.get(call.name)
@@ -254,9 +258,10 @@ class EpisodeRunner:
         ep.counts.env_steps += 1
         if step["reward"] is not None:
             ep.env_rewards.append(step["reward"])
-        message = {"role": step["role"], "content": step["observation"]}
+        observation = step["observation"]
+        message = {"role": step["role"], "content": None if observation is None else self._bounded(ep, observation)}
         if step["done"] or last:
-            if step["observation"] is not None:  # shown in the sample log as unread: nothing reads it
+            if observation is not None:  # shown in the sample log as unread: nothing reads it
                 ep.unread.append(message)
             ep.finish = "done" if step["done"] else "max_turns"
             return []
@@ -289,15 +294,38 @@ class EpisodeRunner:
     def _append(self, ep: Episode, messages: list[dict], last_token: int, role: str) -> None:
         """Append ``messages`` (their ids, the next generation prompt included; ``role``:
         ``tool`` or ``environment``); the first message's ``tokens`` counts them all. No room
-        left in the budget: the episode ends, the messages kept as unread (nothing reads them)."""
+        left for a next turn after them (the episode budget or the engine's context): the
+        episode ends, the messages kept as unread (nothing reads them)."""
         ids = self.agent.renderer.continuation_ids(messages, last_token)
-        budget = self.agent.max_episode_tokens
-        if budget is None or len(ep.traj.ids) + len(ids) < budget:
+        if self._next_turn_fits(ep, len(ids)):
             ep.messages += [{**m, "tokens": len(ids) if k == 0 else 0} for k, m in enumerate(messages)]
             ep.traj.add_context(ids, role)
         else:
             ep.unread += messages
             ep.finish = "budget"
+
+    # ------------------------------------------------- bounded observations (issue 44)
+    def _bounded(self, ep: Episode, text: str, in_room: bool = True) -> str:
+        """``text`` (a tool result or an observation) cut at ``rollout.max_tool_tokens``, and
+        with ``in_room`` at one token past the episode's room (it will not be appended then:
+        no need to tokenise more of it); counted when cut."""
+        room = self._room(ep) if in_room else None
+        text, cut = self.agent.observations.cut(text, None if room is None else max(0, room) + 1)
+        ep.counts.truncated += cut
+        return text
+
+    def _room(self, ep: Episode) -> int | None:
+        """Context tokens the episode can still append and leave a next model turn room: at
+        least one token under ``rollout.max_episode_tokens``, and ``rollout.max_new_tokens``
+        within the engine's context. None: unbounded."""
+        rooms = [self.agent.max_episode_tokens - 1 - len(ep.traj.ids)] if self.agent.max_episode_tokens else []
+        if self.limit is not None:
+            rooms.append(self.limit - self.params.max_new_tokens - len(ep.traj.prompt_ids) - len(ep.traj.ids))
+        return min(rooms, default=None)
+
+    def _next_turn_fits(self, ep: Episode, appended: int) -> bool:
+        room = self._room(ep)
+        return room is None or appended <= room
 
     def _raw_text(self, ids) -> str:
         """The turn's text with special tokens kept (a format's tags may be special tokens),

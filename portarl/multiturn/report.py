@@ -20,6 +20,8 @@ the maxima: under torchrun, the mean of each rank's):
   ``agent/tool_time_max_s``: the longest single call;
 - ``agent/env_steps``, ``agent/env_errors``: per episode; ``agent/env_reward_mean`` (over
   the episodes whose environment did not fail);
+- ``agent/truncated_observations``: tool results and environment observations (reset text
+  included) cut at ``rollout.max_tool_tokens``, per episode (:mod:`.observations`);
 - ``agent/finish_<reason>_frac`` for each way an episode ends (:mod:`.episode`);
 - ``agent/tool_process_restarts`` (process isolation: tool processes killed by a hung call
   or ended by a crash, since the run started).
@@ -42,6 +44,7 @@ class Counts:
     code_failures: int = 0          # tool calls that raised / hung / returned non-JSON / lost their process
     env_steps: int = 0
     env_errors: int = 0
+    truncated: int = 0              # observations cut at rollout.max_tool_tokens
     tool_time: list = dataclasses.field(default_factory=list)
     first_error: str | None = None  # the first failure of a tool's or environment's code, for the event
 
@@ -72,6 +75,7 @@ def episode_metrics(episodes, executor) -> dict:
         "agent/tool_time_max_s": max(times, default=0.0),
         "agent/env_steps": sum(c.env_steps for c in counts) / n,
         "agent/env_errors": sum(c.env_errors for c in counts) / n,
+        "agent/truncated_observations": sum(c.truncated for c in counts) / n,
     }
     if rewards:
         metrics["agent/env_reward_mean"] = _mean(rewards)
@@ -106,6 +110,7 @@ def episode_record(ep) -> dict:
     return {"turns": ep.turns, "finish": ep.finish, "messages": ep.messages, "unread": ep.unread,
             "segments": ep.traj.segments, "env_reward": ep.env_reward,
             "tool_calls": ep.counts.calls, "tool_errors": ep.counts.errors, "malformed_calls": ep.counts.malformed,
+            "truncated_observations": ep.counts.truncated,
             "final": ep.final_text}
 
 

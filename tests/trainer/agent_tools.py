@@ -141,3 +141,33 @@ class JudgeEnv:
 
     def step(self, message):
         return {"observation": "Verdict: fine.", "done": True, "reward": 1.0}
+
+
+#: Ten megabytes of text: a tool that dumps a file or a web page whole.
+FLOOD = "START " + "lorem ipsum dolor " * (10_000_000 // 18) + " END"
+
+
+def flood() -> str:
+    """Return ten megabytes of text."""
+    return FLOOD
+
+
+def echo(n: int) -> str:
+    """Return n characters.
+
+    Args:
+        n: How many.
+    """
+    return "y" * n
+
+
+class FloodEnv(CountEnv):
+    """Ten megabytes of reset text, and of each observation until CountEnv is done."""
+
+    def reset(self, row):
+        super().reset(row)
+        return FLOOD
+
+    def step(self, message):
+        out = super().step(message)
+        return FLOOD if isinstance(out, str) else out

@@ -89,6 +89,7 @@ def test_a_row_naming_an_unknown_environment_is_refused(tmp_path):
 
 
 def test_a_prompt_that_outgrows_the_context_with_its_reset_text_is_named(tmp_path):
-    trainer = _trainer(tmp_path, ["one"], "environment=agent_tools:LongResetEnv")
+    # (the default rollout.max_tool_tokens cuts the reset text to fit: tests/trainer/test_agent_observations.py)
+    trainer = _trainer(tmp_path, ["one"], "environment=agent_tools:LongResetEnv", "rollout.max_tool_tokens=8192")
     with pytest.raises(ValueError, match="row 1: the prompt is 50.. tokens .*does not fit the engine's 4096 positions"):
         run_rollout(trainer, 1)

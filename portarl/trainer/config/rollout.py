@@ -123,6 +123,16 @@ class RolloutConfig:
     #: Multi-turn: token budget of an episode after its prompt (model, tool and environment
     #: tokens); None: the model's context length (vllm: vllm_max_model_len) bounds it.
     max_episode_tokens: int | None = None
+    #: Multi-turn: tokens kept of each tool result and environment observation (the reset
+    #: text too); the rest is cut, a marker line in its place ("[... N characters truncated
+    #: ...]", which the model reads), and counted (agent/truncated_observations). Peers: verl's
+    #: multi_turn.max_tool_response_length (256 characters), Search-R1's max_obs_length (500
+    #: tokens). Whatever it is, an episode never outgrows max_episode_tokens or the context.
+    max_tool_tokens: int = 512
+    #: Multi-turn: where a long observation is cut: "middle" (keep its start and its end,
+    #: verl's default), "end" (keep its start) or "start" (keep its end). verl names the side
+    #: kept: its "left" is "end" here, its "right" is "start".
+    tool_truncate_side: str = "middle"
     #: Multi-turn: seconds one tool or environment call may take; a call past it becomes an
     #: error message in the conversation (agent/tool_errors), never a stopped run.
     tool_timeout_s: float = 30.0
@@ -161,6 +171,11 @@ class RolloutConfig:
         _positive_int(self, "rollout", "max_generation_rounds", "max_turns")
         _positive_int(self, "rollout", *(["max_episode_tokens"] if self.max_episode_tokens is not None else []))
         _number(self, "rollout", "tool_timeout_s", low=0.0)
+        _positive_int(self, "rollout", "max_tool_tokens")
+        from portarl.multiturn.observations import SIDES
+
+        _check(self.tool_truncate_side in SIDES, "rollout.tool_truncate_side", f"must be one of {', '.join(SIDES)}",
+               self.tool_truncate_side)
         _check(self.tool_isolation in ("none", "process"), "rollout.tool_isolation", "must be 'none' or 'process'",
                self.tool_isolation)
         from portarl.multiturn.parsing import FORMATS

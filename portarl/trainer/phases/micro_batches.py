@@ -180,12 +180,21 @@ def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice
 
 
 def _warn_over_budget(trainer, budget: int, prompt_lens: list[int], completion_lens: list[int]) -> None:
+    """Once per run. The advice never names a budget past the model's context: no sequence
+    of a sound batch is longer (multi-turn episodes stop before it), and one that is must
+    not read as a budget to configure."""
     longest = max((p + max(1, c) for p, c in zip(prompt_lens, completion_lens)), default=0)
-    if longest > budget and not getattr(trainer, "budget_warned", False):
-        trainer.budget_warned = True  # once per run
-        log.warning("train.max_tokens_per_micro_batch=%d is below the longest sequence (%d tokens): each such "
-                    "sequence runs as a micro-batch of its own; raise the budget to at least %d", budget, longest,
-                    longest)
+    if longest <= budget or getattr(trainer, "budget_warned", False):
+        return
+    trainer.budget_warned = True
+    context = getattr(getattr(getattr(trainer, "model", None), "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and longest > context:
+        log.warning("a sequence of %d tokens is longer than the model's context (%d positions), and longer than "
+                    "train.max_tokens_per_micro_batch=%d: it runs as a micro-batch of its own; a raised budget "
+                    "would not change that (what made it, not the budget, needs fixing)", longest, context, budget)
+        return
+    log.warning("train.max_tokens_per_micro_batch=%d is below the longest sequence (%d tokens): each such "
+                "sequence runs as a micro-batch of its own; raise the budget to at least %d", budget, longest, longest)
 
 
 def rows_of(value: torch.Tensor | None, rows, part: TokenBatch) -> torch.Tensor | None:
