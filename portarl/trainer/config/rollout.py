@@ -123,8 +123,10 @@ class RolloutConfig:
     #: Multi-turn: token budget of an episode after its prompt (model, tool and environment
     #: tokens); None: the model's context length (vllm: vllm_max_model_len) bounds it.
     max_episode_tokens: int | None = None
-    #: Multi-turn: seconds one tool or environment call may take; a call past it becomes an
-    #: error message in the conversation (agent/tool_errors), never a stopped run.
+    #: Multi-turn: seconds one tool or environment call may take (and an environment factory
+    #: function's one call when the config is checked); a call past it becomes an error message
+    #: in the conversation (agent/tool_errors, agent/env_errors) and the run goes on, unless an
+    #: environment fails every episode of a step (docs/agents.md).
     tool_timeout_s: float = 30.0
     #: Multi-turn: where tools and environments run: "none" (in this process, time-limited by
     #: the user-code guard) or "process" (a child process, killed when a call hangs or crashes
