@@ -129,9 +129,9 @@ def claim_output_dir(args, command: str, config) -> bool:
 def _build(command: str, config, locked: bool) -> Prepared:
     """The device, data, model and tokenizer (after every check of the output directory).
     The data loads first: ``train`` checks the user's tools, environments and rewards
-    against its columns (:mod:`portarl.preflight`) before the model loads."""
+    against its columns (:mod:`portarl.trainer.preflight`) before the model loads."""
     from portarl.device import DeviceUnavailableError, resolve_device
-    from portarl import preflight
+    from portarl.trainer import preflight
 
     try:
         device = resolve_device(config.device)

@@ -93,7 +93,7 @@ class RewardFunction:
     def check_columns(self, names) -> None:
         """A batched function must take the columns ``names`` as keyword arguments (a column
         it does not name needs ``**kwargs``; one it requires must be there). Checked before
-        the model loads with every column of the data (:mod:`portarl.preflight`) and at
+        the model loads with every column of the data (:mod:`portarl.trainer.preflight`) and at
         each call with the batch's."""
         columns = {k: [] for k in names}
         try:

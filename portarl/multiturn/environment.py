@@ -20,7 +20,7 @@ The protocol (one environment instance per episode, made by calling the factory)
 ``environment`` may also be a mapping ``{name: "module:factory"}``: each data row then names
 its environment in an ``environment`` column (TRL's dict ``environment_factory``).
 
-Checked before the model loads (:mod:`portarl.preflight`, ``portarl train``): each factory
+Checked before the model loads (:mod:`portarl.trainer.preflight`, ``portarl train``): each factory
 must be callable with no arguments, a class must define ``reset`` and ``step``
 (:func:`load_factories`: nothing is made), a factory *function* is called once to see what
 it returns (:func:`probe_factory`: an object with ``reset`` and ``step``, not None), and with
@@ -43,7 +43,7 @@ import inspect
 import math
 
 from portarl.multiturn.tools import load_object
-from portarl.user_code import arity_problem
+from portarl.user_code import UserCodeError, UserCodeGuard, arity_problem
 
 ROW_FIELD = "environment"
 
@@ -94,8 +94,6 @@ def probe_factory(factory, what: str, timeout_s: float | None) -> None:
     with ``rollout.tool_timeout_s``: a factory that raises, exits or hangs is named."""
     if inspect.isclass(factory):
         return  # check_factory read its methods; nothing is made
-    from portarl.user_code import UserCodeError, UserCodeGuard
-
     with UserCodeGuard(timeout_s, "rollout.tool_timeout_s") as guard:
         try:
             env = guard.call(factory, (), what="the factory")
@@ -198,5 +196,5 @@ def check_reward(value) -> float | None:
     return float(value)
 
 
-__all__ = ["ROW_FIELD", "check_environment", "check_factory", "check_made", "check_reward", "check_rows", "environment_of",
-           "load_factories", "normalize_step", "probe_factory", "setting_of"]
+__all__ = ["ROW_FIELD", "check_environment", "check_factory", "check_made", "check_reward", "check_rows",
+           "environment_of", "load_factories", "normalize_step", "probe_factory", "setting_of"]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from portarl.multiturn.environment import setting_of
 from portarl.user_code import UserCodeError
 
 REASONS = ("stop", "done", "max_turns", "length", "budget", "env_error")
@@ -118,8 +119,6 @@ def broken_environment(episodes, factories: dict, total=None) -> UserCodeError |
     failed, as the failure that stops the run (exit 3), or None. ``factories``: the agent's
     ``{name: factory}``; ``total``: sums a list of counts over ranks under torchrun (every
     rank calls it, with the same list length), so that "every episode" means the step's."""
-    from portarl.multiturn.environment import setting_of
-
     names = list(factories)
     counts = []
     for name in names:

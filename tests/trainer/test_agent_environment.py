@@ -144,7 +144,8 @@ def test_a_prompt_that_outgrows_the_context_with_its_reset_text_is_named(tmp_pat
 
 @pytest.mark.parametrize("env, message", [
     ("agent_faulty_envs:NoStepEnv", "environment: 'agent_faulty_envs:NoStepEnv' has no step() method"),
-    ("agent_faulty_envs:SizedEnv", "environment: 'agent_faulty_envs:SizedEnv' takes 1 argument (size), portarl passes 0"),
+    ("agent_faulty_envs:SizedEnv",
+     "environment: 'agent_faulty_envs:SizedEnv' takes 1 argument (size), portarl passes 0"),
     ("agent_faulty_envs", "environment: 'agent_faulty_envs' must be 'module:name'"),
 ])
 def test_a_factory_that_cannot_make_an_environment_is_refused_when_the_trainer_is_built(tmp_path, env, message):
@@ -158,7 +159,7 @@ def _examples(n: int = 2, **columns) -> list:
 
 
 def test_a_factory_function_is_called_once_before_the_model_loads_and_its_object_closed():
-    from portarl import preflight
+    from portarl.trainer import preflight
     from agent_faulty_envs import COUNTED
 
     before = dict(COUNTED)
@@ -171,7 +172,7 @@ def test_a_factory_function_is_called_once_before_the_model_loads_and_its_object
 
 
 def test_a_factory_that_hangs_when_checked_is_named_with_its_time_limit():
-    from portarl import preflight
+    from portarl.trainer import preflight
 
     cfg = TrainConfig.load(None, ["environment=agent_faulty_envs:make_slowly", "rollout.tool_timeout_s=0.5"])
     with pytest.raises(ValueError, match=r"environment: 'agent_faulty_envs:make_slowly': the factory did not return "
@@ -214,4 +215,5 @@ def test_every_episode_means_the_steps_over_every_rank():
     assert str(broken).startswith("environment.count 'agent_tools:CountEnv' failed in all 2 of its episodes of this "
                                   "step (the first: step raised RuntimeError: no)"), broken
     assert broken_environment(mine, factories, lambda counts: [a + b for a, b in zip(counts, [3, 1, 0, 0])]) is None
-    assert broken_environment([episode("other", True)], factories, None).what == "environment.other 'agent_tools:CountEnv'"
+    alone = broken_environment([episode("other", True)], factories, None)
+    assert alone.what == "environment.other 'agent_tools:CountEnv'"

@@ -22,7 +22,7 @@ returns None fails every episode of the first step, which stops the run (exit 3,
 
 API::
 
-    from portarl.preflight import check_user_code, check_worker_devices
+    from portarl.trainer.preflight import check_user_code, check_worker_devices
 
     check_worker_devices(config)          # ValueError naming rollout.worker_devices and the fix
     check_user_code(config, examples)     # ValueError, one line, naming the tool / environment / reward
