@@ -9,14 +9,18 @@ import time
 from agent_tools import CountEnv
 
 
-class FlakyEnv(CountEnv):
-    """Every second instance's ``step`` raises: half the episodes of a step fail."""
+class _EverySecond(CountEnv):
+    """Every second instance of each subclass is broken (half the episodes of a step)."""
 
     made = 0
 
     def __init__(self):
-        FlakyEnv.made += 1
-        self.broken = FlakyEnv.made % 2 == 0
+        type(self).made += 1
+        self.broken = type(self).made % 2 == 0
+
+
+class FlakyEnv(_EverySecond):
+    """Half the episodes' ``step`` raises."""
 
     def step(self, message):
         if self.broken:
@@ -24,14 +28,8 @@ class FlakyEnv(CountEnv):
         return super().step(message)
 
 
-class FlakyResetEnv(CountEnv):
-    """Every second instance's ``reset`` raises: half the episodes fail before their first turn."""
-
-    made = 0
-
-    def __init__(self):
-        FlakyResetEnv.made += 1
-        self.broken = FlakyResetEnv.made % 2 == 0
+class FlakyResetEnv(_EverySecond):
+    """Half the episodes' ``reset`` raises: they fail before their first turn."""
 
     def reset(self, row):
         if self.broken:
