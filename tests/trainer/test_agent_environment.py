@@ -1,6 +1,9 @@
 """Stateful environments in multi-turn episodes (issue 37): one per episode from the
 factory, reset with the data row, stepped with each reply, owning the reward; a row naming
-its environment; an environment that fails ends its episode with a message and a metric."""
+its environment; an environment that fails ends its episode with a message and a metric.
+Issue 44: one that fails every episode of a step stops the run; its failures are counted
+alike by agent/env_errors, agent/finish_env_error_frac and the warning; factories and rows
+are checked before the model loads (the command-line cases: tests/cli/test_first_hour_errors.py)."""
 
 from __future__ import annotations
 
