@@ -13,9 +13,9 @@ only in the worker's start-up. Here each is one line and exit 2
 rows against the environment mapping, rewards against the data's columns.
 
 What runs user code: importing the modules the config names (as the trainer would anyway)
-and, for an environment factory that is a *function* (not a class), one call of it with the
-user-code guard and ``rollout.tool_timeout_s``, to see what it returns; the object is closed
-(its ``close()``) and dropped. A class is checked by reading its methods: nothing is made.
+and, for an environment factory that is a *function* (not a class), one call of it (per
+process: each rank under torchrun) with the user-code guard and ``rollout.tool_timeout_s``,
+to see what it returns; the object is closed (its ``close()``) and dropped. A class is checked by reading its methods: nothing is made.
 With ``rollout.tool_isolation: process`` no factory is called in the trainer's process (the
 isolation exists to keep the environment's code out of it): there a factory function that
 returns None fails every episode of the first step, which stops the run (exit 3, naming it).
