@@ -127,11 +127,16 @@ def claim_output_dir(args, command: str, config) -> bool:
 
 
 def _build(command: str, config, locked: bool) -> Prepared:
-    """The device, model, tokenizer and data (after every check of the output directory)."""
+    """The device, data, model and tokenizer (after every check of the output directory).
+    The data loads first: ``train`` checks the user's tools, environments and rewards
+    against its columns (:mod:`portarl.trainer.preflight`) before the model loads."""
     from portarl.device import DeviceUnavailableError, resolve_device
+    from portarl.trainer import preflight
 
     try:
         device = resolve_device(config.device)
+        if command == "train":
+            preflight.check_worker_devices(config)
     except (DeviceUnavailableError, ValueError) as err:
         raise UsageError(str(err)) from None
     check_model_dir(config.model.path)
@@ -144,10 +149,13 @@ def _build(command: str, config, locked: bool) -> Prepared:
     from portarl.trainer.run.progress import quiet_third_party
 
     quiet_third_party()
-    from portarl.trainer import build_from_config
+    from portarl.trainer.grpo import build_examples, build_policy
 
     try:
-        model, tokenizer, examples = build_from_config(config)
+        examples = build_examples(config)
+        if command == "train":
+            preflight.check_user_code(config, examples)
+        model, tokenizer = build_policy(config)
     except (ValueError, FileNotFoundError, OSError, KeyError) as err:
         raise UsageError(f"{err}") from None
     if len(tokenizer) == 0:

@@ -52,6 +52,11 @@ def _sample(index: int | None, prompt: str | None) -> str | None:
     return None if index is None else f"sample {index} (prompt {prompt!r})"
 
 
+def column_names(examples: list[Example]) -> list[str]:
+    """Every column of ``examples`` (what a batched reward gets as keywords), first seen first."""
+    return list(dict.fromkeys(k for ex in examples for k in ex.columns))
+
+
 def is_batched(fn) -> bool:
     try:
         params = list(inspect.signature(fn).parameters.values())
@@ -84,6 +89,21 @@ class RewardFunction:
         if problem is not None:
             raise reward_failure(self.name, None, None, f"has the wrong signature for fn(prompt, completion, answer): "
                                  f"it {problem}")
+
+    def check_columns(self, names) -> None:
+        """A batched function must take the columns ``names`` as keyword arguments (a column
+        it does not name needs ``**kwargs``; one it requires must be there). Checked before
+        the model loads with every column of the data (:mod:`portarl.trainer.preflight`) and at
+        each call with the batch's."""
+        columns = {k: [] for k in names}
+        try:
+            inspect.signature(self.fn).bind([], [], **columns)
+        except TypeError as err:
+            raise reward_failure(self.name, None, None, f"cannot be called as fn(prompts, completions, "
+                                 f"{', '.join(f'{k}=' for k in names)}): {err} (add **kwargs to accept every "
+                                 "column)") from None
+        except ValueError:  # no signature to check (a builtin): the call decides
+            pass
 
 
 @dataclass
@@ -173,17 +193,9 @@ class RewardRunner:
         prompts = [ex.prompt if isinstance(ex.prompt, str) else [dict(m) for m in ex.prompt] for ex in examples]
         comps = [text if isinstance(ex.prompt, str) else [{"role": "assistant", "content": text}]
                  for ex, text in zip(examples, completions)]
-        names = []
-        for ex in examples:
-            names += [k for k in ex.columns if k not in names]
+        names = column_names(examples)
         columns = {k: [ex.columns.get(k) for ex in examples] for k in names}
-        try:
-            inspect.signature(rf.fn).bind(prompts, comps, **columns)
-        except TypeError as err:
-            raise reward_failure(rf.name, None, None, f"cannot be called as fn(prompts, completions, "
-                                 f"{', '.join(f'{k}=' for k in names)}): {err} (add **kwargs to accept every column)") from None
-        except ValueError:  # no signature to check (a builtin): the call decides
-            pass
+        rf.check_columns(names)
         values = self.guard.call(rf.fn, (prompts, comps), columns, what=f"reward {rf.name!r}",
                                  where=f"a batch of {len(prompts)} samples (first prompt {examples[0].prompt_text!r})")
         if isinstance(values, torch.Tensor):

@@ -18,7 +18,9 @@ An episode ends (``finish`` reason) at:
   context (the model's ``max_position_embeddings``; vllm's ``vllm_max_model_len``): what a
   turn appends is appended only when the next turn still fits, so an episode never outgrows
   either;
-- ``env_error``: the environment raised, hung or answered something malformed.
+- ``env_error``: the environment (its ``reset``, ``step``, ``get_reward`` or ``close``) raised,
+  hung or answered something malformed; its first failure ends the episode, whatever cut
+  that turn.
 
 ``stop`` and ``done`` count as finished (``RolloutBatch.finished``, what
 ``shaping.mask_truncated_completions`` and the sample log's finish reason read); the
@@ -27,9 +29,11 @@ others as truncated.
 Every call into user code goes through the agent's executor with ``rollout.tool_timeout_s``:
 an exception, a hang, a result that is not JSON, an unknown tool, arguments that do not fit
 its signature, or a call that does not parse becomes an ``Error: ...`` message the model
-reads in its next turn and a metric (:mod:`.report`); the run goes on. Every tool result
-and environment observation (the reset text too) is first cut at ``rollout.max_tool_tokens``
-(:mod:`.observations`, ``agent/truncated_observations``).
+reads in its next turn and a metric (:mod:`.report`); the run goes on, unless (training:
+``stop_on_broken_env``) an environment failed every one of its episodes of the batch: that
+stops the run as a failing reward does (:func:`~portarl.multiturn.report.broken_environment`).
+Every tool result and environment observation (the reset text too) is first cut at
+``rollout.max_tool_tokens`` (:mod:`.observations`, ``agent/truncated_observations``).
 
 Under torchrun every rank's engine forward is collective, so every rank must run the same
 generate calls: ``agree(n, failure)`` (the maximum over ranks) sets each turn's row count and
@@ -50,7 +54,7 @@ from portarl.rollout.base import RolloutBatch, seed_of
 from portarl.user_code import UserCodeError
 from portarl.multiturn.environment import environment_of
 from portarl.multiturn.render import tool_result_messages
-from portarl.multiturn.report import Counts, episode_metrics, episode_record, errors_event
+from portarl.multiturn.report import Counts, broken_environment, episode_metrics, episode_record, errors_event
 from portarl.multiturn.trajectory import Trajectory
 
 FINISHED = ("stop", "done")
@@ -84,6 +88,7 @@ class Episode:
     env_name: str | None = None
     env_key: str | None = None      # set while its environment lives
     env_failed: str | None = None   # reset failed: one turn, then the episode ends
+    env_error: str | None = None    # its environment's failure (one line), which ended it
     messages: list = dataclasses.field(default_factory=list)  # what the model read, in order
     unread: list = dataclasses.field(default_factory=list)    # produced after its last turn, never appended
     turns: int = 0
@@ -97,10 +102,14 @@ class Episode:
 class EpisodeRunner:
     """Plays episodes with ``engine`` for ``agent`` (see the module docstring)."""
 
-    def __init__(self, agent, engine, params, *, agree=None):
+    def __init__(self, agent, engine, params, *, agree=None, total=None, stop_on_broken_env: bool = False):
+        """``stop_on_broken_env`` (training): an environment that failed every one of its
+        episodes of the batch stops the run (:func:`~portarl.multiturn.report.broken_environment`;
+        ``total``: the sum over ranks under torchrun, with ``agree``)."""
         self.agent, self.engine, self.params = agent, engine, params
         self.codec = agent.codec
         self.agree = agree or alone
+        self.total, self.stop_on_broken_env = total, stop_on_broken_env
         self.deferred = agree is not None  # a failure waits for the next agreement (torchrun)
         self.limit = context_limit(engine)
         self._next_key = 0
@@ -147,6 +156,10 @@ class EpisodeRunner:
                 self._end_environment(ep)
         except UserCodeError as err:
             failure = self._defer(err)
+        if self.stop_on_broken_env and self.agent.factories:  # on every rank: total() is collective
+            broken = broken_environment(episodes, self.agent.factories, self.total)
+            if broken is not None:
+                failure = failure or self._defer(broken)
         self.agree(0, failure)  # no rank leaves with a failure its peers did not see
         batch = RolloutBatch([ep.traj.prompt_ids for ep in episodes], [ep.traj.ids for ep in episodes],
                              [ep.traj.logprobs for ep in episodes], [ep.finish in FINISHED for ep in episodes],
@@ -174,8 +187,7 @@ class EpisodeRunner:
         if not got.ok:
             self.agent.executor.forget(key)
             ep.env_failed = f"Error: the environment's reset {got.error}"
-            ep.counts.env_errors += 1
-            ep.counts.first_error = f"environment: reset {got.error}"
+            self._count_environment_failure(ep, f"reset {got.error}")
             return ep
         ep.env_key = key
         if got.value:  # appended to the last user message, as TRL's environment_factory does
@@ -194,13 +206,13 @@ class EpisodeRunner:
         ep.turns += 1
         ep.final_text = self.codec.decode(ids)
         ep.messages.append({"role": "assistant", "content": ep.final_text, "tokens": len(ids)})
-        if cut or not ids:
+        if ep.env_failed:  # its reset failed: whatever cut the turn, the environment ended the episode
+            ep.unread.append({"role": "user", "content": ep.env_failed})
+            ep.finish = "env_error"
+        elif cut or not ids:
             ep.finish = "budget"
         elif not ended:
             ep.finish = "length"
-        elif ep.env_failed:
-            ep.unread.append({"role": "user", "content": ep.env_failed})
-            ep.finish = "env_error"
         if ep.finish:
             return
         parsed = self.agent.parse(self._raw_text(ids)) if self.agent.tools else None
@@ -270,10 +282,16 @@ class EpisodeRunner:
     def _environment_failed(self, ep: Episode, problem: str) -> None:
         self.agent.executor.forget(ep.env_key)
         ep.env_key = None
-        ep.counts.env_errors += 1
-        ep.counts.first_error = ep.counts.first_error or f"environment: {problem}"
+        self._count_environment_failure(ep, problem)
         ep.unread.append({"role": "user", "content": f"Error: the environment's {problem}"})
         ep.finish = "env_error"
+
+    @staticmethod
+    def _count_environment_failure(ep: Episode, problem: str) -> None:
+        """The one failure of ``ep``'s environment (it ends the episode: :mod:`.report`)."""
+        ep.env_error = problem
+        ep.counts.env_errors = 1
+        ep.counts.first_error = ep.counts.first_error or f"environment: {problem}"
 
     def _end_environment(self, ep: Episode) -> None:
         if ep.env_key is None:
@@ -282,11 +300,11 @@ class EpisodeRunner:
         if not got.ok:
             self._environment_failed(ep, f"get_reward {got.error}")
             return
-        ep.env_reward = got.value if got.value is not None else float(sum(ep.env_rewards))
         closed = self.agent.executor.run("env_close", ep.env_key)
-        if not closed.ok:
-            ep.counts.env_errors += 1
-            ep.counts.first_error = ep.counts.first_error or f"environment: close {closed.error}"
+        if not closed.ok:  # as any other call of it: the episode ends with env_error, its env reward 0.0
+            self._environment_failed(ep, f"close {closed.error}")
+            return
+        ep.env_reward = got.value if got.value is not None else float(sum(ep.env_rewards))
         self.agent.executor.forget(ep.env_key)
         ep.env_key = None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from portarl.multiturn.calls import CallOutcome, call_with_limit
 from portarl.user_code import UserCodeGuard
-from portarl.multiturn.environment import check_environment, check_reward, normalize_step
+from portarl.multiturn.environment import check_made, check_reward, normalize_step, setting_of
 
 
 class Operations:
@@ -25,7 +25,7 @@ class Operations:
 
     def env_reset(self, key: str, env_name: str | None, row: dict):
         env = self.factories[env_name]()
-        check_environment(env, "environment" if env_name is None else f"environment.{env_name}")
+        check_made(env, setting_of(env_name))
         self.envs[key] = env
         observation = env.reset(row)
         if observation is not None and not isinstance(observation, str):

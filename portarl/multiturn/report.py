@@ -18,8 +18,13 @@ the maxima: under torchrun, the mean of each rank's):
   ``agent/malformed_calls``: calls that did not parse, per episode;
 - ``agent/tool_time_s``: seconds in tool calls and environment steps per episode;
   ``agent/tool_time_max_s``: the longest single call;
-- ``agent/env_steps``, ``agent/env_errors``: per episode; ``agent/env_reward_mean`` (over
-  the episodes whose environment did not fail);
+- ``agent/env_steps``: environment steps per episode; ``agent/env_errors``: the share of
+  episodes whose environment failed (a ``reset``, ``step``, ``get_reward`` or ``close`` that
+  raised, hung, answered something malformed or lost its process). The first failure ends
+  the episode with finish ``env_error`` and env reward 0.0, so an episode fails at most once
+  and ``agent/env_errors`` equals ``agent/finish_env_error_frac``; the ``tool_errors`` event
+  counts the same episodes ("the environment failed in E of N episodes");
+  ``agent/env_reward_mean`` (over the episodes whose environment did not fail);
 - ``agent/truncated_observations``: tool results and environment observations (reset text
   included) cut at ``rollout.max_tool_tokens``, per episode (:mod:`.observations`);
 - ``agent/finish_<reason>_frac`` for each way an episode ends (:mod:`.episode`);
@@ -30,6 +35,9 @@ the maxima: under torchrun, the mean of each rank's):
 from __future__ import annotations
 
 import dataclasses
+
+from portarl.multiturn.environment import setting_of
+from portarl.user_code import UserCodeError
 
 REASONS = ("stop", "done", "max_turns", "length", "budget", "env_error")
 
@@ -43,7 +51,7 @@ class Counts:
     malformed: int = 0
     code_failures: int = 0          # tool calls that raised / hung / returned non-JSON / lost their process
     env_steps: int = 0
-    env_errors: int = 0
+    env_errors: int = 0             # 0 or 1: the environment's first failure ends the episode
     truncated: int = 0              # observations cut at rollout.max_tool_tokens
     tool_time: list = dataclasses.field(default_factory=list)
     first_error: str | None = None  # the first failure of a tool's or environment's code, for the event
@@ -88,7 +96,10 @@ def episode_metrics(episodes, executor) -> dict:
 
 
 def errors_event(episodes) -> tuple | None:
-    """``("tool_errors", message, fields)`` when a tool or environment failed in this batch."""
+    """``("tool_errors", message, fields)`` when a tool's or an environment's code failed in
+    this batch: tool calls that failed (``value``; ``timeouts`` of them past
+    ``rollout.tool_timeout_s``) and episodes whose environment failed (``env_errors``, of
+    ``episodes``: the episodes ``agent/env_errors`` and ``agent/finish_env_error_frac`` count)."""
     counts = [ep.counts for ep in episodes]
     failures = sum(c.code_failures for c in counts)
     env_errors = sum(c.env_errors for c in counts)
@@ -96,10 +107,42 @@ def errors_event(episodes) -> tuple | None:
         return None
     first = next((c.first_error for c in counts if c.first_error), "?")
     timeouts = sum(c.timeouts for c in counts)
-    message = (f"{failures} tool / environment call(s) failed in this batch ({timeouts} past rollout.tool_timeout_s, "
-               f"{env_errors} environment error(s)); each became an error message in its conversation and the run "
-               f"goes on. First: {first}")
-    return ("tool_errors", message, {"value": failures, "timeouts": timeouts, "env_errors": env_errors})
+    parts = []
+    if failures:
+        parts.append(f"{failures} tool call(s) failed ({timeouts} past rollout.tool_timeout_s)")
+    if env_errors:
+        parts.append(f"the environment failed in {env_errors} of {len(episodes)} episode(s)")
+    effects = (["each failed tool call became an error message in its conversation"] if failures else []) + (
+        ["each failed environment ended its episode (the error is under 'unread' in the sample log)"] if env_errors else [])
+    message = f"{' and '.join(parts)} in this batch; {'; '.join(effects)}; the run goes on. First: {first}"
+    return ("tool_errors", message, {"value": failures, "timeouts": timeouts, "env_errors": env_errors,
+                                     "episodes": len(episodes)})
+
+
+def broken_environment(episodes, factories: dict, total=None) -> UserCodeError | None:
+    """The first environment (in the config's order) whose every episode of this batch
+    failed, as the failure that stops the run (exit 3), or None. ``factories``: the agent's
+    ``{name: factory}``; ``total``: sums a list of counts over ranks under torchrun (every
+    rank calls it, with the same list length), so that "every episode" means the step's."""
+    names = list(factories)
+    counts = []
+    for name in names:
+        mine = [ep for ep in episodes if ep.env_name == name]
+        counts += [len(mine), sum(ep.finish == "env_error" for ep in mine)]
+    if total is not None:
+        counts = total(counts)
+    for k, name in enumerate(names):
+        played, failed = int(counts[2 * k]), int(counts[2 * k + 1])
+        if not played or failed < played:
+            continue
+        factory = factories[name]
+        spec = f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', factory)}"
+        first = next((ep.env_error for ep in episodes if ep.env_name == name and ep.env_error), None)
+        return UserCodeError(f"{setting_of(name)} {spec!r}", None,
+                             f"failed in all {played} of its episodes of this step"
+                             + (f" (the first: {first})" if first else "")
+                             + "; an environment that fails every episode trains on nothing: fix it and --resume")
+    return None
 
 
 def episode_record(ep) -> dict:
@@ -114,4 +157,4 @@ def episode_record(ep) -> dict:
             "final": ep.final_text}
 
 
-__all__ = ["Counts", "REASONS", "episode_metrics", "episode_record", "errors_event"]
+__all__ = ["Counts", "REASONS", "broken_environment", "episode_metrics", "episode_record", "errors_event"]

@@ -223,7 +223,7 @@ class Worker:
         return reply
 
     def handle(self, request: dict) -> dict:
-        from portarl.reward_runner import RewardError
+        from portarl.user_code import UserCodeError
 
         op = request.get("op")
         try:
@@ -234,7 +234,7 @@ class Worker:
                 self.idle_since = time.perf_counter()
                 return reply
             return {"op": "error", "kind": "worker", "message": f"unknown request {op!r}"}
-        except RewardError as err:
+        except UserCodeError as err:  # a reward, or an environment that failed every episode: user code, named
             return {"op": "error", "kind": "reward", "message": one_line(str(err))}
         except Exception as err:  # reported to the trainer, which names the worker and stops
             log.exception("rollout worker: %s failed", op)

@@ -82,7 +82,8 @@ from portarl.trainer.run.signals import graceful_stop
 
 log = logging.getLogger("portarl.train")
 
-__all__ = ["FAULT_ENV", "HOOK_POINTS", "GRPOTrainer", "TrainResult", "TrainingStopped", "build_from_config"]
+__all__ = ["FAULT_ENV", "HOOK_POINTS", "GRPOTrainer", "TrainResult", "TrainingStopped", "build_examples",
+           "build_from_config", "build_policy"]
 
 
 @dataclasses.dataclass
@@ -384,13 +385,21 @@ class GRPOTrainer:
 def build_from_config(config: TrainConfig):
     """``(model, tokenizer, examples)`` as the config names them (built-in tiny model and
     synthetic arithmetic by default)."""
+    model, tokenizer = build_policy(config)
+    return model, tokenizer, build_examples(config)
+
+
+def build_policy(config: TrainConfig):
+    """``(model, tokenizer)`` as ``config.model`` names them, in ``precision.dtype``."""
     from portarl.models import build_model
     from portarl.trainer.guards.precision import DTYPES
 
-    model, tokenizer = build_model(config.model, DTYPES[config.precision.dtype])
+    return build_model(config.model, DTYPES[config.precision.dtype])
+
+
+def build_examples(config: TrainConfig) -> list[Example]:
+    """The training rows: ``data.path`` loaded, or the built-in synthetic arithmetic."""
     d = config.data
     if d.path is None:
-        examples = arithmetic_examples(d.synthetic_size, seed=config.train.seed, max_operand=d.max_operand, ops=d.operators)
-    else:
-        examples = load_examples_for(d)
-    return model, tokenizer, examples
+        return arithmetic_examples(d.synthetic_size, seed=config.train.seed, max_operand=d.max_operand, ops=d.operators)
+    return load_examples_for(d)

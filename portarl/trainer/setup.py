@@ -130,16 +130,22 @@ def check_examples(examples: list, codec, model, cfg: TrainConfig, needs_answer:
         raise ValueError("train_data is empty")
     ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     ids = encode_examples(examples, codec, context_length=ctx, max_new_tokens=cfg.rollout.max_new_tokens)
-    need = needs_answer + (["train.sft_warmup_steps"] if cfg.train.sft_warmup_steps else [])
-    missing = next((ex for ex in examples if ex.answer is None), None)
-    if need and missing is not None:
-        raise ValueError(f"{missing.where or 'an example'}: no answer field (data.answer_field="
-                         f"{cfg.data.answer_field!r}), which {', '.join(need)} needs")
+    check_answers(examples, needs_answer, cfg)
     n = cfg.train.prompts_per_step
     if n > len(examples) and is_main:
         log.warning("train.prompts_per_step=%d is larger than the %d examples: prompts are drawn with replacement "
                     "(the same prompt can appear twice in a step)", n, len(examples))
     return {id(ex): p for ex, p in zip(examples, ids)}
+
+
+def check_answers(examples: list, needs_answer: list[str], cfg: TrainConfig) -> None:
+    """Every row has an answer when the rewards (``needs_answer``: the per-sample ones) or
+    the SFT warm-up need it; the first row without one is named."""
+    need = needs_answer + (["train.sft_warmup_steps"] if cfg.train.sft_warmup_steps else [])
+    missing = next((ex for ex in examples if ex.answer is None), None)
+    if need and missing is not None:
+        raise ValueError(f"{missing.where or 'an example'}: no answer field (data.answer_field="
+                         f"{cfg.data.answer_field!r}), which {', '.join(need)} needs")
 
 
 def make_rollout_engine(trainer):

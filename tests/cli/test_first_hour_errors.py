@@ -183,3 +183,123 @@ def test_resume_where_there_is_no_checkpoint_is_refused_unless_a_new_run_is_aske
                         *_sets())
         assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr and (empty / "checkpoints" / "step-000001" / "COMPLETE").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 44: the user's own code (tools, environments, rewards) and where the async rollout
+# workers run are checked with the config, before the model loads: `train` only (`sft` runs
+# none of it). Each case runs with the model loader replaced by one that fails the test, so
+# a check that still comes after the model load (as every one of these did) cannot pass.
+
+USER_CODE = '''
+class Fine:
+    def reset(self, row):
+        return None
+
+    def step(self, message):
+        return None
+
+
+class NoStep:
+    def reset(self, row):
+        return None
+
+
+def make_none():
+    Fine()
+
+
+def undocumented(a: int) -> int:
+    return a
+
+
+def strict(prompts, completions, answer):
+    return [0.0] * len(prompts)
+
+
+def needs_level(prompts, completions, level, **columns):
+    return [0.0] * len(prompts)
+'''
+
+
+def _unusable_device() -> str | None:
+    """A device type this torch cannot use (cuda on a CPU-only build, npu without torch_npu)."""
+    import torch
+
+    from portarl.backends.npu import torch_npu_api
+
+    if not torch.cuda.is_available():
+        return "cuda:0"
+    return "npu:0" if torch_npu_api.unavailable_reason() is not None else None
+
+
+USER_CODE_CASES = {
+    "env-class-without-step": (["environment=ec_user_code:NoStep"],
+                               "environment: 'ec_user_code:NoStep' has no step() method"),
+    "env-factory-returns-none": (["environment=ec_user_code:make_none"],
+                                 "environment: 'ec_user_code:make_none': the factory returned None"),
+    "env-mapping-without-column": (["environment={a: 'ec_user_code:Fine'}"],
+                                   "synthetic example 0: the data row has no 'environment' column"),
+    "env-mapping-unknown-name": (["environment={a: 'ec_user_code:Fine'}", "data.path={rows}"],
+                                 "{rows}:1: the data row names environment 'chess'"),
+    "tool-without-docstring": (["tools=['ec_user_code:undocumented']"],
+                               "tools[0]: cannot build the JSON schema of 'undocumented'"),
+    "multiturn-reward-without-kwargs": (["environment=ec_user_code:Fine", "rewards=[{name: 'ec_user_code:strict'}]"],
+                                        "unexpected keyword argument 'conversation' (add **kwargs"),
+    "reward-column-missing": (["rewards=[{name: 'ec_user_code:needs_level'}]"],
+                              "missing a required argument: 'level'"),
+    "reward-needs-an-answer": (["data.path={rows}", "data.answer_field=solution"],
+                               "{rows}:1: no answer field (data.answer_field='solution'), which math_exact"),
+    "worker-device-unusable": (["rollout.mode=async", "rollout.worker_devices=[{device}]"],
+                               "rollout.worker_devices: device {device} requested but"),
+}
+
+
+class ModelLoaded(Exception):
+    """The model loader ran: a check that must come before it did not."""
+
+
+def _user_code_case(case, tmp_path) -> tuple[list[str], str, Path]:
+    (tmp_path / "ec_user_code.py").write_text(USER_CODE)
+    config = tmp_path / "run.yaml"
+    config.write_text("train: {steps: 1}\n")  # its directory is where module:function code is found
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1=", "answer": "2", "environment": "chess"}\n')
+    device = _unusable_device()
+    if "{device}" in " ".join(USER_CODE_CASES[case][0]) and device is None:
+        pytest.skip("every device type is usable here")
+    sets, needle = USER_CODE_CASES[case]
+
+    def fill(text: str) -> str:  # (the sets hold YAML braces: no str.format)
+        return text.replace("{rows}", str(rows)).replace("{device}", str(device))
+
+    out = tmp_path / "out"
+    args = ["--config", str(config), "--output-dir", str(out), "--device", "cpu"]
+    return [*args, *_sets(*map(fill, sets))], fill(needle), out
+
+
+@pytest.mark.parametrize("case", sorted(USER_CODE_CASES))
+def test_user_code_mistakes_are_one_line_errors_before_the_model_loads(case, tmp_path, capsys, monkeypatch):
+    import portarl.models
+    from portarl.cli import main
+
+    def load(*args, **kwargs):
+        raise ModelLoaded(f"the model loaded before the mistake of {case!r} was found")
+
+    monkeypatch.setattr(portarl.models, "build_model", load)
+    monkeypatch.delitem(sys.modules, "ec_user_code", raising=False)
+    args, needle, out = _user_code_case(case, tmp_path)
+    try:
+        assert main(["train", *args]) == 2
+    finally:
+        sys.modules.pop("ec_user_code", None)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("portarl train: ") and needle in err[0], err
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_an_environment_mapping_over_data_without_the_column_is_one_line_in_the_cli(tmp_path):
+    """The real command (it was a traceback once the episodes began)."""
+    args, needle, out = _user_code_case("env-mapping-without-column", tmp_path)
+    _assert_one_line_error(_portarl("train", *args), needle)
+    assert not (out / "metrics.jsonl").exists()

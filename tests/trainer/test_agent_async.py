@@ -68,3 +68,19 @@ def test_async_environments_run_in_the_worker(tmp_path, model_dir, monkeypatch):
     assert observations
     pids = {int(text.split()[1]) for text in observations}
     assert len(pids) == 1 and os.getpid() not in pids
+
+
+def test_an_environment_that_fails_every_episode_in_the_worker_is_named_as_user_code():
+    """The worker reports it as it reports a failing reward (the trainer stops with exit 3
+    and that line), not as a crash of its own with a traceback in its log."""
+    from types import SimpleNamespace
+
+    from portarl.rollout.async_worker import Worker
+    from portarl.user_code import UserCodeError
+
+    def generate(request):
+        raise UserCodeError("environment 'agent_tools:BrokenEnv'", None, "failed in all 4 of its episodes of this step")
+
+    reply = Worker.handle(SimpleNamespace(generate=generate), {"op": "generate"})
+    assert reply == {"op": "error", "kind": "reward",
+                     "message": "environment 'agent_tools:BrokenEnv' failed in all 4 of its episodes of this step"}

@@ -135,7 +135,8 @@ def test_module_reward_next_to_the_config_and_batched_columns_from_the_cli(tmp_p
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1, 1, 2, 2]
     for s in samples:
-        assert s["prompt"].startswith("user: What is") and set(s["rewards"]) == {"myrewards:target_len", "myrewards:always"}
+        # the prompt as the model read it: the chat template's text around the question
+        assert "What is" in s["prompt"] and s["prompt"].rstrip().endswith("assistant") and set(s["rewards"]) == {"myrewards:target_len", "myrewards:always"}
         assert s["rewards"]["myrewards:always"] == 0.5 and s["finish_reason"] in ("stop", "length")
         assert isinstance(s["advantage"], float)
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -133,8 +133,10 @@ class RolloutConfig:
     #: verl's default), "end" (keep its start) or "start" (keep its end). verl names the side
     #: kept: its "left" is "end" here, its "right" is "start".
     tool_truncate_side: str = "middle"
-    #: Multi-turn: seconds one tool or environment call may take; a call past it becomes an
-    #: error message in the conversation (agent/tool_errors), never a stopped run.
+    #: Multi-turn: seconds one tool or environment call may take (and an environment factory
+    #: function's one call when the config is checked); a call past it becomes an error message
+    #: in the conversation (agent/tool_errors, agent/env_errors) and the run goes on, unless an
+    #: environment fails every episode of a step (docs/agents.md).
     tool_timeout_s: float = 30.0
     #: Multi-turn: where tools and environments run: "none" (in this process, time-limited by
     #: the user-code guard) or "process" (a child process, killed when a call hangs or crashes

@@ -34,14 +34,34 @@ def lock_step(dist):
     return agree
 
 
-def play(agent, engine, sampling, examples: list[Example], prompts, seeds, group_size: int, dist=None):
+def summed(dist):
+    """``total(counts)``: a list of counts summed over ranks (None in one process)."""
+    if dist is None or not dist.enabled:
+        return None
+
+    def total(counts: list) -> list:
+        return pdist.all_reduce(dist, torch.tensor(counts, dtype=torch.float64)).tolist()
+
+    return total
+
+
+def play(agent, engine, sampling, examples: list[Example], prompts, seeds, group_size: int, dist=None,
+         training: bool = True):
     """The episodes of ``examples`` (each ``group_size`` times, prompts and seeds per sample):
     ``(rollout, texts, metrics, events)``; ``texts`` are the final model turns (what
-    per-sample rewards read)."""
-    runner = EpisodeRunner(agent, engine, sampling, agree=lock_step(dist) if dist is not None else None)
+    per-sample rewards read). ``training``: an environment that fails every one of its
+    episodes of the step stops the run (evaluation only counts it)."""
+    runner = EpisodeRunner(agent, engine, sampling, agree=lock_step(dist) if dist is not None else None,
+                           total=summed(dist), stop_on_broken_env=training)
     per_sample = [ex for ex in examples for _ in range(group_size)]
     rollout, metrics, events = runner.run(per_sample, prompts, seeds)
     return rollout, [ep["final"] for ep in rollout.episodes], metrics, events
+
+
+def episode_columns(with_environment: bool) -> list[str]:
+    """The columns :func:`reward_examples` adds to each data row (what a batched reward of
+    a multi-turn run must accept besides the data's own)."""
+    return ["conversation"] + (["env_reward"] if with_environment else [])
 
 
 def reward_examples(examples: list[Example], group_size: int, rollout, with_environment: bool) -> list[Example]:
@@ -62,4 +82,4 @@ def reward_examples(examples: list[Example], group_size: int, rollout, with_envi
     return out
 
 
-__all__ = ["lock_step", "play", "reward_examples"]
+__all__ = ["episode_columns", "lock_step", "play", "reward_examples", "summed"]

@@ -53,6 +53,10 @@ def load_eval_set(config, codec, context_length: int | None, path: str | None = 
         examples = examples[: config.eval.max_prompts]
     if not examples:
         raise ValueError(f"eval.data: {path} holds no examples")
+    if isinstance(config.environment, dict):  # each row names its environment: checked now, not mid-evaluation
+        from portarl.multiturn.environment import check_rows
+
+        check_rows(examples, list(config.environment), "eval.data")
     ids = encode_examples(examples, codec, context_length=context_length, max_new_tokens=config.rollout.max_new_tokens)
     return examples, ids
 
@@ -81,7 +85,7 @@ def evaluate(engine, model, codec, rewards, examples, prompt_ids, config, agent=
 
             chunk = examples[start // n : (start + step) // n]
             batch, chunk_texts, chunk_metrics, _ = play(agent, engine, params, chunk, prompts[start : start + step],
-                                                        seeds[start : start + step], n)
+                                                        seeds[start : start + step], n, training=False)
             texts += chunk_texts
             rows += reward_examples(chunk, n, batch, bool(agent.factories))
             agent_metrics.append((len(chunk_texts), chunk_metrics))
