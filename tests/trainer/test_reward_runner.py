@@ -4,8 +4,8 @@ every way a user's reward can fail (issue 16 item 2, issue 13 items 3 and 4)."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
