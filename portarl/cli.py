@@ -31,7 +31,7 @@ import signal
 import sys
 import threading
 
-from portarl import __version__, cli_bench, cli_train
+from portarl import __version__, blackbox, cli_bench, cli_train
 from portarl.cli_common import _int_at_least, _log, _missing_train_extra
 
 #: ``portarl --help``: what the tool is, before the list of commands.
@@ -164,6 +164,7 @@ def _cmd_eval(args) -> int:
     from portarl.trainer.phases.evaluation import eval_checkpoint
 
     greedy = None if args.greedy is None else args.greedy == "true"
+    blackbox.note(phase="eval")  # what a supervising parent names if the process dies (portarl/supervisor.py)
     try:
         metrics = eval_checkpoint(args.checkpoint, args.data, n=args.n, greedy=greedy, max_prompts=args.max_prompts,
                                   device=args.device)
@@ -258,6 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: `train` names its own resume command
+    if args.command in ("train", "sft", "eval"):  # run by a child this process supervises (portarl/supervisor.py)
+        from portarl import supervisor
+
+        if supervisor.wanted(args, argv):
+            parent = supervisor.Supervisor(args)
+            if not parent.fork():
+                return parent.wait()
     previous = {}
     if args.func is cli_train.cmd_train and threading.current_thread() is threading.main_thread():
         # SIGINT / SIGTERM before training starts: a clean exit, recorded so that training
@@ -275,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         code = 128 + int(getattr(err, "signum", 2))
     except Exception:
         if not _joined_a_job():
+            blackbox.declare(1)  # Python's traceback says why, exit 1
             raise
         import traceback
 
@@ -283,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    blackbox.declare(code)  # this exit said why (a supervising parent passes it through)
     # A torchrun rank, or the command line (not an in-process caller) that built a weight-sync
     # group: leave without interpreter finalisation (exit_path.py).
     if _joined_a_job() or (argv is None and _sync_groups_built() > groups_before):

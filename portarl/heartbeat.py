@@ -105,6 +105,9 @@ class Heartbeat:
                    f"the newest checkpoint is intact, continue with --resume.")
         log.error(message)
         print(message, file=sys.stderr, flush=True)
+        from portarl import blackbox
+
+        blackbox.declare(EXIT_RANK_LOST)  # an exit of its own (portarl.supervisor)
         os._exit(EXIT_RANK_LOST)
 
 
