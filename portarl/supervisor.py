@@ -94,7 +94,7 @@ class Supervisor:
         self.child = 0
         self.pending: list[tuple[int, float]] = []  # stop signals the parent got: (signum, when)
         self.child_got: list[tuple[int, float]] = []  # those the child reported: (signum, when)
-        self.forwarded: list[int] = []
+        self.echoes: list[int] = []  # signals forwarded whose receipt the child has not reported yet
 
     # ------------------------------------------------------------------ start
     def fork(self) -> bool:
@@ -176,7 +176,13 @@ class Supervisor:
             return
         if fd == self.report_r:
             now = time.monotonic()
-            self.child_got += [(b, now) for b in data if b in STOP_SIGNALS]
+            for signum in data:
+                if signum not in STOP_SIGNALS:
+                    continue
+                if signum in self.echoes:  # the receipt of a signal this parent forwarded
+                    self.echoes.remove(signum)
+                else:
+                    self.child_got.append((signum, now))
 
     def _forward_due(self) -> float | None:
         """Match the parent's stop signals with the child's own receipts; forward those the
@@ -190,7 +196,7 @@ class Supervisor:
                 self.pending.remove((signum, when))
             elif now - when >= FORWARD_GRACE_S:
                 self.pending.remove((signum, when))
-                self.forwarded.append(signum)
+                self.echoes.append(signum)
                 try:
                     os.kill(self.child, signum)
                 except ProcessLookupError:
@@ -208,8 +214,9 @@ class Supervisor:
         declared = int(record["exit"]) if record["exit"].lstrip("-").isdigit() else None
         if declared is not None:
             if declared != code:  # it finished and said so, then died on its way out
-                _log(f"portarl {self.command}: {self._who(record)}ended with {self._how(signum, code)} after it had "
-                     f"finished (exit {declared}); nothing was lost")
+                how = f"killed by {signal.Signals(signum).name}" if signum is not None else f"exited with code {code}"
+                _log(f"portarl {self.command}: {self._who(record)}the process was {how} after the run had finished "
+                     f"(exit {declared}); nothing was lost")
             return declared
         crash = self._keep_crash_log(record, signum)
         how = self._how(signum, code, crash)
@@ -225,7 +232,7 @@ class Supervisor:
         return f"rank {record['rank']}: " if record["rank"] else ""
 
     @staticmethod
-    def _how(signum: int | None, code: int, crash: Path | None = None) -> str:
+    def _how(signum: int | None, code: int, crash: Path | None) -> str:
         if signum is None:
             return f"the process exited with code {code} without finishing (os._exit or exit() in user or native code)"
         cause = _SIGNAL_CAUSES.get(signum)

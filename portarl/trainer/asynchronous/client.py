@@ -114,7 +114,8 @@ class WorkerClient:
         status = f"exited with code {code}" if code is not None else "closed its output"
         if code is not None and code < 0:
             status = f"was killed by {signal_name(-code)}"
-        return RolloutWorkerError(f"the {self.name} {status}{blackbox.doing(blackbox.read(self.record))} {when}{tail}")
+        doing = blackbox.doing(blackbox.read(self.record))  # what it was doing: step, phase, the user code running
+        return RolloutWorkerError(f"the {self.name} {status} {when}{',' + doing if doing else ''}{tail}")
 
     def exited(self, when: str) -> RolloutWorkerError | None:
         """The error naming the worker's exit, if it exited (``when``: what the trainer did).
