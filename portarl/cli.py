@@ -18,9 +18,13 @@ output directory holding another run, a model directory or data that cannot be u
 unusable device, no checkpoint that verifies on --resume, or a missing / incomplete /
 damaged checkpoint or a non-empty --out for export (one line on stderr, no
 traceback), 3 when training stopped itself (persistent non-finite values; a checkpoint was
-saved), 128 + the signal number on SIGINT (130) or SIGTERM (143): after the current step and
-a checkpoint on the first signal, at once on a second (the message says whether a checkpoint
-exists for the last step).
+saved), 4 when a file of the run could not be written, 5 when the run's process exited without
+finishing (user or native code called os._exit or exit()), 75 when another torchrun rank
+stopped answering, 128 + the signal number on SIGINT (130) or SIGTERM (143): after the current
+step and a checkpoint on the first signal, at once on a second (the message says whether a
+checkpoint exists for the last step); 128 + the signal number too when the run's process was
+killed (a segfault, the OOM killer). ``train``, ``sft`` and ``eval`` run in a child process that
+a supervising parent waits for (:mod:`portarl.supervisor`): exit 0 only when the child finished.
 """
 
 from __future__ import annotations
@@ -46,9 +50,13 @@ EPILOG = """examples:
   portarl parity --device auto                    fused ops against float64 on this device
   portarl bench kernels --quick                   kernel speed and memory
 
-exit status: 0 ok, 1 parity disagreement, 2 bad usage / config / input (one line on stderr),
-3 training stopped itself (a checkpoint was saved), 4 a file of the run could not be written
-(disk full, a file-size limit, no permission), 130 / 143 on SIGINT / SIGTERM."""
+exit status: 0 ok (train: the last step finished and was saved), 1 parity disagreement,
+2 bad usage / config / input (one line on stderr), 3 training stopped itself (a checkpoint was
+saved), 4 a file of the run could not be written (disk full, a file-size limit, no permission),
+5 the run's process exited without finishing (os._exit / exit() in user or native code),
+75 another torchrun rank stopped answering, 130 / 143 on SIGINT / SIGTERM, 128 + signal when
+the run's process was killed (139 a segfault, 137 SIGKILL: the OOM killer). Every non-zero
+exit of train, sft and eval ends with one line saying why and what to run next."""
 
 #: Where ``bench`` writes by default: beside the training runs, not into the committed
 #: ``bench/results/`` (a run in the repository root used to overwrite the committed table).

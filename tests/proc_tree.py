@@ -20,6 +20,23 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def supervised(pid: int) -> int:
+    """The process doing the work of the ``portarl`` command ``pid``: the child its
+    supervising parent forked (portarl/supervisor.py: the same command line), or ``pid``
+    itself when it has none (not yet forked, or not supervised)."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return pid
+    for child in children(pid):
+        try:
+            if Path(f"/proc/{child}/cmdline").read_bytes() == command:
+                return child
+        except OSError:
+            continue
+    return pid
+
+
 def alive(pid: int) -> bool:
     """``pid`` exists and is not a zombie (an exited child not yet reaped counts as gone)."""
     try:
