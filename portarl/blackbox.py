@@ -113,6 +113,15 @@ def leave_call(token: int) -> None:
     _put("call", _calls[-1] if _calls else "")
 
 
+def recorded(name: str) -> str:
+    """This process's own value of field ``name`` ("" when nothing is attached)."""
+    if _mm is None:
+        return ""
+    offset, cap = _OFFSETS[name]
+    size = int.from_bytes(_mm[offset:offset + 2], "little")
+    return _mm[offset + 2:offset + 2 + min(size, cap)].decode("utf-8", "replace")
+
+
 def read(path) -> dict[str, str]:
     """Every field of the file at ``path`` (empty strings when it cannot be read)."""
     try:
@@ -136,4 +145,4 @@ def doing(record: dict[str, str]) -> str:
 
 
 __all__ = ["ENV", "attach", "attach_from_env", "attached", "create", "declare", "doing", "enter_call", "leave_call", "note",
-           "read"]
+           "read", "recorded"]

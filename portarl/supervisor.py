@@ -125,7 +125,9 @@ class Supervisor:
     def _become_child(self, report_w: int) -> None:
         from portarl.lifeline import die_with_parent
 
-        die_with_parent(os.getppid())
+        global _command_pid
+        _command_pid = os.getppid()
+        die_with_parent(_command_pid)
         blackbox.attach(self.record)
         blackbox.note(rank=os.environ.get("RANK", "") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "",
                       phase="start-up")
@@ -265,8 +267,18 @@ class Supervisor:
         return f"the newest checkpoint is {checkpoint}; continue with: {command}"
 
 
+#: The supervising parent's pid, in the child it forked (None elsewhere).
+_command_pid: int | None = None
+
+
+def command_pid() -> int:
+    """The pid of the command a user started and sees: the supervising parent's in its child,
+    else this process's (named by the run lock to a second run, :mod:`portarl.trainer.run.lock`)."""
+    return _command_pid if _command_pid is not None else os.getpid()
+
+
 def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-__all__ = ["EXIT_DIED", "SUPERVISED", "Supervisor", "wanted"]
+__all__ = ["EXIT_DIED", "SUPERVISED", "Supervisor", "command_pid", "wanted"]
