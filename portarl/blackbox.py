@@ -60,6 +60,13 @@ def attach(path) -> None:
     _calls.clear()
 
 
+def detach() -> None:
+    """Record nothing from now on (the file stays as it is)."""
+    global _mm
+    _mm = None
+    _calls.clear()
+
+
 def attach_from_env() -> None:
     """:func:`attach` the file named by :data:`ENV`, if any."""
     path = os.environ.get(ENV)
@@ -144,5 +151,5 @@ def doing(record: dict[str, str]) -> str:
     return f"{at}{phase}{call}"
 
 
-__all__ = ["ENV", "attach", "attach_from_env", "attached", "create", "declare", "doing", "enter_call", "leave_call", "note",
+__all__ = ["ENV", "attach", "attach_from_env", "detach", "attached", "create", "declare", "doing", "enter_call", "leave_call", "note",
            "read", "recorded"]

@@ -126,8 +126,22 @@ def test_the_flight_recorder_keeps_the_innermost_call_and_costs_nothing_unattach
         assert blackbox.read(tmp_path / "record")["call"].startswith("reward 'r' on xxx")
         assert blackbox.doing(blackbox.read(tmp_path / "record")).startswith(" in step 2 (rollout), while reward")
     finally:
-        blackbox._mm = None
-        blackbox._calls.clear()
+        blackbox.detach()
+
+
+def test_a_lost_rank_says_resume_only_when_there_is_a_checkpoint(tmp_path):
+    from portarl.heartbeat import _what_next
+
+    assert "continue with --resume" in _what_next()  # nothing recorded (a library user): as before
+    blackbox.attach(blackbox.create(tmp_path / "record"))
+    try:
+        blackbox.note(output_dir=tmp_path)
+        assert _what_next().startswith("there is no checkpoint yet: start the run again without --resume")
+        (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
+        (tmp_path / "checkpoints" / "step-000001" / "COMPLETE").touch()
+        assert "continue with --resume" in _what_next()
+    finally:
+        blackbox.detach()
 
 
 @pytest.mark.parametrize("typed", [["--resume"], ["--overwrite"], [], ["--resume-or-start"]])
