@@ -151,5 +151,5 @@ def doing(record: dict[str, str]) -> str:
     return f"{at}{phase}{call}"
 
 
-__all__ = ["ENV", "attach", "attach_from_env", "detach", "attached", "create", "declare", "doing", "enter_call", "leave_call", "note",
-           "read", "recorded"]
+__all__ = ["ENV", "attach", "attach_from_env", "attached", "create", "declare", "detach", "doing", "enter_call",
+           "leave_call", "note", "read", "recorded"]

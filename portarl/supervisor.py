@@ -252,7 +252,8 @@ class Supervisor:
         kept = Path(record["output_dir"]) / CRASH_LOG
         try:
             with kept.open("a") as f:
-                f.write((f"rank {record['rank']}:\n" if record["rank"] else "") + self.crash_path.read_text(errors="replace"))
+                header = f"rank {record['rank']}:\n" if record["rank"] else ""
+                f.write(header + self.crash_path.read_text(errors="replace"))
         except OSError:
             return None
         return kept

@@ -75,8 +75,8 @@ def test_a_rank_whose_reward_calls_os_exit_0_stops_every_rank_and_is_named(tmp_p
     naming rank 1, the step and the reward; torchrun then ends the job, and rank 0, in a
     collective with the dead rank, stops at once (Gloo sees the connection drop) instead of
     waiting for the heartbeat. Before, rank 1 exited 0 without a word."""
-    env = _env(DIE="exit0", DIE_RANK="1",
-               PYTHONPATH=os.pathsep.join([str(TRAINER_TESTS), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    path = [str(TRAINER_TESTS), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    env = _env(DIE="exit0", DIE_RANK="1", PYTHONPATH=os.pathsep.join(path))
     proc = _train(tmp_path, 2, "train.steps=2", "rewards=[{name: 'dying_code:reward'}]",
                   f"distributed.timeout_s={10 * TIMEOUT_S}", env=env)
     output = proc.stdout + proc.stderr

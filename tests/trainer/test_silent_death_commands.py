@@ -39,8 +39,8 @@ def test_eval_with_a_reward_that_calls_os_exit_0_exits_non_zero_naming_it(tmp_pa
     data = tmp_path / "held_out.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(3)))
     command = ["eval", "--checkpoint", str(tmp_path / "run"), "--data", str(data), "--device", "cpu"]
-    run = subprocess.run([sys.executable, "-m", "portarl", *command], env=_env(DIE="exit0"), capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "portarl", *command], env=_env(DIE="exit0", DIE_AFTER="0"),
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 5, run.stderr[-3000:]
     assert run.stderr.strip().splitlines()[-1] == (
         "portarl eval: the run died (eval), while reward 'dying_code:reward' on sample 0 (prompt '0+1=') was "
