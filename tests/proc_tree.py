@@ -1,9 +1,26 @@
 """Process-tree helpers for tests that check no process outlives its parent (the async
-rollout worker and the vLLM engine it may start)."""
+rollout worker and the vLLM engine it may start), find the process doing a command's work,
+or read a running command's output line by line."""
 
 from __future__ import annotations
 
+import queue
+import threading
 from pathlib import Path
+
+
+def line_queue(stream) -> tuple[queue.Queue, threading.Thread]:
+    """``stream`` (a process's stdout or stderr) read line by line on a thread, into a
+    queue (the thread is joined by the caller once the process ended)."""
+    lines: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in stream:
+            lines.put(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    return lines, reader
 
 
 def children(pid: int) -> list[int]:

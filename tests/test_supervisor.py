@@ -8,11 +8,9 @@ whether they were sent to the parent alone or to the whole process group."""
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from portarl.cli import build_parser
 from portarl.continuation import continue_command, newest_checkpoint
 from portarl.supervisor import EXIT_DIED, FORWARD_GRACE_S
 from portarl.trainer.run.output_dir import check_output_dir
+from proc_tree import line_queue
 
 HERE = Path(__file__).parent
 STAND_IN = HERE / "supervised_stand_in.py"
@@ -70,30 +69,18 @@ def test_a_crash_after_the_child_finished_keeps_its_exit_and_says_so(tmp_path):
                                   "nothing was lost")
 
 
-def _lines(proc) -> tuple[queue.Queue, threading.Thread]:
-    got: queue.Queue = queue.Queue()
-
-    def pump():
-        for line in proc.stdout:
-            got.put(line.strip())
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    return got, reader
-
-
 def test_stop_signals_reach_the_child_once_sent_to_the_parent_or_to_the_group(tmp_path):
     proc = subprocess.Popen([sys.executable, str(STAND_IN), "signals", str(tmp_path)], env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    got, reader = _lines(proc)
+    got, reader = line_queue(proc.stdout)
     seen = []
     try:
-        assert got.get(timeout=120) == "ready"
+        assert got.get(timeout=120).strip() == "ready"
         for _ in range(2):  # the parent alone (kill PID, a container's stop): forwarded, each one
             proc.send_signal(signal.SIGTERM)
-            seen.append(got.get(timeout=120))
+            seen.append(got.get(timeout=120).strip())
         os.killpg(proc.pid, signal.SIGINT)  # the whole group (Ctrl-C, torchrun's teardown): not forwarded again
-        seen.append(got.get(timeout=120))
+        seen.append(got.get(timeout=120).strip())
         # A duplicate would be forwarded FORWARD_GRACE_S after the parent's own copy (the
         # wait only lets a wrong forward show; load can only hide one, never make one).
         time.sleep(2 * FORWARD_GRACE_S + 1)
@@ -104,7 +91,7 @@ def test_stop_signals_reach_the_child_once_sent_to_the_parent_or_to_the_group(tm
             os.killpg(proc.pid, signal.SIGKILL)
         reader.join()
     while not got.empty():
-        seen.append(got.get())
+        seen.append(got.get().strip())
     assert proc.returncode == 0, err
     assert [s for s in seen if s.startswith("got")] == ["got SIGTERM", "got SIGTERM", "got SIGINT"], seen
 

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
 from portarl.trainer import GRPOTrainer, build_from_config
-from proc_tree import supervised
+from proc_tree import line_queue, supervised
 from trainer_fast import FAST, fast_config
 
 HERE = Path(__file__).parent
@@ -54,14 +52,7 @@ def test_sft_killed_by_the_oom_killer_says_so(tmp_path):
     for item in FAST:
         cmd += ["--set", item]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue = queue.Queue()
-
-    def pump():
-        for line in proc.stderr:
-            lines.put(line)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
+    lines, reader = line_queue(proc.stderr)
     seen = []
     try:
         while not any(line.startswith("sft step 10/") for line in seen):  # mid-run (one line per 10 steps)
