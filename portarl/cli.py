@@ -267,13 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: `train` names its own resume command
-    if args.command in ("train", "sft", "eval"):  # run by a child this process supervises (portarl/supervisor.py)
-        from portarl import supervisor
+    from portarl import supervisor
 
-        if supervisor.wanted(args, argv):
-            parent = supervisor.Supervisor(args)
-            if not parent.fork():
-                return parent.wait()
+    parent = supervisor.Supervisor.for_command(args, argv)  # train, sft, eval: run by a child it supervises
+    if parent is not None and not parent.fork():
+        return parent.wait()
     previous = {}
     if args.func is cli_train.cmd_train and threading.current_thread() is threading.main_thread():
         # SIGINT / SIGTERM before training starts: a clean exit, recorded so that training

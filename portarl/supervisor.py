@@ -96,6 +96,18 @@ class Supervisor:
         self.child_got: list[tuple[int, float]] = []  # those the child reported: (signum, when)
         self.echoes: list[int] = []  # signals forwarded whose receipt the child has not reported yet
 
+    @classmethod
+    def for_command(cls, args, argv) -> "Supervisor | None":
+        """The supervisor of this ``main()`` call, or None: not :func:`wanted`, or no
+        temporary directory for its record (the command then runs as one process)."""
+        if not wanted(args, argv):
+            return None
+        try:
+            return cls(args)
+        except OSError as err:
+            _log(f"portarl {args.command}: running unsupervised (no temporary directory for its record: {err})")
+            return None
+
     # ------------------------------------------------------------------ start
     def fork(self) -> bool:
         """Fork; True in the child (which goes on with the command), False in the parent."""
