@@ -19,9 +19,13 @@ output directory holding another run, a model directory or data that cannot be u
 unusable device, no checkpoint that verifies on --resume, or a missing / incomplete /
 damaged checkpoint or a non-empty --out for export (one line on stderr, no
 traceback), 3 when training stopped itself (persistent non-finite values; a checkpoint was
-saved), 128 + the signal number on SIGINT (130) or SIGTERM (143): after the current step and
-a checkpoint on the first signal, at once on a second (the message says whether a checkpoint
-exists for the last step).
+saved), 4 when a file of the run could not be written, 5 when the run's process exited without
+finishing (user or native code called os._exit or exit()), 75 when another torchrun rank
+stopped answering, 128 + the signal number on SIGINT (130) or SIGTERM (143): after the current
+step and a checkpoint on the first signal, at once on a second (the message says whether a
+checkpoint exists for the last step); 128 + the signal number too when the run's process was
+killed (a segfault, the OOM killer). ``train``, ``sft`` and ``eval`` run in a child process that
+a supervising parent waits for (:mod:`portarl.supervisor`): exit 0 only when the child finished.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import signal
 import sys
 import threading
 
-from portarl import __version__, cli_bench, cli_train
+from portarl import __version__, blackbox, cli_bench, cli_train
 from portarl.cli_common import _int_at_least, _log, _missing_train_extra
 
 #: ``portarl --help``: what the tool is, before the list of commands.
@@ -47,9 +51,13 @@ EPILOG = """examples:
   portarl parity --device auto                    fused ops against float64 on this device
   portarl bench kernels --quick                   kernel speed and memory
 
-exit status: 0 ok, 1 parity disagreement, 2 bad usage / config / input (one line on stderr),
-3 training stopped itself (a checkpoint was saved), 4 a file of the run could not be written
-(disk full, a file-size limit, no permission), 130 / 143 on SIGINT / SIGTERM."""
+exit status: 0 ok (train: the last step finished and was saved), 1 parity disagreement,
+2 bad usage / config / input (one line on stderr), 3 training stopped itself (a checkpoint was
+saved), 4 a file of the run could not be written (disk full, a file-size limit, no permission),
+5 the run's process exited without finishing (os._exit / exit() in user or native code),
+75 another torchrun rank stopped answering, 130 / 143 on SIGINT / SIGTERM, 128 + signal when
+the run's process was killed (139 a segfault, 137 SIGKILL: the OOM killer). Every non-zero
+exit of train, sft and eval ends with one line saying why and what to run next."""
 
 #: Where ``bench`` writes by default: beside the training runs, not into the committed
 #: ``bench/results/`` (a run in the repository root used to overwrite the committed table).
@@ -165,6 +173,7 @@ def _cmd_eval(args) -> int:
     from portarl.trainer.phases.evaluation import eval_checkpoint
 
     greedy = None if args.greedy is None else args.greedy == "true"
+    blackbox.note(phase="eval")  # what a supervising parent names if the process dies (portarl/supervisor.py)
     try:
         metrics = eval_checkpoint(args.checkpoint, args.data, n=args.n, greedy=greedy, max_prompts=args.max_prompts,
                                   device=args.device)
@@ -262,6 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: `train` names its own resume command
+    from portarl import supervisor
+
+    parent = supervisor.Supervisor.for_command(args, argv)  # train, sft, eval: run by a child it supervises
+    if parent is not None and not parent.fork():
+        return parent.wait()
     previous = {}
     if args.func is cli_train.cmd_train and threading.current_thread() is threading.main_thread():
         # SIGINT / SIGTERM before training starts: a clean exit, recorded so that training
@@ -279,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         code = 128 + int(getattr(err, "signum", 2))
     except Exception:
         if not _joined_a_job():
+            blackbox.declare(1)  # Python's traceback says why, exit 1
             raise
         import traceback
 
@@ -287,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    blackbox.declare(code)  # this exit said why (a supervising parent passes it through)
     # A torchrun rank, or the command line (not an in-process caller) that built a weight-sync
     # group: leave without interpreter finalisation (exit_path.py).
     if _joined_a_job() or (argv is None and _sync_groups_built() > groups_before):

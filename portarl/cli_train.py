@@ -16,6 +16,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from portarl import blackbox
 from portarl.cli_config import UsageError, check_model_dir, load_config, log, require_train_extra
 
 #: ``portarl train --help`` / ``portarl sft --help``: each command's own description.
@@ -69,6 +70,7 @@ def prepare(args, command: str) -> Prepared:
     tokenizer and data. Raises :class:`UsageError` with a one-line message."""
     require_train_extra(command)
     config = load_config(args, command)
+    blackbox.note(output_dir=config.output_dir)  # named by a supervising parent (portarl/supervisor.py)
     if config.model.lora is not None:
         from portarl.lora import LoraUnavailable, require_peft
 
@@ -202,7 +204,8 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
     from portarl.trainer.run.output_dir import RunDirError
     from portarl.trainer.run.signals import AbortNow, StopRequested, abort_message, exit_code
     from portarl.trainer.run.write_failure import EXIT_CODE as WRITE_EXIT
-    from portarl.trainer.run.write_failure import WriteFailed, as_write_failure, intact_checkpoint, resume_command
+    from portarl.continuation import continue_command
+    from portarl.trainer.run.write_failure import WriteFailed, as_write_failure, intact_checkpoint
 
     config = ready.config
     try:
@@ -231,8 +234,9 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
         failure = err if isinstance(err, WriteFailed) else as_write_failure(err, config.output_dir)
         if failure is None:
             raise
+        command = continue_command(getattr(args, "argv", ["train"]), config.output_dir, trainer.checkpoints.latest())
         log(f"portarl train: {failure}; {intact_checkpoint(trainer)}; make room (or fix the permissions), then "
-            f"continue with: {resume_command(getattr(args, 'argv', ['train']))}")
+            f"continue with: {command}")
         return WRITE_EXIT, False
     except StopRequested as err:  # agreed by every rank at the end of a step
         log(f"portarl train: {err}; continue with --resume")
@@ -273,8 +277,10 @@ def cmd_sft(args) -> int:
             ready.model = apply_lora(ready.model, config.model.lora, seed=config.model.init_seed)
         ready.model.to(ready.device)
         bar = progress_bar(steps, "sft", enabled=config.logging.progress)
+        blackbox.note(step=1, phase="sft")
 
         def on_step(i, loss):
+            blackbox.note(step=i + 1)  # the step under way, for a supervising parent
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}")

@@ -44,8 +44,10 @@ def leave_process(code: int) -> None:
     """Step 4: end this rank now with ``code``, skipping interpreter finalisation. Only for
     a process that joined a torchrun job (:func:`portarl.distributed.joined_a_job`); an
     entry point that has not left the job yet leaves it alone first (no barrier)."""
+    from portarl import blackbox
     from portarl import distributed as pdist
 
+    blackbox.declare(code)  # an exit of its own (portarl.supervisor)
     pdist.shutdown(agreed=False)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -102,10 +102,26 @@ class Heartbeat:
         message = (f"portarl: {what} (distributed.timeout_s={self.timeout_s:g}): "
                    f"{'that rank is' if rank is not None else 'a rank or the launcher is'} frozen, stopped or its "
                    f"host is gone. Stopping rank {self.rank} so the job ends now instead of waiting in a collective; "
-                   f"the newest checkpoint is intact, continue with --resume.")
+                   f"{_what_next()}.")
         log.error(message)
         print(message, file=sys.stderr, flush=True)
+        from portarl import blackbox
+
+        blackbox.declare(EXIT_RANK_LOST)  # an exit of its own (portarl.supervisor)
         os._exit(EXIT_RANK_LOST)
+
+
+def _what_next() -> str:
+    """What to run next: ``--resume`` unless the run's directory (recorded by the CLI,
+    :mod:`portarl.blackbox`) is known to hold no checkpoint yet."""
+    from portarl import blackbox
+    from portarl.continuation import newest_checkpoint
+
+    output_dir = blackbox.recorded("output_dir")
+    if output_dir and newest_checkpoint(output_dir) is None:
+        return ("there is no checkpoint yet: start the run again without --resume (with --overwrite once it has "
+                "logged steps)")
+    return "the newest checkpoint is intact, continue with --resume"
 
 
 def start_heartbeat(rank: int, world_size: int, timeout_s: float) -> Heartbeat | None:

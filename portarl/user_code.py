@@ -52,6 +52,9 @@ API (everything a caller needs)::
   exit 3, or ``128 + signal`` when a stop signal ended the call); a caller needs no
   handler of its own. Under several ranks, call :func:`agree_on_failure` where every rank
   passes (one rank's failure becomes every rank's: the stop's checkpoint is collective).
+- Every call is recorded (:mod:`portarl.blackbox`): a process that dies inside user code
+  (``os._exit``, a segfault, the OOM killer) is named by whoever reads the record after it,
+  the supervising parent of the command line or the async worker's client.
 - :func:`arity_problem` says, before the first call, how many arguments a function takes
   and how many portarl passes.
 
@@ -71,6 +74,7 @@ import threading
 import time
 import weakref
 
+from portarl import blackbox
 from portarl.startup_signals import RunInterrupt
 
 #: Wakes a timed-out call on the main thread (default action: ignore).
@@ -149,7 +153,7 @@ class _Unwind(BaseException):
 
 
 class _Call:
-    __slots__ = ("deadline", "ident", "main", "timed_out", "signum", "done", "outer", "outer_watched")
+    __slots__ = ("deadline", "ident", "main", "timed_out", "signum", "done", "outer", "outer_watched", "recorded")
 
     def __init__(self, timeout_s: float | None):
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s  # the watchdog moves it on
@@ -158,6 +162,7 @@ class _Call:
         self.timed_out, self.signum, self.done = False, None, False
         self.outer: _Call | None = None  # the main thread's guarded call this one runs inside
         self.outer_watched: _Call | None = None  # the guard's call this one runs inside
+        self.recorded = 0  # its token in the flight recorder (portarl.blackbox)
 
 
 #: The guarded call running on the main thread, where signal handlers run (None: none).
@@ -322,6 +327,7 @@ class UserCodeGuard:
         kwargs = kwargs or {}
         call = _Call(self.timeout_s)
         watchdog = self._started_watchdog() if self.timeout_s is not None else None
+        call.recorded = blackbox.enter_call(what, where)  # named by the supervisor if the process dies in it
         try:
             try:
                 self._enter(call, watchdog)
@@ -358,6 +364,7 @@ class UserCodeGuard:
     def _leave(call: _Call, watchdog: _Watchdog | None) -> None:
         """Idempotent: a signal can interrupt it, and the handler calls it again."""
         global _main_call
+        blackbox.leave_call(call.recorded)
         if call.done:
             return
         call.done = True  # before timed_out is read: see _Watchdog._run

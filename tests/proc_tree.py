@@ -1,9 +1,26 @@
 """Process-tree helpers for tests that check no process outlives its parent (the async
-rollout worker and the vLLM engine it may start)."""
+rollout worker and the vLLM engine it may start), find the process doing a command's work,
+or read a running command's output line by line."""
 
 from __future__ import annotations
 
+import queue
+import threading
 from pathlib import Path
+
+
+def line_queue(stream) -> tuple[queue.Queue, threading.Thread]:
+    """``stream`` (a process's stdout or stderr) read line by line on a thread, into a
+    queue (the thread is joined by the caller once the process ended)."""
+    lines: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in stream:
+            lines.put(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    return lines, reader
 
 
 def children(pid: int) -> list[int]:
@@ -18,6 +35,23 @@ def children(pid: int) -> list[int]:
             if int(fields[1]) == pid:
                 found.append(int(entry.name))
     return found
+
+
+def supervised(pid: int) -> int:
+    """The process doing the work of the ``portarl`` command ``pid``: the child its
+    supervising parent forked (portarl/supervisor.py: the same command line), or ``pid``
+    itself when it has none (not yet forked, or not supervised)."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return pid
+    for child in children(pid):
+        try:
+            if Path(f"/proc/{child}/cmdline").read_bytes() == command:
+                return child
+        except OSError:
+            continue
+    return pid
 
 
 def alive(pid: int) -> bool:

@@ -49,13 +49,14 @@ def _as_json(value, started: float) -> CallOutcome:
                            error=f"returned {type(value).__name__}, which is not JSON ({' '.join(str(err).split())})")
 
 
-def call_with_limit(guard, fn, args: tuple = (), kwargs: dict | None = None) -> CallOutcome:
+def call_with_limit(guard, fn, args: tuple = (), kwargs: dict | None = None, what: str | None = None) -> CallOutcome:
     """``fn(*args, **kwargs)`` through ``guard`` (a :class:`~portarl.user_code.UserCodeGuard`
     with ``rollout.tool_timeout_s``). Never raises for what ``fn`` does, except a stop
-    signal that arrived during the call (``UserCodeError`` of kind ``interrupted``)."""
+    signal that arrived during the call (``UserCodeError`` of kind ``interrupted``).
+    ``what``: the call as a user names it ("tool 'search'"), for the run's flight recorder."""
     started = time.perf_counter()
     try:
-        value = guard.call(fn, args, kwargs, what=getattr(fn, "__qualname__", "call"))
+        value = guard.call(fn, args, kwargs, what=what or getattr(fn, "__qualname__", "call"))
     except UserCodeError as err:
         if err.kind == "interrupted":  # the run stops (portarl.trainer.loop), not the tool
             raise

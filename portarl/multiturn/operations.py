@@ -64,7 +64,15 @@ class LocalExecutor:
         key = args[0] if op.startswith("env_") and op != "env_reset" else None
         if key is not None and key not in self.ops.envs:
             return CallOutcome(False, kind="lost", error="the environment is gone (an earlier call failed)")
-        return call_with_limit(self.guard, getattr(self.ops, op), args)
+        return call_with_limit(self.guard, getattr(self.ops, op), args, what=self._what(op, args))
+
+    def _what(self, op: str, args: tuple) -> str:
+        """The call as the user wrote it: "tool 'search'", "environment 'CountEnv' step()"."""
+        if op == "tool":
+            return f"tool {args[0]!r}"
+        env = self.ops.factories.get(args[1]) if op == "env_reset" else type(self.ops.envs.get(args[0]))
+        name = getattr(env, "__qualname__", None) or getattr(env, "__name__", None) or "environment"
+        return f"environment {name!r} {op[4:]}()"
 
     def forget(self, key: str) -> None:
         """Drop an episode's environment without calling it (it failed or hung)."""

@@ -45,6 +45,7 @@ version (``v<version>.safetensors``; worker i > 0 of ``rollout.num_workers``: ``
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ import signal
 import sys
 import time
 
+from portarl import blackbox
 from portarl.lifeline import die_with_parent as _die_with_parent
 
 FAULT_ENV = "PORTARL_ROLLOUT_WORKER_FAULT"
@@ -190,6 +192,7 @@ class Worker:
         if self.fault_step == step and self.fault == "hang":
             while True:
                 time.sleep(60)
+        blackbox.note(step=step, phase="rollout")  # the trainer names them if this process dies
         mode = "constant" if self.fault == "constant_seed" else cfg.rollout.seed_mode
         prompts = request["prompts"]
         seeds = request_seeds(cfg.train.seed, step, len(prompts), g, mode)
@@ -207,6 +210,7 @@ class Worker:
             episode = {"model_mask": batch.model_mask, "episodes": batch.episodes, "agent_metrics": metrics,
                        "agent_events": [list(e) for e in events]}
         gen_s = time.perf_counter() - started
+        blackbox.note(phase="scoring")
         scores = self.rewards.score(rows, texts)
         reply = {"op": "batch", "step": step, "version": self.version, "seeds": seeds, **episode,
                  "prompt_ids": batch.prompt_ids, "completion_ids": batch.completion_ids, "logprobs": batch.logprobs,
@@ -246,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent(int(os.environ.get("PORTARL_TRAINER_PID", os.getppid())))
+    blackbox.attach_from_env()  # what it is doing, read by the trainer if it dies (client.WorkerClient)
+    faulthandler.enable(all_threads=True)  # a crash's Python frames, into its log (stderr)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     # The protocol gets its own descriptor; fd 1 (and sys.stdout) become stderr, so stray
     # prints, from Python or from a C library, cannot corrupt the replies.

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from portarl import blackbox
 from portarl import distributed as pdist
 from portarl.data import Example, arithmetic_examples, load_examples_for
 from portarl.device import resolve_device
@@ -228,6 +229,7 @@ class GRPOTrainer:
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint of this step (:func:`persistence.save_checkpoint`: refused
         while a weight or fp32 master is not finite)."""
+        blackbox.note(phase="checkpoint")
         return persistence.save_checkpoint(self)
 
     def resume(self) -> int:
@@ -260,6 +262,7 @@ class GRPOTrainer:
         through all three."""
         step = self.step + 1
         self.hook_step = step
+        blackbox.note(step=step, phase="rollout")  # what a supervisor names if the process dies
         started, cpu_started = time.perf_counter(), time.process_time()
         phase = run_rollout(self, step)
         release_freed_memory()  # the rollout's caches, before scoring and the update allocate
@@ -269,8 +272,10 @@ class GRPOTrainer:
         self.partial_update = None
         self.last_samples = None
         try:
+            blackbox.note(phase="scoring")
             scored = score(self, phase, metrics)
             release_freed_memory()
+            blackbox.note(phase="update")
             overflow = run_update(self, scored, metrics, events)
         except GuardTripped as err:
             skipped = True
@@ -300,6 +305,7 @@ class GRPOTrainer:
         """The supervised warm-up (``train.sft_warmup_steps``), once: :func:`sft.warm_up`."""
         if self.sft_done:
             return
+        blackbox.note(phase="sft warm-up")
         losses = warm_up(self, logger)
         if self._initial_reference is not None and losses:  # FSDP2: the sharded copy was made before the
             with torch.no_grad():  # warm-up; one process builds its reference after it: anchor the warmed-up model

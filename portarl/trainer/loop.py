@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from portarl import blackbox
 from portarl.reward_runner import RewardError
 from portarl.trainer.asynchronous.pipeline import RolloutWorkerError
 from portarl.trainer.run.samples import SampleLog, exact_text
@@ -57,6 +58,7 @@ def run_loop(trainer, logger, last_ckpt: Path | None) -> Path | None:
                 raise TrainingStopped(message, "rollout_worker", last_ckpt) from None
         events = metrics.pop("_events")
         if trainer.evaluator is not None and trainer.evaluator.due(trainer.step):  # eval.data: eval/* metrics
+            blackbox.note(phase="eval")
             metrics.update(trainer.evaluator.run(trainer))
             if (note := trainer.evaluator.keep_best(trainer, metrics)) is not None:
                 events.append(("best_checkpoint", note, {}))

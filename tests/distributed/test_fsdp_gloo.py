@@ -134,13 +134,16 @@ def test_nan_on_one_rank_makes_both_skip(tmp_path):
 
 
 def _worker_pids(launcher_pid: int) -> dict[int, int]:
-    """rank -> pid of torchrun's worker processes (its children with RANK in their environment)."""
+    """rank -> pid of the process doing each rank's work: the supervised child (portarl/supervisor.py)
+    of torchrun's worker process (its children with RANK in their environment)."""
+    from proc_tree import supervised
+
     found = {}
     for child in Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split():
         env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
         ranks = [e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")]
         if ranks:
-            found[int(ranks[0])] = int(child)
+            found[int(ranks[0])] = supervised(int(child))
     return found
 
 

@@ -1,5 +1,6 @@
 """A frozen rank stops the job, naming the rank, within ``distributed.timeout_s`` (2-process
-Gloo; issue 12, item 5)."""
+Gloo; issue 12, item 5); a rank whose user code ends its process stops every rank at once,
+and its line names the rank (issue 44)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from test_fsdp_gloo import FAST, _env, _worker_pids  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from test_fsdp_gloo import FAST, _env, _train, _worker_pids  # noqa: E402
+
+TRAINER_TESTS = Path(__file__).parents[1] / "trainer"
 
 TIMEOUT_S = 16  # the heartbeat fires at 8 s, the Gloo collective timeout at 16 s
 
@@ -63,3 +68,21 @@ def test_frozen_rank_stops_the_job_naming_it(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert "rank 1 has sent no heartbeat" in output and f"distributed.timeout_s={TIMEOUT_S}" in output, output[-4000:]
+
+
+def test_a_rank_whose_reward_calls_os_exit_0_stops_every_rank_and_is_named(tmp_path):
+    """Rank 1's reward calls ``os._exit(0)``: its supervisor exits non-zero with the line
+    naming rank 1, the step and the reward; torchrun then ends the job, and rank 0, in a
+    collective with the dead rank, stops at once (Gloo sees the connection drop) instead of
+    waiting for the heartbeat. Before, rank 1 exited 0 without a word."""
+    path = [str(TRAINER_TESTS), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    env = _env(DIE="exit0", DIE_RANK="1", PYTHONPATH=os.pathsep.join(path))
+    proc = _train(tmp_path, 2, "train.steps=2", "rewards=[{name: 'dying_code:reward'}]",
+                  f"distributed.timeout_s={10 * TIMEOUT_S}", env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-4000:]
+    assert "portarl train: rank 1: the run died in step 1 (scoring), while reward 'dying_code:reward' on sample 0 " \
+        "(prompt " in output and "exited with code 0 without finishing" in output, output[-4000:]
+    assert "rank      : 1 (local_rank: 1)\n  exitcode  : 5" in output, output[-4000:]  # torchrun's root cause
+    # Rank 0 stopped by itself, before the liveness watch (at half of distributed.timeout_s) had to.
+    assert "has sent no heartbeat" not in output, output[-4000:]

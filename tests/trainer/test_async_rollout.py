@@ -23,7 +23,7 @@ from portarl.trainer.asynchronous.pipeline import BATCH_LOG, RolloutWorkerError,
 from portarl.rollout.async_worker import FAULT_ENV
 from portarl.trainer.config import ConfigError, TrainConfig
 
-from proc_tree import alive, children
+from proc_tree import alive, children, supervised
 from trainer_fast import FAST, fast_config
 
 HERE = Path(__file__).parent
@@ -261,7 +261,7 @@ def test_a_stop_signal_stops_trainer_and_worker(tmp_path, sig, code):
     proc = _start(tmp_path, "train.steps=400", "checkpoint.every=1000")
     try:
         _wait_rows(proc, tmp_path, 2)
-        workers = children(proc.pid)
+        workers = children(supervised(proc.pid))  # the trainer's children
         assert len(workers) == 1
         if sig == signal.SIGINT:
             os.killpg(proc.pid, sig)
@@ -284,7 +284,7 @@ def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path):
     proc = _start(out, *sets, **{FAULT_ENV: "hang@5"})
     try:
         _wait_rows(proc, out, 4)
-        workers = children(proc.pid)
+        workers = children(supervised(proc.pid))  # the trainer's children
         proc.kill()
         proc.wait()
     finally:

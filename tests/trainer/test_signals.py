@@ -19,6 +19,7 @@ import pytest
 from portarl.trainer.checkpoint import CheckpointManager
 from portarl.trainer.checkpoint import manifest as mf
 
+from proc_tree import line_queue  # noqa: E402
 from trainer_fast import FAST  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -66,15 +67,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_143(tmp_path):
 
 def _stderr_lines(proc) -> tuple[queue.Queue, threading.Thread]:
     """stderr read line by line on a thread (joined by the caller once the process ended)."""
-    lines: queue.Queue = queue.Queue()
-
-    def pump():
-        for line in proc.stderr:
-            lines.put(line)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    return lines, reader
+    return line_queue(proc.stderr)
 
 
 def test_second_signal_aborts_at_once_and_says_nothing_was_saved(tmp_path):

@@ -96,6 +96,20 @@ def test_a_full_file_system_names_the_file_keeps_the_checkpoints_and_resumes(tmp
     assert CheckpointManager(out).latest().name == "step-000004"
 
 
+def test_a_write_failure_before_the_first_checkpoint_gives_a_command_that_works(tmp_path):
+    """No checkpoint yet (step 1's is the write that failed; step 1 is in metrics.jsonl):
+    "continue with" used to say --resume, which is refused. Now: the command again, with
+    --overwrite (the directory holds a logged step), and it trains to the end."""
+    out = tmp_path / "run"
+    line = _one_line(_portarl(_args(out, 2), _limit_file_size))
+    assert "; there is no checkpoint yet; make room" in line, line
+    command = shlex.split(line.split("continue with: ", 1)[1])
+    assert command[:2] == ["portarl", "train"] and "--resume" not in command and command[-1] == "--overwrite", line
+    done = _portarl(command[1:])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert CheckpointManager(out).latest().name == "step-000002"
+
+
 def test_a_read_only_checkpoint_directory_names_it_and_exits_4(tmp_path):
     out = tmp_path / "run"
     assert _portarl(_args(out, 2)).returncode == 0

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from portarl import blackbox
 from portarl.distributed import without_torchrun_env
 from portarl.lifeline import stop_child
 from portarl.reward_runner import RewardError, RewardScores
@@ -39,6 +41,13 @@ log = logging.getLogger("portarl.train")
 
 class RolloutWorkerError(RuntimeError):
     """The rollout worker died, hung or returned garbage; the message names it."""
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def reward_error(message: str) -> RewardError:
@@ -63,7 +72,10 @@ class WorkerClient:
         spec_path = Path(work_dir) / ("worker.json" if index == 0 else f"worker-{index}.json")
         spec_path.write_text(json.dumps(spec))
         self._log = self.log_path.open("a")
-        env = {**without_torchrun_env(dict(os.environ)), "PORTARL_TRAINER_PID": str(os.getpid()), **(env or {})}
+        # What it is doing (step, phase, the reward, tool or environment running), read if it dies.
+        self.record = blackbox.create(Path(work_dir) / spec_path.name.replace(".json", ".blackbox"))
+        env = {**without_torchrun_env(dict(os.environ)), "PORTARL_TRAINER_PID": str(os.getpid()),
+               blackbox.ENV: str(self.record), **(env or {})}
         if backend is not None:
             from portarl.backends import BACKEND_ENV
 
@@ -100,7 +112,10 @@ class WorkerClient:
         except OSError:
             pass
         status = f"exited with code {code}" if code is not None else "closed its output"
-        return RolloutWorkerError(f"the {self.name} {status} {when}{tail}")
+        if code is not None and code < 0:
+            status = f"was killed by {signal_name(-code)}"
+        doing = blackbox.doing(blackbox.read(self.record))  # what it was doing: step, phase, the user code running
+        return RolloutWorkerError(f"the {self.name} {status} {when}{',' + doing if doing else ''}{tail}")
 
     def exited(self, when: str) -> RolloutWorkerError | None:
         """The error naming the worker's exit, if it exited (``when``: what the trainer did).

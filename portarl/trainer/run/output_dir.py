@@ -25,12 +25,15 @@ import logging
 import shutil
 from pathlib import Path
 
+from portarl.continuation import existing_run as _existing_run
+
 log = logging.getLogger("portarl.train")
 
 #: What a training run writes into its output directory (all of it, and only it, is
 #: removed by ``--overwrite``).
 RUN_FILES = ("checkpoints", "metrics.jsonl", "events.jsonl", "samples.jsonl", "tensorboard", "config.yaml", "summary.txt",
-             "curves.png", "best", "rollout_batches.jsonl", "rollout_worker.log", "async_weights")  # the last three: async mode
+             "curves.png", "best", "rollout_batches.jsonl", "rollout_worker.log", "async_weights",  # these three: async mode
+             "crash.log")  # portarl/supervisor.py
 
 #: Fields (``section.field``; a trailing dot: the whole section) that ``--resume`` applies.
 MID_RUN_FIELDS = ("train.steps", "train.old_logprobs", "optim.lr", "optim.implementation", "logging.",
@@ -46,21 +49,6 @@ _IGNORED = ("output_dir", "rollout.collapse_entropy")
 
 class RunDirError(ValueError):
     """The output directory cannot be used as asked; the message says what to do instead."""
-
-
-def _existing_run(directory: Path) -> str | None:
-    """A short description of the run in ``directory``, or None when it holds none."""
-    found = []
-    ckpts = directory / "checkpoints"
-    if ckpts.is_dir():
-        steps = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-"))
-        if steps:
-            found.append(f"{len(steps)} checkpoint(s), the last {steps[-1]}")
-    metrics = directory / "metrics.jsonl"
-    if metrics.is_file() and metrics.stat().st_size > 0:
-        lines = sum(1 for line in metrics.read_text().splitlines() if line.strip())
-        found.append(f"metrics.jsonl with {lines} step(s)")
-    return ", ".join(found) or None
 
 
 def check_output_dir(output_dir: str | Path, *, resume: bool = False, overwrite: bool = False) -> None:

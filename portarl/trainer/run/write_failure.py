@@ -22,6 +22,8 @@ import os
 import re
 from pathlib import Path
 
+from portarl.continuation import resume_command
+
 #: ``portarl train``'s exit status when the run could not write a file it needs.
 EXIT_CODE = 4
 
@@ -90,15 +92,6 @@ def intact_checkpoint(trainer) -> str:
     from portarl.trainer.checkpoint.manifest import step_of
 
     return f"the last intact checkpoint is {latest} (step {step_of(latest)})"
-
-
-def resume_command(argv: list[str]) -> str:
-    """``portarl train ...`` as it was run, continuing the run: ``--resume`` instead of
-    ``--overwrite`` or ``--resume-or-start``."""
-    import shlex
-
-    kept = [a for a in argv if a not in ("--overwrite", "--resume-or-start", "--resume")]
-    return shlex.join(["portarl", *kept, "--resume"])
 
 
 __all__ = ["EXIT_CODE", "WRITE_ERRNOS", "WriteFailed", "as_write_failure", "intact_checkpoint", "os_error_of",
