@@ -140,13 +140,19 @@ def _wait_for(pids: dict[int, int], states: str, deadline: float) -> None:
             time.sleep(0.002)
 
 
-def end_tree(roots, *, unreaped=(), settle_s: float = SETTLE_S) -> dict[int, int]:
+def end_tree(roots) -> dict[int, int]:
     """Stop ``roots`` (pids) and all their descendants, then kill them and reap those that
-    are or become this process's children, except ``unreaped`` (a ``Popen``'s own, which
-    its ``wait`` reaps); returns ``{pid: start time}`` of those ended. A root must be a
-    process whose number cannot be reused meanwhile (a child not yet reaped, or one
-    checked against its start time just before)."""
-    deadline = time.monotonic() + settle_s
+    are or become this process's children; returns ``{pid: start time}`` of those ended. A
+    root must be a process whose number cannot be reused meanwhile (a child not yet
+    reaped, or one checked against its start time just before)."""
+    deadline = time.monotonic() + SETTLE_S
+    found = _kill_tree(roots, deadline)
+    reap(found, deadline)
+    return found
+
+
+def _kill_tree(roots, deadline: float) -> dict[int, int]:
+    """:func:`end_tree` but the reaping."""
     found: dict[int, int] = {}
     frontier = list(roots)
     while frontier:
@@ -158,7 +164,6 @@ def end_tree(roots, *, unreaped=(), settle_s: float = SETTLE_S) -> dict[int, int
         frontier = [child for pid in found for child in children(pid) if child not in found]
     for pid in found:
         _signal(pid, signal.SIGKILL)
-    reap({pid: start for pid, start in found.items() if pid not in unreaped}, deadline)
     return found
 
 
@@ -190,14 +195,18 @@ def reap(pids: dict[int, int], deadline: float) -> None:
 
 def end_child(proc) -> None:
     """End ``proc`` (a ``subprocess.Popen``), everything it started and, when it leads its
-    own process group (``start_new_session``), whatever is left in that group; then reap it.
+    own process group (``start_new_session``), whatever is left in that group; reap it.
     Its number (and its group's) stays reserved until it is reaped, so nothing here can hit
-    another process: once reaped by someone else, only the wait is left."""
-    if proc.returncode is None:
-        got = stat(proc.pid)
-        group = _scan("pgid", proc.pid) if got is not None and got.pgid == proc.pid else set()
-        end_tree([proc.pid, *group], unreaped={proc.pid})  # group: members its death left outside the tree
-    proc.wait()
+    another process; once reaped (by an earlier ``wait``), nothing is left to do."""
+    if proc.returncode is not None:
+        return
+    deadline = time.monotonic() + SETTLE_S
+    got = stat(proc.pid)
+    group = _scan("pgid", proc.pid) if got is not None and got.pgid == proc.pid else set()
+    found = _kill_tree([proc.pid, *group], deadline)  # group: members its death left outside the tree
+    proc.wait()  # first: its zombie children come to this process (a subreaper) only once it is gone
+    found.pop(proc.pid, None)
+    reap(found, deadline)
 
 
 __all__ = ["children", "descendants", "end_child", "end_tree", "reap", "set_subreaper", "stat"]

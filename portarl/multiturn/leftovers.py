@@ -29,60 +29,93 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import weakref
 
 from portarl.process_tree import children, descendants, end_tree, set_subreaper, stat
 
+_lock = threading.Lock()
+_holders = 0  # Leftovers in this process that made it a subreaper and have not closed yet
+_was_subreaper: bool | None = None  # the setting before the first of them
+
+
+def _arm() -> None:
+    global _holders, _was_subreaper
+    with _lock:
+        if _holders == 0:
+            _was_subreaper = set_subreaper(True)
+        _holders += 1
+
+
+def _disarm() -> None:
+    """The last one to close restores the setting (trainers may close in any order)."""
+    global _holders
+    with _lock:
+        _holders -= 1
+        if _holders == 0 and _was_subreaper is not None:
+            set_subreaper(_was_subreaper)
+
 
 class Leftovers:
-    """What tool calls in this process started (see the module docstring)."""
+    """What tool calls in this process started (see the module docstring). One never
+    closed (a trainer dropped without ``close``) still ends them when it is collected, or
+    at the interpreter's exit at the latest."""
 
     def __init__(self):
         self.tracked: dict[int, int] = {}  # pid -> start time (a number may be reused)
-        self.armed = False
-        self.was_subreaper: bool | None = None
+        self._armed = [False]  # shared with the finalizer, which must not hold self
+        self._finalizer = weakref.finalize(self, _close, self.tracked, self._armed, os.getpid())
 
     @contextlib.contextmanager
     def watch(self):
         """Around one call: the children this process gained during it are the call's."""
-        if not self.armed:
-            self.was_subreaper, self.armed = set_subreaper(True), True
+        if not self._armed[0]:
+            _arm()
+            self._armed[0] = True
         me = os.getpid()
         before = children(me)
         try:
             yield
         finally:
-            self._note(children(me) - before)
-
-    def _note(self, new: set[int]) -> None:
-        """Track ``new`` and every descendant of what is tracked, as it is now (before an
-        intermediate process exits and hands its children to this process, unnoted)."""
-        for pid in new:
-            if (got := stat(pid)) is not None:
-                self.tracked[pid] = got.start
-        for pid, start in list(self.tracked.items()):
-            got = stat(pid)
-            if got is None or got.start != start:
-                del self.tracked[pid]  # ended (and reaped): its number may be another's now
-                continue
-            for child in descendants(pid) - self.tracked.keys():
-                if (got := stat(child)) is not None:
-                    self.tracked[child] = got.start
+            _note(self.tracked, children(me) - before)
 
     def end(self) -> None:
         """End every tracked process and what it started since."""
-        self._note(set())
-        if self.tracked:
-            end_tree(list(self.tracked))
-        self.tracked.clear()
+        _end(self.tracked)
 
     def close(self) -> None:
         """End what the calls left (:meth:`end`) and restore the subreaper setting."""
-        if not self.armed:
-            return
-        self.end()
-        if self.was_subreaper is not None:
-            set_subreaper(self.was_subreaper)
-        self.armed = False
+        _close(self.tracked, self._armed, os.getpid())
+
+
+def _note(tracked: dict[int, int], new: set[int]) -> None:
+    """Track ``new`` and every descendant of what is tracked, as it is now (before an
+    intermediate process exits and hands its children to this process, unnoted)."""
+    for pid in new:
+        if (got := stat(pid)) is not None:
+            tracked[pid] = got.start
+    for pid, start in list(tracked.items()):
+        got = stat(pid)
+        if got is None or got.start != start:
+            del tracked[pid]  # ended (and reaped): its number may be another's now
+            continue
+        for child in descendants(pid) - tracked.keys():
+            if (got := stat(child)) is not None:
+                tracked[child] = got.start
+
+
+def _end(tracked: dict[int, int]) -> None:
+    _note(tracked, set())
+    if tracked:
+        end_tree(list(tracked))
+    tracked.clear()
+
+
+def _close(tracked: dict[int, int], armed: list, owner: int) -> None:
+    if armed[0] and os.getpid() == owner:  # not in a forked copy of this process: they are not its
+        _end(tracked)
+        armed[0] = False
+        _disarm()
 
 
 __all__ = ["Leftovers"]
