@@ -204,6 +204,7 @@ def end_child(proc) -> None:
     got = stat(proc.pid)
     group = _scan("pgid", proc.pid) if got is not None and got.pgid == proc.pid else set()
     found = _kill_tree([proc.pid, *group], deadline)  # group: members its death left outside the tree
+    proc.kill()  # already done where /proc lists it; elsewhere the child alone
     proc.wait()  # first: its zombie children come to this process (a subreaper) only once it is gone
     found.pop(proc.pid, None)
     reap(found, deadline)
