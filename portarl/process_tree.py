@@ -1,5 +1,5 @@
 """Process trees: every process a child started, in whatever process group or session,
-found and ended with it (Linux; elsewhere only the child and its process group).
+found and ended with it (Linux; elsewhere the child alone).
 
 Why: killing a process does not kill what it started. A tool that starts a server or a
 background job (``subprocess.Popen``, a shell's ``&``, ``setsid``, a daemon's double

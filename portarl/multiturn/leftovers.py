@@ -23,6 +23,12 @@ Not ended: a process that a tool's own process (or one it started) forked after 
 returned and that was handed to this process only after its parent exited (noted neither
 during a call nor as a descendant afterwards); anything when this process is killed from
 outside (``kill -9``, the OOM killer: nothing here runs), or not on Linux.
+
+Reaped only at the end: a detached process that exits during the run stays a zombie of
+this process (a process-table entry, no memory) until :meth:`Leftovers.close` reaps it.
+Reaping it earlier could take the exit status from a tool's own ``Popen`` that waits for
+it later, and nothing tells the two apart; a tool that detaches a short-lived process at
+every call leaves that many entries until the run ends.
 """
 
 from __future__ import annotations
