@@ -61,3 +61,21 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def sleepers(path: Path) -> list[int]:
+    """The pids a test tool wrote to ``path`` (tests/trainer/agent_tools.py:spawn), one a line."""
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+def left_running(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running ``sleep`` (a number reused by another program is not one)."""
+    running = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if alive(pid) and cmdline[:1] == [b"sleep"]:
+            running.append(pid)
+    return running

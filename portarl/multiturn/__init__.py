@@ -9,6 +9,7 @@ the model produced (docs/agents.md).
 - :mod:`.episode`: the loop (generate, call, append) over a batch of episodes;
 - :mod:`.calls`, :mod:`.operations`, :mod:`.sandbox`: every call into a tool or an
   environment, time-limited, in this process or a child one;
+- :mod:`.leftovers`: the processes those calls start, ended at the run's end;
 - :mod:`.report`: ``agent/*`` metrics, the tool-errors event, the sample log's records;
 - :mod:`.agent`, :mod:`.settings`: built from and checked with the config.
 """

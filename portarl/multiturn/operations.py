@@ -8,6 +8,7 @@ values go in and out.
 from __future__ import annotations
 
 from portarl.multiturn.calls import CallOutcome, call_with_limit
+from portarl.multiturn.leftovers import Leftovers
 from portarl.user_code import UserCodeGuard
 from portarl.multiturn.environment import check_made, check_reward, normalize_step, setting_of
 
@@ -52,11 +53,13 @@ OPS = ("tool", "env_reset", "env_step", "env_reward", "env_close")
 class LocalExecutor:
     """``run(op, *args) -> CallOutcome``: an operation in this process, time-limited by
     :func:`~portarl.multiturn.calls.call_with_limit` (one guard: the episodes call from
-    one thread)."""
+    one thread). The processes a call leaves running are ended at :meth:`close`
+    (:class:`~portarl.multiturn.leftovers.Leftovers`)."""
 
     def __init__(self, tools: dict, factories: dict, timeout_s: float):
         self.ops = Operations(tools, factories)
         self.guard = UserCodeGuard(timeout_s, "rollout.tool_timeout_s")
+        self.leftovers = Leftovers()
 
     def run(self, op: str, *args) -> CallOutcome:
         if op not in OPS:
@@ -64,7 +67,8 @@ class LocalExecutor:
         key = args[0] if op.startswith("env_") and op != "env_reset" else None
         if key is not None and key not in self.ops.envs:
             return CallOutcome(False, kind="lost", error="the environment is gone (an earlier call failed)")
-        return call_with_limit(self.guard, getattr(self.ops, op), args, what=self._what(op, args))
+        with self.leftovers.watch():
+            return call_with_limit(self.guard, getattr(self.ops, op), args, what=self._what(op, args))
 
     def _what(self, op: str, args: tuple) -> str:
         """The call as the user wrote it: "tool 'search'", "environment 'CountEnv' step()"."""
@@ -79,9 +83,11 @@ class LocalExecutor:
         self.ops.envs.pop(key, None)
 
     def close(self) -> None:
-        """Forget the environments and stop and join the guard's watchdog thread."""
+        """Forget the environments, stop and join the guard's watchdog thread, and end the
+        processes the calls left running."""
         self.ops.envs.clear()
         self.guard.close()
+        self.leftovers.close()
 
 
 __all__ = ["LocalExecutor", "OPS", "Operations"]

@@ -15,6 +15,18 @@ a ``timeout`` / ``lost`` outcome, and the environments it held are lost (their e
 with an error message); a new child starts at the next call. The child dies with its
 parent (``PR_SET_PDEATHSIG``), its stdout is its stderr (a tool's prints cannot corrupt
 the protocol), and it ignores SIGINT (the trainer decides when it stops).
+
+Whatever a tool starts ends with the child: the child is the subreaper of its tools'
+processes (a ``setsid`` or double-forked one stays in its tree), and killing it means
+stopping and killing its whole tree and process group (:func:`portarl.lifeline.stop_child`),
+after a timeout, when it crashed (its orphans came to the parent: :mod:`.leftovers`) and at
+the run's end.
+
+What the child does *not* isolate: it is not a sandbox. It runs as the trainer's user
+with the trainer's environment variables, working directory and file system (a tool can
+read, write and delete whatever the run can), network, devices and no resource limits
+beyond the time limit per call (memory, CPU, processes, open files: set them in the tool,
+or run it in a container). ``docs/agents.md`` says the same.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import time
 
 from portarl.lifeline import stop_child
 from portarl.multiturn.calls import CallOutcome
+from portarl.multiturn.leftovers import Leftovers
 
 #: The child's start-up (imports of portarl and the user's modules) gets at least this long.
 STARTUP_MIN_S = 120.0
@@ -51,6 +64,7 @@ class ProcessExecutor:
         self.replies: queue.Queue = queue.Queue()
         self.live: set[str] = set()  # environments held by the current child
         self.restarts = 0
+        self.leftovers = Leftovers()  # what a child that crashed left: its orphans come here
 
     # ---------------------------------------------------------------- lifecycle
     def _start(self) -> None:
@@ -99,6 +113,7 @@ class ProcessExecutor:
 
     def close(self) -> None:
         self._stop()
+        self.leftovers.close()
 
     # ------------------------------------------------------------------ calls
     def forget(self, key: str) -> None:
@@ -112,10 +127,13 @@ class ProcessExecutor:
         if self.proc is None:
             self._start()
         started = time.perf_counter()
-        reply = self._receive(self.timeout_s) if self._send({"op": op, "args": list(args)}) else {}
+        with self.leftovers.watch():
+            reply = self._receive(self.timeout_s) if self._send({"op": op, "args": list(args)}) else {}
+            if reply is None or not reply:
+                code = self.proc.poll() if self.proc is not None else None
+                self._stop()  # the child and its whole tree (a crashed one's orphans came here meanwhile)
         if reply is None or not reply:
-            code = self.proc.poll() if self.proc is not None else None
-            self._stop()
+            self.leftovers.end()
             self.restarts += 1
             if reply is None:
                 return CallOutcome(False, kind="timeout", elapsed_s=time.perf_counter() - started,
@@ -133,7 +151,7 @@ class ProcessExecutor:
 
 def main() -> int:
     """The child: a spec line, then requests until stdin closes."""
-    from portarl.lifeline import die_with_parent
+    from portarl.lifeline import adopt_orphans, die_with_parent
     from portarl.multiturn.calls import run_captured
     from portarl.multiturn.environment import load_factories
     from portarl.multiturn.operations import OPS, Operations
@@ -141,6 +159,7 @@ def main() -> int:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(int(os.environ.get("PORTARL_SANDBOX_PARENT", os.getppid())))
+    adopt_orphans()  # before any tool runs: nothing it starts can leave this tree
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # prints of the user's code go to stderr, never into the protocol
     sys.stdout = sys.stderr

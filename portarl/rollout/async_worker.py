@@ -33,7 +33,10 @@ The worker dies with the trainer: ``PR_SET_PDEATHSIG`` (Linux) sends it SIGKILL 
 trainer dies, and a watchdog thread exits when its parent changes (other systems). It
 ignores SIGINT and SIGTERM: the trainer decides when it stops (a scheduler's SIGTERM to
 every process of a job must not kill the worker under a trainer that is finishing its
-step and saving), and stops it with SIGKILL (it holds nothing worth saving).
+step and saving), and stops it with SIGKILL (it holds nothing worth saving), together with
+every process it started: the worker is their subreaper, so what its tools and
+environments start, however detached, stays in its process tree, which the trainer ends
+whole (:func:`portarl.lifeline.stop_child`).
 
 Fault injection for the tests (``PORTARL_ROLLOUT_WORKER_FAULT``): ``die@S``, ``hang@S``,
 ``garbage@S``, ``stale@S`` (the first batch of step S claims old weights: the trainer must
@@ -54,7 +57,7 @@ import sys
 import time
 
 from portarl import blackbox
-from portarl.lifeline import die_with_parent as _die_with_parent
+from portarl.lifeline import adopt_orphans, die_with_parent as _die_with_parent
 
 FAULT_ENV = "PORTARL_ROLLOUT_WORKER_FAULT"
 DUMP_ENV = "PORTARL_ROLLOUT_WORKER_DUMP"
@@ -252,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent(int(os.environ.get("PORTARL_TRAINER_PID", os.getppid())))
     blackbox.attach_from_env()  # what it is doing, read by the trainer if it dies (client.WorkerClient)
     faulthandler.enable(all_threads=True)  # a crash's Python frames, into its log (stderr)
+    adopt_orphans()  # what its tools and environments start stays in its tree, ended with it
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     # The protocol gets its own descriptor; fd 1 (and sys.stdout) become stderr, so stray
     # prints, from Python or from a C library, cannot corrupt the replies.

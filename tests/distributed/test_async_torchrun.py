@@ -212,6 +212,36 @@ def test_a_reward_failing_in_the_worker_stops_both_ranks_naming_it(tmp_path):
     assert _worker_gone(proc.stderr)
 
 
+def _limit_file_size():
+    """Files of at most 60 kB (the published weights of the tiny model are 86 kB; the run's
+    logs and the worker's spec stay below); a write past it fails with EFBIG."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # ignored dispositions survive exec
+    resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))
+
+
+def test_a_weights_file_that_cannot_be_written_stops_every_rank_with_the_same_line(tmp_path):
+    """rollout.weight_sync=file: rank 0 cannot write the published weights (a file-size
+    limit, as a full disk); every rank ends with the one line of a failed write naming the
+    file (exit 4), none waits on for a batch that is not coming."""
+    from test_fsdp_gloo import FAST
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "portarl", "train", "--device",
+           "cpu", "--output-dir", str(tmp_path)]
+    for item in (*FAST, "train.steps=2", ASYNC, "rollout.weight_sync=file"):
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600, preexec_fn=_limit_file_size)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("portarl train: cannot write")]
+    assert len(lines) == 2 and len(set(lines)) == 1, proc.stderr[-4000:]  # rank 0's and rank 1's, alike
+    assert lines[0].startswith(f"portarl train: cannot write {tmp_path}/async_weights/weights-slot0.tmp: File too "
+                               "large (EFBIG); there is no checkpoint yet"), lines[0]
+    assert "failed (exitcode: 4)" in proc.stderr, proc.stderr[-4000:]  # (torchrun's own report follows)
+    assert not (tmp_path / "async_weights").exists()  # the pipeline closed: its worker stopped
+
+
 def test_two_workers_under_torchrun_share_the_steps_and_hold_the_trainers_weights_bitwise(tmp_path):
     """rollout.num_workers=2 under 2-rank torchrun, collective weight sync: rank 0 starts
     both workers, worker (s - 1) mod 2 generates the whole batch of step s, and every

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 
 
@@ -50,6 +51,29 @@ def pid() -> int:
 def crash() -> str:
     """Take the interpreter down (a segfaulting C extension, say)."""
     os._exit(3)
+
+
+def spawn(path: str) -> list:
+    """Start three `sleep 1000` that outlive the call: a child, one in a session of its own
+    (setsid: another process group too) and one a shell leaves behind (a daemon's double
+    fork: its parent is gone); append their pids to a file.
+
+    Args:
+        path: The file the pids are appended to, one a line.
+    """
+    return spawn_sleepers(path)
+
+
+def spawn_sleepers(path) -> list[int]:
+    quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    child = subprocess.Popen(["sleep", "1000"], **quiet)
+    session = subprocess.Popen(["sleep", "1000"], start_new_session=True, **quiet)
+    shell = subprocess.run(["sh", "-c", "sleep 1000 </dev/null >/dev/null 2>&1 & echo $!"], capture_output=True,
+                           text=True, check=True)
+    pids = [child.pid, session.pid, int(shell.stdout)]
+    with open(path, "a") as f:
+        f.write("".join(f"{pid}\n" for pid in pids))
+    return pids
 
 
 def reward_env_text(prompts, completions, conversation, **columns):
@@ -105,6 +129,15 @@ class PidEnv:
 
     def step(self, message):
         return {"observation": f"pid {os.getpid()}", "done": False, "reward": 1.0}
+
+
+class SpawnEnv(CountEnv):
+    """CountEnv whose reset starts :func:`spawn`'s three sleepers (pids appended to the file
+    named by $PORTARL_TEST_SPAWNED)."""
+
+    def reset(self, row):
+        spawn_sleepers(os.environ["PORTARL_TEST_SPAWNED"])
+        return super().reset(row)
 
 
 class LongResetEnv(CountEnv):

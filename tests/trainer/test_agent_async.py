@@ -14,7 +14,7 @@ import pytest
 from agent_tiny import save_agent_run_files
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL
 from portarl.trainer import GRPOTrainer, build_from_config
-from proc_tree import children
+from proc_tree import children, left_running, sleepers
 from trainer_fast import fast_config
 
 HERE = Path(__file__).parent
@@ -84,3 +84,16 @@ def test_an_environment_that_fails_every_episode_in_the_worker_is_named_as_user_
     reply = Worker.handle(SimpleNamespace(generate=generate), {"op": "generate"})
     assert reply == {"op": "error", "kind": "reward",
                      "message": "environment 'agent_tools:BrokenEnv' failed in all 4 of its episodes of this step"}
+
+
+def test_nothing_an_environment_started_in_the_worker_outlives_the_run(tmp_path, model_dir, monkeypatch):
+    """The worker plays the episodes; what their environments started (a child, one in a
+    session of its own, one a shell left behind) is in the worker's process tree (it is a
+    subreaper) and ends with it. Before, the worker's SIGKILL left them running."""
+    spawned = tmp_path / "spawned"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PORTARL_TEST_SPAWNED", str(spawned))
+    _run(tmp_path, model_dir, "environment=agent_tools:SpawnEnv", "rollout.mode=async", "train.steps=1")
+    pids = sleepers(spawned)
+    assert pids and len(pids) % 3 == 0
+    assert left_running(pids) == [], "processes an environment started outlived the run"

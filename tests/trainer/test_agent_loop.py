@@ -16,7 +16,7 @@ from portarl.data import Example
 from portarl.trainer import GRPOTrainer
 from portarl.trainer.phases.rollout import run_rollout
 from portarl.trainer.phases.scoring import score
-from proc_tree import alive, children
+from proc_tree import alive, children, left_running, sleepers
 from trainer_fast import fast_config
 
 QUESTION = [{"role": "user", "content": "What is 12*34?"}]
@@ -164,6 +164,20 @@ def test_a_tool_that_kills_its_process_is_a_message_in_process_isolation(make):
     episode = trainer.last_samples["episodes"][0]
     assert episode["messages"][1]["content"].startswith("<tool_response>\nError: tool 'crash' ended its process")
     assert metrics["agent/tool_errors"] == 1 and metrics["agent/tool_process_restarts"] == 4
+
+
+@pytest.mark.parametrize("isolation", ["none", "process"])
+def test_no_process_a_tool_started_outlives_the_run(make, tmp_path, isolation):
+    """Each episode's tool starts three sleepers (a child, one in a session of its own, one a
+    shell left behind): all are ended when the run ends, in this process's tools too (it is
+    their subreaper while tools run: portarl.multiturn.leftovers). Before, all twelve ran on."""
+    spawned = tmp_path / "spawned"
+    trainer = make([call_text("spawn", path=str(spawned)), ANSWER], f"rollout.tool_isolation={isolation}",
+                   "train.steps=1", tools=("spawn",))
+    trainer.train()
+    pids = sleepers(spawned)
+    assert len(pids) == 12, pids  # 4 episodes, one call each
+    assert left_running(pids) == [], "processes a tool started outlived the run"
 
 
 def test_a_tool_call_in_the_last_turn_ends_the_episode_without_running_it(make):

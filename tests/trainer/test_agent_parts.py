@@ -171,3 +171,37 @@ def test_the_tool_process_kills_a_hung_call_and_its_environments_are_lost():
     finally:
         executor.close()
     assert executor.proc is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_tool_process_ends_everything_its_tools_started_after_a_timeout_a_crash_and_at_close(tmp_path):
+    """rollout.tool_isolation=process: the processes a tool started (a child, one in a
+    session of its own, one a shell left behind) end with the tool process: when a later
+    call's timeout kills it, when a tool crashes it, and when the executor closes. Before,
+    only the tool process itself was killed, and the sleepers ran on past the run."""
+    from pathlib import Path
+
+    from portarl.multiturn.sandbox import ProcessExecutor
+    from proc_tree import left_running, sleepers
+
+    spawned = tmp_path / "spawned"
+    executor = ProcessExecutor(["agent_tools:spawn", "agent_tools:wait", "agent_tools:crash"], None,
+                               [Path(__file__).parent], timeout_s=60)
+    try:
+        first = executor.run("tool", "spawn", {"path": str(spawned)}).value
+        assert len(first) == 3 and left_running(first) == first  # the check can fail
+        executor.timeout_s = 0.5
+        hung = executor.run("tool", "wait", {"seconds": 3600})
+        assert hung.kind == "timeout" and executor.restarts == 1
+        assert left_running(first) == [], "what the tool started outlived its killed process"
+        executor.timeout_s = 60
+        second = executor.run("tool", "spawn", {"path": str(spawned)}).value
+        assert left_running(second) == second
+        crashed = executor.run("tool", "crash", {})
+        assert crashed.kind == "lost" and executor.restarts == 2
+        assert left_running(second) == [], "what the tool started outlived its crashed process"
+        third = executor.run("tool", "spawn", {"path": str(spawned)}).value
+        assert left_running(third) == third
+    finally:
+        executor.close()
+    assert sleepers(spawned) == first + second + third and left_running(first + second + third) == []

@@ -10,6 +10,7 @@ the run's files with limits that only bound a test that has already failed."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -69,7 +70,10 @@ def _kill_right_after_a_checkpoint(proc, out: Path) -> int:
 
 def _sigterm(proc, out: Path) -> int:
     _wait_rows(proc, out, 2)
-    proc.send_signal(signal.SIGTERM)  # finishes its step, saves (with the batch in flight), exits 143
+    # To the command's process group, as a shell or a scheduler does: the run's process gets it
+    # at once (one sent to the supervising parent alone is forwarded up to a second later,
+    # portarl/supervisor.py, by which time this tiny run could have finished)
+    os.killpg(proc.pid, signal.SIGTERM)  # finishes its step, saves (with the batch in flight), exits 143
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 143, err[-3000:]
     return CheckpointManager.load_state(CheckpointManager(out).latest())["step"]
@@ -125,3 +129,36 @@ def test_a_checkpoint_of_a_failed_pipeline_holds_no_batches_in_flight_and_its_re
     want = [0] + [1] * 5
     want[stopped_at] = 0  # the first resumed step: sampled by the checkpoint's own weights
     assert [r["rollout/staleness_max"] for r in rows] == want
+
+
+@pytest.mark.parametrize("sync", ["collective", "file"])
+def test_a_worker_that_dies_during_a_periodic_checkpoint_leaves_that_checkpoint_whole(tmp_path, monkeypatch, sync):
+    """The worker dies while the checkpoint of step 2 is written (it has sent the batch of
+    step 3, which that checkpoint holds): step 3 finds it dead and the run stops, keeping
+    checkpoint 2 as it was, its batch in flight included. Before, the stop saved step 2 again
+    without it, over the complete one (a checkpoint of a step is never replaced by a poorer
+    one of the same step: portarl.trainer.checkpoint.manager)."""
+    from portarl.trainer import GRPOTrainer, TrainingStopped, build_from_config
+    from trainer_fast import fast_config
+
+    cfg = fast_config(tmp_path, "train.steps=4", "checkpoint.every=2", "rollout.mode=async",
+                      f"rollout.weight_sync={sync}")
+    model, tokenizer, examples = build_from_config(cfg)
+    trainer = GRPOTrainer(model, tokenizer, None, examples, cfg, device="cpu")
+    save = trainer.checkpoints.save
+
+    def save_while_the_worker_dies(step, *args):
+        path = save(step, *args)
+        if step == 2:
+            worker = trainer.async_rollout.client.proc
+            worker.kill()
+            worker.wait()
+        return path
+
+    monkeypatch.setattr(trainer.checkpoints, "save", save_while_the_worker_dies)
+    with pytest.raises(TrainingStopped) as info:
+        trainer.train(overwrite=True)
+    assert info.value.tensor_name == "rollout_worker" and "stopping at step 3" in str(info.value), str(info.value)
+    assert info.value.checkpoint.name == "step-000002"
+    state = CheckpointManager.load_state(info.value.checkpoint)
+    assert [batch["step"] for batch in state["async_in_flight"] or []] == [3]

@@ -249,9 +249,25 @@ def test_cleanup_reports_what_it_could_not_remove(trained, monkeypatch, caplog):
     assert "could not remove the incomplete checkpoint" in caplog.text and "busy" in caplog.text
 
 
+def test_a_step_saved_again_keeps_the_checkpoint_this_run_wrote_or_resumed_from(trained):
+    """A run saves a step once more only when it stops during the next one, holding less
+    than at the step's end (async mode: no batches in flight): the complete checkpoint is
+    kept, not rewritten."""
+    root = trained.checkpoints.root
+    written = (root / "step-000003" / mf.COMPLETE).stat()
+    assert trained.save_checkpoint() == root / "step-000003"
+    again = (root / "step-000003" / mf.COMPLETE).stat()
+    assert (again.st_ino, again.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+    resumed = CheckpointManager(trained.output_dir)  # a later run that resumed from it
+    assert resumed.kept(3) is None
+    directory, _ = resumed.load_newest_verified()
+    assert resumed.kept(3) == directory == root / "step-000003"
+
+
 def test_resaving_a_step_never_leaves_it_missing(trained):
     root = trained.checkpoints.root
-    trained.save_checkpoint()  # step 3 again (as after a crash right after its save)
+    trained.checkpoints.intact.clear()  # step 3 again, by a run that did not write it nor verify it
+    trained.save_checkpoint()
     mf.verify(root / "step-000003")
     assert not list(root.glob(".replaced-*")) and not list(root.glob(".tmp-*"))
     # A kill after the old copy was moved aside and before the new one took its place:

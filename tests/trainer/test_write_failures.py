@@ -146,3 +146,20 @@ def test_a_disk_full_error_that_a_library_reports_as_text_is_named():
     with pytest.raises(ValueError):  # not a failed write: left alone
         with writing("/x/model.safetensors"):
             raise ValueError("a bug")
+
+
+def test_a_full_file_system_under_weight_sync_file_is_one_line_and_the_run_continues(tmp_path):
+    """``rollout.weight_sync: file``: the trainer publishes each weight version to a slot
+    file the async worker loads; a write of it that fails (here the first slot of a resumed
+    run, 86 KiB, over the limit) is the same one line and exit 4 as a checkpoint's, naming
+    the slot file. Before, safetensors' error escaped as a 46-line traceback, exit 1."""
+    out = tmp_path / "run"
+    sets = ("--set", "rollout.mode=async", "--set", "rollout.weight_sync=file")
+    assert _portarl(_args(out, 1, *sets)).returncode == 0
+    line = _one_line(_portarl(_args(out, 2, *sets, "--resume"), _limit_file_size))
+    assert line.startswith(f"portarl train: cannot write {out}/async_weights/weights-slot") and \
+        f": File too large (EFBIG); the last intact checkpoint is {out}/checkpoints/step-000001 (step 1)" in line, line
+    assert not (out / "async_weights").exists()
+    done = _continue_with(line)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert CheckpointManager(out).latest().name == "step-000002"

@@ -43,6 +43,10 @@ version, prompt indices), truncated on ``--resume`` like the metrics: no batch i
 twice. A checkpoint holds the batches in flight (:mod:`portarl.trainer.asynchronous.resume`), so
 a resumed run trains on the batches the uninterrupted run would have (bitwise on the CPU).
 
+A weights file that cannot be written (``weight_sync: file``: disk full, a file-size limit,
+no permission) ends the run as any other failed write: one line naming the file, exit 4
+(:mod:`portarl.trainer.run.write_failure`), on every rank under torchrun.
+
 Faults stop the run with a checkpoint and one line naming the worker
 (:class:`RolloutWorkerError`): the worker exits, sends nothing for ``rollout.timeout_s``
 (hung), replies with a malformed batch, or a weight version cannot be sent whole (the
@@ -85,6 +89,7 @@ from portarl.trainer.asynchronous.client import (STARTUP_MIN_S, WORKER_LOG, Roll
 from portarl.trainer.asynchronous.resume import restore_in_flight
 from portarl.trainer.asynchronous.sync import CollectiveSync
 from portarl.trainer.run.logfiles import prepare_log
+from portarl.trainer.run.write_failure import WriteFailed
 from portarl.trainer.asynchronous.weights import WeightSlots, drain, rollout_state_dict, rollout_tensors
 
 BATCH_LOG = "rollout_batches.jsonl"
@@ -226,7 +231,10 @@ class AsyncRollout:
             while occupant is not None and self.loaded < occupant:  # a worker still needs the slot's version
                 lagging = min(self.clients, key=lambda c: c.loaded)
                 self._receive(f"the worker to load weights version {occupant}", lagging)
-            self.pending = (version, self.slots.write(state, version))
+            try:
+                self.pending = (version, self.slots.write(state, version))
+            except WriteFailed as err:  # disk full: raised by _collect, so on every rank (exit 4)
+                self.failure = err
         self.published = version
         return time.perf_counter() - started
 
@@ -348,6 +356,9 @@ class AsyncRollout:
             except (RolloutWorkerError, RewardError) as err:
                 failure = err
                 got = {"error": "reward" if isinstance(err, RewardError) else "worker", "message": str(err)}
+            except WriteFailed as err:  # the weights file (weight_sync: file): every rank ends with its line
+                failure = err
+                got = {"error": "write", "path": str(err.path), "errno": err.errno, "message": str(err)}
             except Exception as err:  # a bug on rank 0: the others must not wait for a batch that is not coming
                 failure = err
                 got = {"error": "rank0", "message": f"{type(err).__name__}: {err}"}
@@ -359,6 +370,8 @@ class AsyncRollout:
                 raise reward_error(got["message"])
             if got["error"] == "worker":
                 raise RolloutWorkerError(got["message"])
+            if got["error"] == "write":
+                raise WriteFailed(got["path"], OSError(got["errno"], os.strerror(got["errno"])))
             raise RuntimeError(f"rank 0 failed while it collected the batch of step {step}: {got['message']}")
         return got
 

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from portarl.lora import base_model, merged_tensors
+from portarl.trainer.run.write_failure import writing
 
 
 def tied_twins(model: torch.nn.Module) -> set[str]:
@@ -100,8 +101,9 @@ def write_rollout_weights(model: torch.nn.Module, dtype: torch.dtype, path: Path
     if state is None:
         return False
     tmp = Path(path).with_suffix(".tmp")
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path)
+    with writing(tmp):
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path)
     return True
 
 
@@ -110,7 +112,11 @@ class WeightSlots:
     created by ``save_file`` the first time (or when the names, dtypes or shapes change),
     then overwritten in place, each tensor's bytes at its offset (``os.pwrite`` into the
     file's existing pages: not mapped, so they do not count in the trainer's resident set).
-    The caller makes sure the reader is done with a slot before it comes round again."""
+    The caller makes sure the reader is done with a slot before it comes round again.
+
+    A write that fails (disk full, a file-size limit, no permission) is a
+    :class:`~portarl.trainer.run.write_failure.WriteFailed` naming the slot file: ``portarl
+    train`` ends with its one line and exit 4, as for a checkpoint that cannot be written."""
 
     def __init__(self, directory: Path, count: int):
         if count < 1:
@@ -137,16 +143,18 @@ class WeightSlots:
             from safetensors.torch import save_file
 
             tmp = path.with_suffix(".tmp")
-            save_file(state, str(tmp), metadata={"format": "pt"})
-            os.replace(tmp, path)
+            with writing(tmp):  # safetensors reports the system's error only in its message
+                save_file(state, str(tmp), metadata={"format": "pt"})
+                os.replace(tmp, path)
             self._files[slot] = self._open(path, layout)
             return path
         fd, offsets, _ = opened
-        for name, tensor in state.items():
-            data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-            written = 0
-            while written < len(data):  # pwrite may write less than asked
-                written += os.pwrite(fd, data[written:], offsets[name] + written)
+        with writing(path):
+            for name, tensor in state.items():
+                data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                written = 0
+                while written < len(data):  # pwrite may write less than asked
+                    written += os.pwrite(fd, data[written:], offsets[name] + written)
         return path
 
     @staticmethod

@@ -14,6 +14,15 @@ which ones it skipped and why; a checkpoint that fails is moved aside to
 ``corrupt-step-XXXXXX`` so that pruning never counts it as one of the ``keep_last``.
 Pruning never removes the checkpoint just written (verified as it was written) and removes
 ``COMPLETE`` before the rest.
+
+A checkpoint of a step is never replaced by a poorer one of the same step: a run saves a
+step once more only when it stops during the next one (its worker died, a reward failed,
+a guard stopped it), and what it would save then holds less than the checkpoint written at
+the end of that step (async mode: no batches in flight, the pipeline having failed; the
+random states already advanced by the failed step). So a step of which this manager wrote
+a complete checkpoint, or resumed from one it verified, is kept, and the save returns it
+(:meth:`CheckpointManager.kept`). Any other checkpoint of the step is replaced: a resumed
+run only reaches a newer step's directory when that checkpoint could not be verified.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ class CheckpointManager:
     def __init__(self, output_dir: str | Path, keep_last: int = 2):
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = keep_last
+        self.intact: dict[int, Path] = {}  # step -> the complete checkpoint this manager wrote or resumed from
 
     # ------------------------------------------------------------------ listing
     def clean_partial(self) -> list[Path]:
@@ -83,6 +93,17 @@ class CheckpointManager:
         return None
 
     # ------------------------------------------------------------------ writing
+    def kept(self, step: int, *, look: bool = True) -> Path | None:
+        """The complete checkpoint of ``step`` this manager wrote or resumed from, which a
+        save of the same step keeps (see the module docstring); None when there is none.
+        ``look=False``: from the record alone (under torchrun every rank must decide alike)."""
+        path = self.intact.get(step)
+        if path is None or (look and not (path / mf.COMPLETE).exists()):
+            return None
+        log.info("checkpoint of step %d kept: %s (written at the end of that step; saving it again now would keep "
+                 "less)", step, path)
+        return path
+
     def _begin(self, step: int, suffix: str) -> tuple[Path, Path]:
         tmp = self.root / f".tmp-step-{step:06d}{suffix}"
         with writing(tmp):
@@ -127,11 +148,14 @@ class CheckpointManager:
             if problems:
                 log.warning("could not remove the replaced checkpoint %s: %s", replaced, "; ".join(problems))
         self.prune(protect=final)
+        self.intact[step] = final
         return final
 
     def save(self, step: int, model, tokenizer, state: dict) -> Path:
         """A LoRA (peft) model's ``save_pretrained`` writes its adapter only
         (``adapter_model.safetensors``, ``adapter_config.json``), not the base weights."""
+        if (kept := self.kept(step)) is not None:
+            return kept
         tmp, final = self._begin(step, f"-{os.getpid()}")
         with self._writing_into(tmp):
             with writing(tmp / "model.safetensors"):  # its own file name when the error has one (a LoRA adapter)
@@ -151,6 +175,8 @@ class CheckpointManager:
 
         from portarl import distributed as pdist
 
+        if (kept := self.kept(step, look=False)) is not None:
+            return kept
         tmp, final = self.root / f".tmp-step-{step:06d}", self.root / f"step-{step:06d}"
         if ctx.is_main:
             self._begin(step, "")
@@ -166,6 +192,7 @@ class CheckpointManager:
                     safe_state.save_state(state, tmp)
                 self._finish(step, tmp, final)
         pdist.barrier(ctx)
+        self.intact[step] = final
         return final
 
     def prune(self, protect: Path) -> None:
@@ -221,6 +248,7 @@ class CheckpointManager:
                 continue
             if failures:
                 log.warning("falling back to %s, the newest checkpoint that verifies", directory)
+            self.intact[step_of(directory)] = directory
             return directory, state
         raise CheckpointError("no checkpoint in {} verifies:\n  {}\nRestore a good copy or start without "
                               "--resume (in a new output directory).".format(self.root, "\n  ".join(failures)),

@@ -140,7 +140,9 @@ class RolloutConfig:
     tool_timeout_s: float = 30.0
     #: Multi-turn: where tools and environments run: "none" (in this process, time-limited by
     #: the user-code guard) or "process" (a child process, killed when a call hangs or crashes
-    #: it: also for native code that never returns).
+    #: it: also for native code that never returns). Either way what a tool starts ends with
+    #: the run. "process" is not a sandbox: same user, files, network and no resource limits
+    #: (docs/agents.md).
     tool_isolation: str = "none"
     #: Multi-turn: the tool-call format: "auto" (from the chat template; "hermes" when the
     #: template declares no tools, and portarl then describes them in the system message),
