@@ -130,7 +130,7 @@ def check_examples(examples: list, codec, model, cfg: TrainConfig, needs_answer:
         raise ValueError("train_data is empty")
     ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     ids = encode_examples(examples, codec, context_length=ctx, max_new_tokens=cfg.rollout.max_new_tokens)
-    need = needs_answer + (["train.sft_warmup_steps"] if cfg.train.sft_warmup_steps else [])
+    need = needs_answer + (["train.sft_warmup_steps"] if cfg.train.sft_warmup_steps and cfg.data.sft_path is None else [])
     missing = next((ex for ex in examples if ex.answer is None), None)
     if need and missing is not None:
         raise ValueError(f"{missing.where or 'an example'}: no answer field (data.answer_field="
@@ -140,6 +140,19 @@ def check_examples(examples: list, codec, model, cfg: TrainConfig, needs_answer:
         log.warning("train.prompts_per_step=%d is larger than the %d examples: prompts are drawn with replacement "
                     "(the same prompt can appear twice in a step)", n, len(examples))
     return {id(ex): p for ex, p in zip(examples, ids)}
+
+
+def check_demonstrations(examples: list, codec, cfg: TrainConfig) -> None:
+    """The supervised warm-up's rows from ``data.sft_path``, checked when the run starts (not
+    at the end of the model load's minutes later): not empty, every prompt encodable, every
+    row with an answer."""
+    if not examples:
+        raise ValueError(f"data.sft_path {cfg.data.sft_path}: no rows")
+    encode_examples(examples, codec)
+    missing = next((ex for ex in examples if ex.answer is None), None)
+    if missing is not None:
+        raise ValueError(f"{missing.where}: no answer field (data.answer_field={cfg.data.answer_field!r}), which the "
+                         "supervised warm-up (data.sft_path) trains on")
 
 
 def make_rollout_engine(trainer):

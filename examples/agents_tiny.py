@@ -1,0 +1,20 @@
+"""The environment of examples/agents-tiny.yaml (its tool is ``multiply`` of
+examples/calculator.py): one answer per episode, checked against the row's own numbers.
+
+An episode: the model calls ``multiply`` (a reply with a tool call runs the tool), reads the
+``<tool_response>``, and answers; that reply, without a tool call, goes to this environment,
+which ends the episode with reward 1.0 when its last number is the product, else 0.0. The
+built-in reward ``environment`` passes that reward to GRPO."""
+
+import re
+
+
+class CheckProduct:
+    def reset(self, row):
+        self.product = int(row["a"]) * int(row["b"])
+        return None  # nothing appended to the prompt
+
+    def step(self, message):
+        numbers = re.findall(r"-?\d+", message)
+        right = bool(numbers) and int(numbers[-1]) == self.product
+        return {"observation": None, "done": True, "reward": 1.0 if right else 0.0}
