@@ -18,3 +18,12 @@ class CheckProduct:
         numbers = re.findall(r"-?\d+", message)
         right = bool(numbers) and int(numbers[-1]) == self.product
         return {"observation": None, "done": True, "reward": 1.0 if right else 0.0}
+
+
+def used_the_tool(prompts, completions, conversation, **columns):
+    """Batched reward: 1.0 for an episode in which a tool ran and answered (a ``tool`` message
+    that is not an ``Error: ...``: the call parsed, named a tool and fitted its arguments),
+    else 0.0. Multi-turn rollouts add the ``conversation`` column: the messages after the
+    prompt, model turns with their parsed ``tool_calls``, tool results, observations."""
+    return [1.0 if any(m["role"] == "tool" and not m["content"].startswith("Error:") for m in messages) else 0.0
+            for messages in conversation]
