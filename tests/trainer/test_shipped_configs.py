@@ -36,7 +36,7 @@ def test_a_shipped_config_loads_and_its_data_exists(path):
 
 def test_the_agents_recipe_runs_its_tool_and_its_environment(tmp_path):
     """docs/agents.md's one-minute recipe, as a newcomer runs it (the CLI, one torch thread,
-    from another directory), with 80 warm-up steps instead of 120 and 2 GRPO steps: the
+    from another directory), with 2 GRPO steps instead of 20: the
     built-in tiny-chat model writes calls that the multiply tool answers with the product of
     the arguments it wrote, and the environment scores the reply after it. The warm-up
     matters: without it the random model writes no call (tool calls 0 of 16)."""
@@ -48,7 +48,7 @@ def test_the_agents_recipe_runs_its_tool_and_its_environment(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)
     out = tmp_path / "run"
-    sets = ["train.steps=2", "train.sft_warmup_steps=80", "logging.progress=false", "logging.plot=false",
+    sets = ["train.steps=2", "logging.progress=false", "logging.plot=false",
             "logging.tensorboard=false", "logging.samples_every=1", "logging.samples_count=16"]
     proc = subprocess.run([sys.executable, "-m", "portarl", "train", "--config", str(ROOT / "examples/agents-tiny.yaml"),
                            "--output-dir", str(out), *[x for s in sets for x in ("--set", s)]],
@@ -80,6 +80,7 @@ def test_the_tiny_chat_model_without_the_warm_up_writes_no_tool_call(tmp_path):
 
     cfg = TrainConfig.load(ROOT / "examples/agents-tiny.yaml", [
         f"output_dir={tmp_path / 'run'}", "train.sft_warmup_steps=0", "train.steps=1", "rollout.max_new_tokens=16",
+        "rollout.group_size=2", "train.prompts_per_step=4",
         "logging.progress=false", "logging.plot=false", "logging.tensorboard=false"])
     from portarl.data import load_examples_for
 
