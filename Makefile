@@ -49,7 +49,7 @@ demo: $(VENV)/.installed
 # Agents in a minute (docs/agents.md): the built-in tiny-chat model learns, from a short warm-up,
 # to call a calculator tool and answer an environment, then GRPO on whole episodes
 # (examples/agents-tiny.yaml; output: runs/agents-tiny). One torch thread, as the demo: two are
-# slower on the tiny model's matrices.
+# faster on an idle machine and several times slower on a busy one (measured: docs/agents.md).
 agents-demo: $(VENV)/.installed
 	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/portarl train --config examples/agents-tiny.yaml --overwrite
 
