@@ -1,10 +1,11 @@
-"""The environment of examples/agents-tiny.yaml (its tool is ``multiply`` of
-examples/calculator.py): one answer per episode, checked against the row's own numbers.
+"""The environment and the second reward of examples/agents-tiny.yaml (its tool is
+``multiply`` of examples/calculator.py).
 
-An episode: the model calls ``multiply`` (a reply with a tool call runs the tool), reads the
-``<tool_response>``, and answers; that reply, without a tool call, goes to this environment,
-which ends the episode with reward 1.0 when its last number is the product, else 0.0. The
-built-in reward ``environment`` passes that reward to GRPO."""
+An episode: the model calls ``multiply`` (a reply with a tool call runs the tool), reads its
+result in a ``tool`` turn, and answers; that reply, without a tool call, goes to
+:class:`CheckProduct`, which ends the episode with reward 1.0 when its last number is the
+product of the row's ``a`` and ``b``, else 0.0 (the built-in reward ``environment`` passes it
+to GRPO). :func:`used_the_tool` rewards an episode whose call ran."""
 
 import re
 
