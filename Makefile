@@ -17,7 +17,7 @@ TRITON_ASCEND_VENV := .venv-triton-ascend
 TRITON_ASCEND_PYTHON ?= $(PYTHON)
 TRITON_ASCEND_SPEC ?= triton-ascend==3.2.0
 
-.PHONY: demo test docs docs-numbers config-reference test-vllm test-hardware parity-report check-triton-ascend clean
+.PHONY: demo agents-demo test docs docs-numbers config-reference test-vllm test-hardware parity-report check-triton-ascend clean
 
 # Each step says what it does: the torch download alone is a minute or two of silence otherwise.
 $(VENV)/.installed: pyproject.toml Makefile
@@ -45,6 +45,13 @@ DEMO_SETS ?= --set train.steps=60 --set optim.lr=1e-3
 demo: $(VENV)/.installed
 	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/portarl train --output-dir runs/demo --overwrite $(DEMO_SETS)
 	@$(PY) tools/docs_numbers.py --demo-compare runs/demo
+
+# Agents in a minute (docs/agents.md): the built-in tiny-chat model learns, from a short warm-up,
+# to call a calculator tool and answer an environment, then GRPO on whole episodes
+# (examples/agents-tiny.yaml; output: runs/agents-tiny). One torch thread, as the demo: two are
+# faster on an idle machine and several times slower on a busy one (measured: docs/agents.md).
+agents-demo: $(VENV)/.installed
+	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/portarl train --config examples/agents-tiny.yaml --overwrite
 
 # The numbers the docs quote, re-run from their documented commands (tools/docs_numbers.py; the
 # quick set takes minutes, ARGS=--full adds SmolLM2 and the algorithm menu, ARGS=--write

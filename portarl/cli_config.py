@@ -77,7 +77,9 @@ def load_config(args, command: str):
 def check_model_dir(path: str) -> None:
     """A local model directory must hold a config, weights and tokenizer files; a ``.gguf``
     file (or ``package:<pkg>/<file>.gguf``) must exist."""
-    if path == "tiny":
+    from portarl.tokenizer import BUILTIN_MODELS
+
+    if path in BUILTIN_MODELS:
         return
     from portarl.models import resolve_model_path
 
@@ -90,11 +92,11 @@ def check_model_dir(path: str) -> None:
             raise UsageError(f"model.path {path!r}: GGUF file {directory} does not exist")
         return
     if not directory.is_dir():
-        raise UsageError(f"model.path {path!r} is neither 'tiny', a directory nor a .gguf file")
+        raise UsageError(f"model.path {path!r} is neither 'tiny', 'tiny-chat', a directory nor a .gguf file")
     names = {p.name for p in directory.iterdir()}
     if "config.json" not in names:
         raise UsageError(f"model directory {directory} has no config.json (a Hugging Face model directory, "
-                         "save_pretrained output, or 'tiny')")
+                         "save_pretrained output, or 'tiny' / 'tiny-chat')")
     if not names & set(_WEIGHT_FILES) and not any(n.endswith(".safetensors") for n in names):
         raise UsageError(f"model directory {directory} has no weights (model.safetensors or pytorch_model.bin)")
     if not names & set(_TOKENIZER_FILES):

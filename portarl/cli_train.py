@@ -267,12 +267,13 @@ def cmd_sft(args) -> int:
     from portarl.lora import apply_lora, save_merged
     from portarl.tokenizer import as_codec
     from portarl.trainer.run.progress import progress_bar
-    from portarl.trainer.phases.sft import run_sft
+    from portarl.trainer.phases.sft import demonstrations, run_sft
 
     config = ready.config
     steps = args.steps or config.train.sft_warmup_steps or 100
     try:
         codec = as_codec(ready.tokenizer)
+        examples = demonstrations(config, ready.examples)  # data.sft_path when set
         if config.model.lora is not None:  # the adapter is trained; sft-model/ gets it merged in
             ready.model = apply_lora(ready.model, config.model.lora, seed=config.model.init_seed)
         ready.model.to(ready.device)
@@ -288,13 +289,13 @@ def cmd_sft(args) -> int:
                 log(f"sft step {i}/{steps}: loss {loss:.4f}")
 
         try:
-            losses = run_sft(ready.model, codec, ready.examples, steps=steps, batch_size=config.train.sft_batch_size,
+            losses = run_sft(ready.model, codec, examples, steps=steps, batch_size=config.train.sft_batch_size,
                              lr=config.train.sft_lr, device=ready.device, seed=config.train.seed, on_step=on_step,
                              logits_policy=config.precision.logits)
         finally:
             if bar is not None:
                 bar.close()
-    except (ValueError, FloatingPointError) as err:
+    except (ValueError, FloatingPointError, FileNotFoundError) as err:
         log(f"portarl sft: {err}")
         return 2
     except KeyboardInterrupt:

@@ -1,4 +1,5 @@
-"""Models: the built-in tiny Qwen2 (built from a config, no download) and local HF loading."""
+"""Models: the built-in tiny Qwen2 (built from a config, no download; ``tiny`` with a
+character tokenizer, ``tiny-chat`` with a ChatML one) and local HF loading."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from portarl.tokenizer import CharTokenizer, load_tokenizer
+from portarl.tokenizer import BUILTIN_MODELS, CharTokenizer, byte_chat_tokenizer, load_tokenizer
 
 
 def tiny_qwen2(vocab_size: int, *, hidden_size: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
@@ -27,9 +28,16 @@ def tiny_qwen2(vocab_size: int, *, hidden_size: int = 64, layers: int = 2, heads
     return model
 
 
-def build_tiny(seed: int = 0, **sizes):
-    """``(model, tokenizer)``: the built-in default, a tiny Qwen2 with a character tokenizer."""
-    tokenizer = CharTokenizer()
+def build_tiny(seed: int = 0, *, chat: bool = False, **sizes):
+    """``(model, tokenizer)``: the built-in default, a tiny Qwen2 with a character tokenizer
+    (``model.path: tiny``); with ``chat``, the same model with the byte-level ChatML
+    tokenizer of :func:`~portarl.tokenizer.byte_chat_tokenizer` and room for a conversation
+    with a tool description (4096 positions; ``model.path: tiny-chat``)."""
+    if chat:
+        tokenizer = byte_chat_tokenizer()
+        sizes.setdefault("max_positions", 4096)
+    else:
+        tokenizer = CharTokenizer()
     return tiny_qwen2(len(tokenizer), seed=seed, **sizes), tokenizer
 
 
@@ -38,9 +46,10 @@ def build_model(m, dtype: torch.dtype | None = None):
     from ``init_seed``) or a local directory / .gguf file loaded in ``dtype``, with
     ``model.attn_implementation`` when set. Without ``model.lora`` (applied later, by the
     trainer or ``portarl export``)."""
-    if m.path == "tiny":
-        model, tokenizer = build_tiny(seed=m.init_seed, hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
-                                      kv_heads=m.kv_heads, intermediate_size=m.intermediate_size)
+    if m.path in BUILTIN_MODELS:
+        model, tokenizer = build_tiny(seed=m.init_seed, chat=m.path == "tiny-chat", hidden_size=m.hidden_size,
+                                      layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
+                                      intermediate_size=m.intermediate_size)
     else:
         model, tokenizer = load_local(m.path, dtype=dtype)
     impl = getattr(m, "attn_implementation", None)
@@ -65,7 +74,7 @@ def load_local(path: str | Path, dtype: torch.dtype | None = None):
     if not (directory / "config.json").exists():
         raise FileNotFoundError(
             f"model directory {directory} has no config.json: pass a local Hugging Face model directory "
-            "(save_pretrained output), a .gguf file, or 'tiny' for the built-in model"
+            "(save_pretrained output), a .gguf file, or 'tiny' / 'tiny-chat' for a built-in model"
         )
     kwargs = {"local_files_only": True}
     if dtype is not None:

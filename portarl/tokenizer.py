@@ -1,5 +1,7 @@
-"""Tokenizers the trainer can use: any Hugging Face tokenizer, or the built-in
-character-level tokenizer (made in code, for the tiny demo model; nothing to download).
+"""Tokenizers the trainer can use: any Hugging Face tokenizer, or one of the built-in
+models' tokenizers (made in code, nothing to download): the character-level tokenizer of the
+tiny demo model (``model.path: tiny``), and the byte-level ChatML one of ``tiny-chat``
+(tools and environments need a chat template).
 
 The trainer only needs :class:`TextCodec`: encode a prompt, decode a completion, and the
 pad / eos ids. :func:`as_codec` wraps either kind.
@@ -14,6 +16,29 @@ CHAR_TOKENIZER_FILE = "portarl_char_tokenizer.json"
 
 #: Characters of the built-in arithmetic task (and a little more, for formats).
 DEFAULT_CHARS = "0123456789+-*=?., ()abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ:\\{}"
+
+
+#: ``model.path`` values that name a model built in code (see :func:`builtin_tokenizer`).
+BUILTIN_MODELS = ("tiny", "tiny-chat")
+
+#: The chat template of the built-in ``tiny-chat`` model: ChatML (SmolLM2's and Qwen2's turn
+#: format, no default system message) that declares tools compactly, since every byte is a
+#: token: one system line ``Tools: multiply(a, b)`` (a data row's own system message comes
+#: first in it), and a tool's result in a ``tool`` turn. The model calls a tool in the
+#: hermes format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: the
+#: template's opening comment names it (what ``rollout.tool_format: auto`` reads), and the
+#: prompt does not spell it out (a tiny model learns it from demonstrations).
+CHAT_TEMPLATE = (
+    "{#- tool calls: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (hermes) -#}"
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content + '\\n' }}{% endif %}"
+    "{{- 'Tools:' }}{% for t in tools %}{{ ' ' + t.function.name + '(' }}"
+    "{{- t.function.get('parameters', {}).get('properties', {}) | list | join(', ') }}{{ ')' + ('' if loop.last else ',') }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{%- for m in messages %}{% if not (tools and loop.first and m.role == 'system') %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 class CharTokenizer:
@@ -90,6 +115,47 @@ class CharTokenizer:
         return cls(json.loads(Path(directory, CHAR_TOKENIZER_FILE).read_text())["chars"])
 
 
+def byte_chat_tokenizer():
+    """The tokenizer of the built-in ``tiny-chat`` model: one token per UTF-8 byte (so any
+    text encodes, nothing is dropped, and text tokenises back to the ids that produced it),
+    plus ``<pad>`` (0), ``<|im_start|>`` (1) and ``<|im_end|>`` (2, eos: it ends a turn),
+    with :data:`CHAT_TEMPLATE`. A Hugging Face fast tokenizer, so a checkpoint of a
+    ``tiny-chat`` run is an ordinary model directory (``AutoTokenizer`` loads it)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 bytes as printable characters, in a fixed order
+    vocab = {token: i for i, token in enumerate(specials + alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>"], model_max_length=1 << 20,
+                                   clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def no_template_fix(tokenizer) -> str:
+    """What to do when a chat template is needed and ``tokenizer`` has none: the character
+    tokenizer cannot take one (its alphabet has no ``<|im_start|>``), so it is pointed at the
+    built-in chat model instead of at ``data.chat_template``."""
+    if isinstance(tokenizer, CharTokenizer):
+        return ("the character tokenizer of model.path: tiny takes none; use model.path: tiny-chat, the built-in tiny "
+                "model with a ChatML chat template (examples/agents-tiny.yaml)")
+    return "set data.chat_template to a Jinja template file"
+
+
+def builtin_tokenizer(path: str):
+    """The tokenizer of the built-in model ``model.path`` names, or None for any other path."""
+    if path == "tiny":
+        return CharTokenizer()
+    if path == "tiny-chat":
+        return byte_chat_tokenizer()
+    return None
+
+
 class TextCodec:
     """The tokenizer operations the trainer uses, for either tokenizer kind.
 
@@ -124,12 +190,11 @@ class TextCodec:
             self.always_template = False
         else:
             if isinstance(tokenizer, CharTokenizer):
-                raise ValueError("data.chat_template: the built-in character tokenizer has no chat support; use a "
-                                 "Hugging Face tokenizer")
+                raise ValueError(f"data.chat_template: no chat support: {no_template_fix(tokenizer)}")
             self.template, self.always_template = chat_template, True
         if system_prompt is not None and self.template is None:
-            raise ValueError("data.system_prompt is set but the tokenizer has no chat template (set "
-                             "data.chat_template to a Jinja template file)")
+            raise ValueError("data.system_prompt is set but the tokenizer has no chat template "
+                             f"({no_template_fix(tokenizer)})")
         self.end_of_turn_id = self._end_of_turn() if self.template is not None else None
         self.stop_token_ids = [self.eos_token_id] + (
             [self.end_of_turn_id] if self.end_of_turn_id not in (None, self.eos_token_id) else [])
@@ -185,7 +250,7 @@ class TextCodec:
             return [int(i) for i in self._apply(self.messages(prompt), add_generation_prompt=True, tokenize=True)]
         if not isinstance(prompt, str):
             raise ValueError("the prompt is a conversation but there is no chat template (data.chat_template is "
-                             "'none' or the tokenizer has none): set data.chat_template to a Jinja template file")
+                             f"'none' or the tokenizer has none): {no_template_fix(self.tokenizer)}")
         if isinstance(self.tokenizer, CharTokenizer):
             return self.tokenizer.encode(prompt)
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])

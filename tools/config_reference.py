@@ -139,8 +139,12 @@ def reference() -> str:
         note = " (null by default: LoRA off; set any field, e.g. `model.lora.r=8`, to turn it on)" if title == "model.lora" else ""
         out += [f"## `{title}`{note}", "", *rows, ""]
         sections += nested
-    out += ["## `rewards`", "", "A list of `{name, weight}`: `name` is a built-in reward (`math_exact`, `format`) "
-            "or `module:function` (looked up in the config file's directory, then the working directory).", ""]
+    from portarl.rewards import BUILTIN_REWARDS
+
+    builtins = ", ".join(f"`{name}`" for name in BUILTIN_REWARDS)
+    out += ["## `rewards`", "", f"A list of `{{name, weight}}`: `name` is a built-in reward ({builtins}; `environment` "
+            "is the reward of an episode's environment: [agents](agents.md)) or `module:function` (looked up in the "
+            "config file's directory, then the working directory).", ""]
     return "\n".join(out)
 
 

@@ -1,6 +1,6 @@
 """Re-run the documented commands whose output the docs quote; fail where a quoted number moved.
 
-    python tools/docs_numbers.py                # the quick set (about 3 min on 2 cores): exit 1 if a quote moved
+    python tools/docs_numbers.py                # the quick set (about 4 min on 2 cores): exit 1 if a quote moved
     python tools/docs_numbers.py --write        # rewrite the quotes and the committed results with fresh numbers
     python tools/docs_numbers.py --full         # also the expensive jobs (SmolLM2, the algorithm menu: ~45 min)
     python tools/docs_numbers.py --only demo    # one job (see --list)
@@ -71,6 +71,14 @@ def job_demo(ctx: Context) -> dict[str, str]:
     out["identical"] = str(sum(e.get("kind") == "identical_samples" for e in events))
     out["threads"] = threads
     return out
+
+
+def job_agents_tiny(ctx: Context) -> dict[str, str]:
+    """docs/agents.md's one-minute recipe, as `make agents-demo` runs it (one torch thread)."""
+    run = ctx.work / "agents-tiny"
+    ctx.portarl("train", "--config", str(ROOT / "examples/agents-tiny.yaml"), "--output-dir", str(run), "--overwrite",
+                "--set", "logging.progress=false", env={"OMP_NUM_THREADS": makefile_demo((ROOT / "Makefile").read_text())[0]})
+    return {"agents_summary": (run / "summary.txt").read_text().strip("\n")}
 
 
 def job_plan(ctx: Context) -> dict[str, str]:
@@ -157,6 +165,7 @@ JOBS: dict[str, tuple[Callable[[Context], dict], bool, str]] = {  # name: (job, 
     "config-reference": (job_config_reference, False, "1 s"),
     "plan": (job_plan, False, "10 s"),
     "demo": (job_demo, False, "20-60 s"),
+    "agents-tiny": (job_agents_tiny, False, "30 s-2 min"),
     "locate": (job_locate, False, "1-2 min, 0.5 GB"),
     "smollm2-locate": (job_smollm2_locate, True, "3-5 min, 4.8 GB"),
     "smollm2-example": (job_smollm2_example, True, "9-15 min, 4.4 GB"),

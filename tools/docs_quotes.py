@@ -145,6 +145,8 @@ QUOTES: list[Quote] = [
     Quote("docs/getting-started.md", rf"\| reward/mean, first -> last 10 GRPO steps \| (?P<a>{NUM}) -> (?P<b>{NUM})"
           rf".*?\| accuracy \(`math_exact`\), first -> last 10 \| (?P<c>{NUM}) -> (?P<d>{NUM}) \|"
           r".*?\| spikes, identical-samples warnings \| (?P<spikes>\d+), (?P<identical>\d+) \|", "demo", DEMO_KEYS),
+    # docs/agents.md's one-minute recipe (examples/agents-tiny.yaml), its summary quoted whole
+    Quote("docs/agents.md", r"```text\n(?P<agents_summary>steps logged: .*?)\n```", "agents-tiny"),
     # portarl plan, quoted whole
     Quote("docs/memory.md", r"\$ portarl plan --config bench/configs/smollm2-readme\.yaml --device-memory 8GiB\n"
           r"(?P<plan>.*?)\n```", "plan"),

@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import re
 
+from portarl.tokenizer import no_template_fix
+
 MARKER = "PORTARL_ASSISTANT_CONTENT_MARKER"
 
 _TOOLS_VAR = re.compile(r"\btools\b")
@@ -59,7 +61,7 @@ class Renderer:
     def __init__(self, codec):
         if codec.template is None:
             raise ValueError("tools and environments need a chat template to render tool results and observations; "
-                             "the tokenizer has none (the built-in character tokenizer, or data.chat_template=none)")
+                             f"the tokenizer has none: {no_template_fix(codec.tokenizer)}")
         self.codec = codec
         self.end_of_turn_id = codec.end_of_turn_id
         self.continuation_text([{"role": "user", "content": "probe"}])  # a template that cannot: refused now

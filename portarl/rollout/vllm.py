@@ -332,9 +332,11 @@ class VLLMRollout(RolloutEngine):
 def model_dir_for(cfg, model: torch.nn.Module, tokenizer, scratch: str | Path) -> Path:
     """The directory vLLM starts from: ``model.path`` when it is a model directory, else a
     copy of ``model`` saved once as ``<scratch>/rollout-init-model`` (the built-in tiny
-    model exists only in memory). Only the architecture matters: the weights are replaced
+    models exist only in memory). Only the architecture matters: the weights are replaced
     by :meth:`VLLMRollout.sync_weights` before the first generation."""
-    model_dir = Path(cfg.model.path) if cfg.model.path != "tiny" else None
+    from portarl.tokenizer import BUILTIN_MODELS
+
+    model_dir = Path(cfg.model.path) if cfg.model.path not in BUILTIN_MODELS else None
     if model_dir is None or not (model_dir / "config.json").exists():
         model_dir = Path(scratch) / "rollout-init-model"
         if not (model_dir / "config.json").exists():

@@ -61,7 +61,7 @@ from portarl.trainer.run.write_failure import writing
 from portarl.trainer.phases.evaluation import Evaluator
 from portarl.trainer.phases.reference import maybe_sync_reference, refuse_reference_sync
 from portarl.trainer.phases.scoring import score
-from portarl.trainer.phases.sft import warm_up
+from portarl.trainer.phases.sft import demonstrations, warm_up
 from portarl.trainer.guards.step_guard import (
     StepGuard,
     finish_metrics,
@@ -71,6 +71,7 @@ from portarl.trainer.guards.step_guard import (
 )
 from portarl.trainer.setup import (
     SilentLogger,
+    check_demonstrations,
     check_examples,
     make_optimizer,
     make_precision,
@@ -118,6 +119,10 @@ class GRPOTrainer:
         # Every prompt encoded and checked now, by id(example): encoded_prompt()
         self._prompt_ids = check_examples(self.examples, self.codec, self.model, self.config, self.rewards.needs_answer,
                                           self.dist.is_main)
+        # The warm-up's rows (data.sft_path, else the GRPO prompts); a file of their own is checked now.
+        self.sft_examples = demonstrations(self.config, self.examples) if self.config.train.sft_warmup_steps else []
+        if self.config.data.sft_path is not None and self.config.train.sft_warmup_steps:
+            check_demonstrations(self.sft_examples, self.codec, self.config)
         if self.config.eval.data is not None and self.dist.enabled:
             raise ConfigError("eval.data under torchrun is not supported yet: evaluate checkpoints with "
                               "`portarl eval --checkpoint C --data F`, or train in one process")

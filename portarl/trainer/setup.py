@@ -140,12 +140,27 @@ def check_examples(examples: list, codec, model, cfg: TrainConfig, needs_answer:
 
 def check_answers(examples: list, needs_answer: list[str], cfg: TrainConfig) -> None:
     """Every row has an answer when the rewards (``needs_answer``: the per-sample ones) or
-    the SFT warm-up need it; the first row without one is named."""
-    need = needs_answer + (["train.sft_warmup_steps"] if cfg.train.sft_warmup_steps else [])
+    the SFT warm-up need it (unless it reads its own file, ``data.sft_path``); the first row
+    without one is named."""
+    warm_up_reads_these = cfg.train.sft_warmup_steps and cfg.data.sft_path is None  # else its own file
+    need = needs_answer + (["train.sft_warmup_steps"] if warm_up_reads_these else [])
     missing = next((ex for ex in examples if ex.answer is None), None)
     if need and missing is not None:
         raise ValueError(f"{missing.where or 'an example'}: no answer field (data.answer_field="
                          f"{cfg.data.answer_field!r}), which {', '.join(need)} needs")
+
+
+def check_demonstrations(examples: list, codec, cfg: TrainConfig) -> None:
+    """The supervised warm-up's rows from ``data.sft_path``, checked when the run starts (not
+    at the end of the model load's minutes later): not empty, every prompt encodable, every
+    row with an answer."""
+    if not examples:
+        raise ValueError(f"data.sft_path {cfg.data.sft_path}: no rows")
+    encode_examples(examples, codec)
+    missing = next((ex for ex in examples if ex.answer is None), None)
+    if missing is not None:
+        raise ValueError(f"{missing.where}: no answer field (data.answer_field={cfg.data.answer_field!r}), which the "
+                         "supervised warm-up (data.sft_path) trains on")
 
 
 def make_rollout_engine(trainer):

@@ -76,6 +76,11 @@ CASES = {
     "absent-device": (["--device", "npu"], "npu"),
     "data-not-utf8": (["--set", "data.path={latin1}"], "{latin1}:2: not valid UTF-8 (byte 0xe9 at byte 16 of the line)"),
     "data-empty-prompt": (["--set", "data.path={blank}"], "{blank}:3: field 'prompt' is empty or only whitespace"),
+    # issue 44: the agents recipe on the tiny model is pointed at tiny-chat (it used to be pointed at
+    # data.chat_template, which the tiny model refuses too); the warm-up's own file is checked first
+    "agents-on-the-tiny-model": (["--config", "{agents}", "--set", "model.path=tiny"], "use model.path: tiny-chat"),
+    "sft-path-missing": (["--set", "data.sft_path={a_file}.jsonl", "--set", "train.sft_warmup_steps=2"],
+                         "data.sft_path: data file {a_file}.jsonl does not exist"),
 }
 
 
@@ -90,6 +95,7 @@ def _case_args(case, tmp_path, model_dirs) -> tuple[list[str], str, Path]:
     blank.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n'
                      '{"prompt": " \\n\\t ", "answer": "0"}\n')
     fill = {"bad_yaml": str(bad_yaml), "a_file": str(a_file), "latin1": str(latin1), "blank": str(blank),
+            "agents": str(Path(__file__).resolve().parents[2] / "examples/agents-tiny.yaml"),
             **{k: str(v) for k, v in model_dirs.items()}}
     args, needle = CASES[case]
     args, needle = [a.format(**fill) for a in args], needle.format(**fill)

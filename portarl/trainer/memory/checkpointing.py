@@ -37,10 +37,12 @@ log = logging.getLogger("portarl.train")
 
 def wants_checkpointing(cfg) -> bool:
     """Whether a run with ``cfg`` (a TrainConfig) checkpoints activations: ``auto`` turns it
-    on for every model not built in by portarl (the tiny demo model is too small to gain)."""
+    on for every model not built in by portarl (the tiny models are too small to gain)."""
     value = cfg.train.gradient_checkpointing
     if value == "auto":
-        return cfg.model.path != "tiny"
+        from portarl.tokenizer import BUILTIN_MODELS
+
+        return cfg.model.path not in BUILTIN_MODELS
     return bool(value)
 
 

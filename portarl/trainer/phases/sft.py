@@ -12,7 +12,7 @@ import random
 import torch
 
 from portarl import distributed as pdist
-from portarl.data import Example
+from portarl.data import Example, load_examples_for
 from portarl.tokenizer import TextCodec
 from portarl.trainer.run.progress import progress_bar
 from portarl.trainer.phases.sequences import build_batch, completion_logprobs
@@ -103,6 +103,18 @@ def run_sft(model, codec: TextCodec, examples: list[Example], *, steps: int, bat
     return losses
 
 
+def demonstrations(config, examples: list[Example]) -> list[Example]:
+    """The rows supervised training reads: ``data.sft_path``'s when it is set (with data.path's
+    fields), else ``examples`` (the GRPO prompts)."""
+    d = config.data
+    if d.sft_path is None:
+        return list(examples)
+    try:
+        return load_examples_for(d, d.sft_path)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"data.sft_path: {err}") from None
+
+
 def warm_up(trainer, logger=None) -> list[float]:
     """A GRPO run's supervised warm-up of ``trainer.model`` (``train.sft_warmup_steps``): its
     own progress bar (the GRPO bar starts at the first GRPO step), or log lines without one
@@ -119,7 +131,7 @@ def warm_up(trainer, logger=None) -> list[float]:
             log.info("sft warm-up %d/%d: loss %.4f", step, cfg.sft_warmup_steps, loss)
 
     try:
-        losses = run_sft(trainer.model, trainer.codec, trainer.examples, steps=cfg.sft_warmup_steps,
+        losses = run_sft(trainer.model, trainer.codec, trainer.sft_examples, steps=cfg.sft_warmup_steps,
                          batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, device=trainer.device, seed=cfg.seed,
                          on_step=on_step, logits_policy=trainer.config.precision.logits,
                          precision=trainer.precision, dist=trainer.dist)

@@ -166,7 +166,8 @@ def _postfix(metrics: dict) -> dict:
 
 
 def summarize(rows: list[dict], window: int = 10) -> str:
-    """Reward and accuracy at the start and end of the run, and what the guards saw."""
+    """Reward and accuracy at the start and end of the run (with tools or an environment,
+    what an episode did: tool calls, environment steps, turns), and what the guards saw."""
     if not rows:
         return "no steps logged"
     grpo = [r for r in rows if r.get("phase", "grpo") == "grpo"]
@@ -186,6 +187,14 @@ def summarize(rows: list[dict], window: int = 10) -> str:
     if has("reward/math_exact"):  # accuracy only means something when math_exact is a reward
         lines.append(f"accuracy      first {len(head)} steps: {mean(head, 'reward/math_exact'):.3f}   "
                      f"last {len(tail)} steps: {mean(tail, 'reward/math_exact'):.3f}")
+    agent = [(key, label) for key, label in (("agent/tool_calls", "tool calls"), ("agent/tool_success_frac", "tool success"),
+                                             ("agent/env_steps", "environment steps"), ("agent/turns_mean", "turns"))
+             if has(key)]
+    if agent:  # tools / an environment: that they ran, per episode (docs/agents.md, "Metrics and samples")
+        def per_episode(rs):
+            return ", ".join(f"{label} {mean(rs, key):.2f}" for key, label in agent)
+
+        lines.append(f"per episode   first {len(head)} steps: {per_episode(head)}   last {len(tail)} steps: {per_episode(tail)}")
     evals = [(r["step"], r["eval/reward/mean"]) for r in grpo if isinstance(r.get("eval/reward/mean"), (int, float))]
     if evals:
         best = max(evals, key=lambda e: e[1])
