@@ -225,7 +225,7 @@ def test_an_arrow_up_the_layers_is_found(tmp_path):
     assert arrows == ["portarl.ops (ops) imports portarl.trainer.grpo (trainer) at line 2"]
 
 
-@pytest.mark.parametrize("module, layer", [("portarl.cli_train", "cli"), ("portarl.bench.step", "bench"),
+@pytest.mark.parametrize("module, layer", [("portarl.cli.train", "cli"), ("portarl.bench.step", "bench"),
                                            ("portarl.rollout.async_worker", "trainer"),
                                            ("portarl.rollout.hf", "engines"), ("portarl.distributed", "runtime"),
                                            ("portarl.device", "backends"), ("portarl.errors", "runtime"),

@@ -9,7 +9,7 @@ environment factory that returns None, or a per-row environment mapping over dat
 ``environment`` column, not at all until the episodes failed (a run that exits 0 having
 trained on nothing, or a traceback); ``rollout.worker_devices: [cuda:0]`` on a CPU-only torch
 only in the worker's start-up. Here each is one line and exit 2
-(:mod:`portarl.cli_train`), in this order: worker devices, tools, environments, the data's
+(:mod:`portarl.cli.train`), in this order: worker devices, tools, environments, the data's
 rows against the environment mapping, rewards against the data's columns.
 
 What runs user code: importing the modules the config names (as the trainer would anyway)

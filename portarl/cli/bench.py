@@ -1,14 +1,14 @@
 """``portarl bench``: kernels, stability (with dump / locate), step, async and memory.
 
-The subcommands' handlers and their parser, kept out of :mod:`portarl.cli` so each module
-stays one job: cli.py routes, this module benchmarks. Nothing here imports torch at module
+The subcommands' handlers and their parser, kept out of :mod:`portarl.cli.main` so each module
+stays one job: main.py routes, this module benchmarks. Nothing here imports torch at module
 level.
 """
 
 from __future__ import annotations
 
 
-from portarl.cli_common import _int_at_least, _log, _missing_train_extra, _setup_logging
+from portarl.cli.common import _int_at_least, _log, _missing_train_extra, _setup_logging
 
 #: Where bench output goes by default (bench/results/ holds the committed results).
 BENCH_OUT = "runs/bench"

@@ -36,8 +36,10 @@ import signal
 import sys
 import threading
 
-from portarl import __version__, blackbox, cli_bench, cli_train
-from portarl.cli_common import _int_at_least, _log, _missing_train_extra
+from portarl import __version__, blackbox
+from portarl.cli import train as cli_train
+from portarl.cli import bench as cli_bench
+from portarl.cli.common import _int_at_least, _log, _missing_train_extra
 
 #: ``portarl --help``: what the tool is, before the list of commands.
 DESCRIPTION = ("portarl: RL post-training (GRPO family) of language models with the same numbers\n"
@@ -231,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         cli_train.add_run_arguments(p, name)
         p.set_defaults(func=func)
 
-    from portarl import cli_plan
+    from portarl.cli import plan as cli_plan
 
     pl = commands.add_parser("plan", help="peak memory per device of a training config, before any weights load",
                              description=cli_plan.__doc__.split("\n\n")[0])
@@ -262,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_cmd_eval)
 
     cli_bench.add_parser(commands)
-    from portarl import cli_episodes
+    from portarl.cli import episodes as cli_episodes
 
     cli_episodes.add_parser(commands)  # portarl episodes RUN: samples.jsonl turn by turn, token ids and loss mask
     return parser

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from portarl.cli_common import _int_at_least, _log
+from portarl.cli.common import _int_at_least, _log
 
 
 class EpisodesError(ValueError):

@@ -1,7 +1,7 @@
 """What ``portarl train``, ``sft`` and ``plan`` read from the user and check before anything
 runs: the ``train`` extra, the config (file, ``--set``, command-line overrides) and the model
 directory. A mistake is a :class:`UsageError`: one line on stderr, exit 2, no traceback.
-Below :mod:`portarl.cli_train`, :mod:`portarl.cli_plan` and :mod:`portarl.cli_common`, which
+Below :mod:`portarl.cli.train`, :mod:`portarl.cli.plan` and :mod:`portarl.cli.common`, which
 all use it.
 
 Nothing here imports torch or transformers at module level: ``portarl --help`` stays fast.

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from portarl import blackbox
-from portarl.cli_config import UsageError, check_model_dir, load_config, log, require_train_extra
+from portarl.cli.config import UsageError, check_model_dir, load_config, log, require_train_extra
 
 #: ``portarl train --help`` / ``portarl sft --help``: each command's own description.
 DESCRIPTIONS = {
@@ -215,7 +215,7 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
         return 2, False
     ready.model = None
     log(f"portarl train: {config.model.path} model on {trainer.device}, output in {config.output_dir}")
-    from portarl.cli_plan import log_train_plan  # after every set-up error: those stay one line
+    from portarl.cli.plan import log_train_plan  # after every set-up error: those stay one line
 
     log_train_plan(config, ready.tokenizer, ready.examples, ready.device)
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from portarl.cli_config import UsageError, check_model_dir, load_config, log
+from portarl.cli.config import UsageError, check_model_dir, load_config, log
 
 
 def add_arguments(p) -> None:
