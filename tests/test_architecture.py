@@ -227,8 +227,8 @@ def test_an_arrow_up_the_layers_is_found(tmp_path):
 
 @pytest.mark.parametrize("module, layer", [("portarl.cli.train", "cli"), ("portarl.bench.step", "bench"),
                                            ("portarl.rollout.async_worker", "trainer"),
-                                           ("portarl.rollout.hf", "engines"), ("portarl.distributed", "runtime"),
-                                           ("portarl.device", "backends"), ("portarl.errors", "runtime"),
+                                           ("portarl.rollout.hf", "engines"), ("portarl.runtime.distributed", "runtime"),
+                                           ("portarl.device", "backends"), ("portarl.runtime.errors", "runtime"),
                                            ("portarl", "base")])
 def test_layer_names(module, layer):
     assert layer_of(module) == layer

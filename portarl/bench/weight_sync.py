@@ -246,7 +246,7 @@ def main(argv=None) -> int:
             code = receiver(args)
         finally:
             sys.stdout.flush()
-            os._exit(code)  # Gloo's threads must not race interpreter finalisation (portarl.exit_path)
+            os._exit(code)  # Gloo's threads must not race interpreter finalisation (portarl.runtime.exit_path)
     plan = [(m, d, int(r)) for m, d, r in (c.split(":") for c in args.models)] if args.models else PLAN
     result = {"command": "python -m portarl.bench.weight_sync " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}", "load_before": os.getloadavg(),

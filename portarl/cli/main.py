@@ -25,7 +25,7 @@ stopped answering, 128 + the signal number on SIGINT (130) or SIGTERM (143): aft
 step and a checkpoint on the first signal, at once on a second (the message says whether a
 checkpoint exists for the last step); 128 + the signal number too when the run's process was
 killed (a segfault, the OOM killer). ``train``, ``sft`` and ``eval`` run in a child process that
-a supervising parent waits for (:mod:`portarl.supervisor`): exit 0 only when the child finished.
+a supervising parent waits for (:mod:`portarl.runtime.supervisor`): exit 0 only when the child finished.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ import signal
 import sys
 import threading
 
-from portarl import __version__, blackbox
+from portarl import __version__
+from portarl.runtime import blackbox
 from portarl.cli import train as cli_train
 from portarl.cli import bench as cli_bench
 from portarl.cli.common import _int_at_least, _log, _missing_train_extra
@@ -175,7 +176,7 @@ def _cmd_eval(args) -> int:
     from portarl.trainer.phases.evaluation import eval_checkpoint
 
     greedy = None if args.greedy is None else args.greedy == "true"
-    blackbox.note(phase="eval")  # what a supervising parent names if the process dies (portarl/supervisor.py)
+    blackbox.note(phase="eval")  # what a supervising parent names if the process dies (portarl/runtime/supervisor.py)
     try:
         metrics = eval_checkpoint(args.checkpoint, args.data, n=args.n, greedy=greedy, max_prompts=args.max_prompts,
                                   device=args.device)
@@ -273,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: `train` names its own resume command
-    from portarl import supervisor
+    from portarl.runtime import supervisor
 
     parent = supervisor.Supervisor.for_command(args, argv)  # train, sft, eval: run by a child it supervises
     if parent is not None and not parent.fork():
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         # SIGINT / SIGTERM before training starts: a clean exit, recorded so that training
         # cannot start after one (trainer/run/signals.py). Restored on return, so a caller that
         # runs main() in-process (tests, notebooks) keeps its own handlers.
-        from portarl.startup_signals import clear_startup_signals, startup_handler
+        from portarl.runtime.startup_signals import clear_startup_signals, startup_handler
 
         clear_startup_signals()
         previous = {s: signal.signal(s, startup_handler) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     # A torchrun rank, or the command line (not an in-process caller) that built a weight-sync
     # group: leave without interpreter finalisation (exit_path.py).
     if _joined_a_job() or (argv is None and _sync_groups_built() > groups_before):
-        from portarl.exit_path import leave_process
+        from portarl.runtime.exit_path import leave_process
 
         leave_process(code)
     return code
@@ -316,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _joined_a_job() -> bool:
     """Without importing torch (``portarl --help`` stays fast): only a process that imported
-    portarl.distributed can have joined a torchrun job."""
-    pdist = sys.modules.get("portarl.distributed")
+    portarl.runtime.distributed can have joined a torchrun job."""
+    pdist = sys.modules.get("portarl.runtime.distributed")
     return pdist is not None and pdist.joined_a_job()
 
 

@@ -16,7 +16,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from portarl import blackbox
+from portarl.runtime import blackbox
 from portarl.cli.config import UsageError, check_model_dir, load_config, log, require_train_extra
 
 #: ``portarl train --help`` / ``portarl sft --help``: each command's own description.
@@ -70,7 +70,7 @@ def prepare(args, command: str) -> Prepared:
     tokenizer and data. Raises :class:`UsageError` with a one-line message."""
     require_train_extra(command)
     config = load_config(args, command)
-    blackbox.note(output_dir=config.output_dir)  # named by a supervising parent (portarl/supervisor.py)
+    blackbox.note(output_dir=config.output_dir)  # named by a supervising parent (portarl/runtime/supervisor.py)
     if config.model.lora is not None:
         from portarl.lora import LoraUnavailable, require_peft
 
@@ -178,7 +178,7 @@ def cmd_train(args) -> int:
         log(f"portarl train: {err}")
         return 2
     _setup_logging()
-    from portarl import distributed as pdist
+    from portarl.runtime import distributed as pdist
 
     agreed = False  # an exception on this rank: leave alone, never wait for the others
     output_dir, locked = ready.config.output_dir, ready.locked
@@ -204,7 +204,7 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
     from portarl.trainer.run.output_dir import RunDirError
     from portarl.trainer.run.signals import AbortNow, StopRequested, abort_message, exit_code
     from portarl.trainer.run.write_failure import EXIT_CODE as WRITE_EXIT
-    from portarl.continuation import continue_command
+    from portarl.runtime.continuation import continue_command
     from portarl.trainer.run.write_failure import WriteFailed, as_write_failure, intact_checkpoint
 
     config = ready.config

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from portarl import blackbox
-from portarl import distributed as pdist
+from portarl.runtime import blackbox
+from portarl.runtime import distributed as pdist
 from portarl.data import Example, arithmetic_examples, load_examples_for
 from portarl.device import resolve_device
 from portarl.emulation import resolve_profile
@@ -43,7 +43,7 @@ from portarl.reward_runner import RewardError, RewardRunner
 from portarl.rollout import SamplingParams
 from portarl.multiturn.agent import make_agent
 from portarl.tokenizer import as_codec, chat_template_option
-from portarl.user_code import UserCodeGuard, agree_on_failure
+from portarl.runtime.user_code import UserCodeGuard, agree_on_failure
 from portarl.trainer.checkpoint import CheckpointManager, seed_global_rngs
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller

@@ -30,7 +30,7 @@ API::
 
 from __future__ import annotations
 
-from portarl.user_code import UserCodeError
+from portarl.runtime.user_code import UserCodeError
 
 
 def check_worker_devices(config) -> None:

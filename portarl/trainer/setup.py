@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from portarl import distributed as pdist
+from portarl.runtime import distributed as pdist
 from portarl.data import encode_examples
 from portarl.lora import apply_lora, base_model, is_lora
 from portarl.rollout import ENGINES

@@ -7,7 +7,7 @@ under torchrun each rank's record of the gathers (``lora-<tied|untied>-gathers-r
 for every tensor published, the parameters gathered since the one before, in order).
 
 Run plainly: one process, the unsharded model. Under torchrun (Gloo): the model FSDP2-
-sharded (:func:`portarl.distributed.shard`); every rank takes part in the gather and rank
+sharded (:func:`portarl.runtime.distributed.shard`); every rank takes part in the gather and rank
 0 alone writes. The two runs must write the same bytes' worth of tensors.
 """
 
@@ -35,7 +35,7 @@ def main(out: Path) -> None:
     for tied in (True, False):
         model = tiny(tied)
         if world > 1:
-            from portarl.distributed import shard
+            from portarl.runtime.distributed import shard
 
             shard(model)
         for name, dtype in DTYPES.items():
@@ -53,7 +53,7 @@ def main(out: Path) -> None:
         for tied in (True, False):
             model, tag = lora_model(tied), f"lora-{'tied' if tied else 'untied'}"
             if world > 1:
-                from portarl.distributed import shard
+                from portarl.runtime.distributed import shard
 
                 shard(base_model(model))  # as portarl.trainer.setup.place_model does with model.lora
                 (out / f"{tag}-gathers-rank{rank}.json").write_text(json.dumps(gathers(model, rank == 0)))

@@ -134,7 +134,7 @@ def test_nan_on_one_rank_makes_both_skip(tmp_path):
 
 
 def _worker_pids(launcher_pid: int) -> dict[int, int]:
-    """rank -> pid of the process doing each rank's work: the supervised child (portarl/supervisor.py)
+    """rank -> pid of the process doing each rank's work: the supervised child (portarl/runtime/supervisor.py)
     of torchrun's worker process (its children with RANK in their environment)."""
     from proc_tree import supervised
 

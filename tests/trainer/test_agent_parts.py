@@ -133,7 +133,7 @@ def test_environment_step_results():
 
 
 def test_a_call_with_a_limit_never_raises_for_what_the_tool_does():
-    from portarl.user_code import UserCodeGuard
+    from portarl.runtime.user_code import UserCodeGuard
 
     with UserCodeGuard(0.2, "rollout.tool_timeout_s") as guard:
         assert call_with_limit(guard, multiply, (3, 4)).value == 12

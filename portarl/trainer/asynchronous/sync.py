@@ -41,7 +41,7 @@ import logging
 
 import torch
 
-from portarl.errors import ConfigError
+from portarl.runtime.errors import ConfigError
 from portarl.rollout.weight_sync import SyncGroup, WeightSender
 
 log = logging.getLogger("portarl.trainer")

@@ -35,7 +35,7 @@ import dataclasses
 
 import torch
 
-from portarl import distributed as pdist
+from portarl.runtime import distributed as pdist
 from portarl.core import compute_advantages, kl_penalized_rewards
 from portarl.trainer.phases.episodes import reward_examples
 from portarl.trainer.guards.detectors import NonFiniteError, check_finite

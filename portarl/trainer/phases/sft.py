@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from portarl import distributed as pdist
+from portarl.runtime import distributed as pdist
 from portarl.data import Example, load_examples_for
 from portarl.tokenizer import TextCodec
 from portarl.trainer.run.progress import progress_bar
