@@ -11,7 +11,7 @@ The layers, top to bottom (a module may import its own layer and any layer below
 
 1. ``cli``: the command line (``portarl/cli*.py``, ``__main__``);
 2. ``bench``: benchmarks and the stability harness, which drive the trainer;
-3. ``trainer``: the GRPO trainer (``portarl/trainer/``), ``portarl/export.py`` (turns its
+3. ``trainer``: the GRPO trainer (``portarl/trainer/``), ``portarl/trainer/checkpoint/export.py`` (turns its
    checkpoints into a model directory) and the async rollout worker's entry point
    ``portarl/rollout/async_worker.py`` (the rollout process's main: it builds its engine
    and rewards from the run's :class:`~portarl.trainer.config.TrainConfig`, as the trainer
@@ -47,7 +47,7 @@ LAYER_OF_PREFIX = [
     ("portarl.__main__", "cli"),
     ("portarl.bench", "bench"),
     ("portarl.trainer", "trainer"),
-    ("portarl.export", "trainer"),
+    ("portarl.trainer.checkpoint.export", "trainer"),
     ("portarl.rollout", "engines"),
     ("portarl.multiturn", "engines"),
     ("portarl.parity", "engines"),

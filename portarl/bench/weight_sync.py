@@ -45,11 +45,11 @@ BUCKETS_MB = (64, 256, 1024)
 
 def build_model(name: str, dtype: torch.dtype):
     if name == "tiny":  # the built-in tiny Qwen2 (tests)
-        from portarl.models import build_tiny
+        from portarl.assets.models import build_tiny
 
         return build_tiny()[0].to(dtype)
     if name == "smollm2":
-        from portarl.models import load_local
+        from portarl.assets.models import load_local
 
         return load_local(SMOLLM2, dtype)[0]
     from transformers import AutoModelForCausalLM, LlamaConfig

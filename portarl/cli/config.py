@@ -77,11 +77,11 @@ def load_config(args, command: str):
 def check_model_dir(path: str) -> None:
     """A local model directory must hold a config, weights and tokenizer files; a ``.gguf``
     file (or ``package:<pkg>/<file>.gguf``) must exist."""
-    from portarl.tokenizer import BUILTIN_MODELS
+    from portarl.assets.tokenizer import BUILTIN_MODELS
 
     if path in BUILTIN_MODELS:
         return
-    from portarl.models import resolve_model_path
+    from portarl.assets.models import resolve_model_path
 
     try:
         directory = resolve_model_path(path)

@@ -164,7 +164,7 @@ def _block(title: str | None, text: str) -> list[str]:
 def token_decoder(run: Path, rows: list[dict]):
     """``id -> text`` with the tokenizer of the run's newest checkpoint that has one, after
     checking that it decodes every segment of ``rows`` to its recorded text."""
-    from portarl.tokenizer import CHAR_TOKENIZER_FILE, load_tokenizer
+    from portarl.assets.tokenizer import CHAR_TOKENIZER_FILE, load_tokenizer
 
     saved = [d for d in sorted((run / "checkpoints").glob("step-*"), reverse=True)
              if (d / CHAR_TOKENIZER_FILE).is_file() or (d / "tokenizer_config.json").is_file()]

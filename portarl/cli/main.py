@@ -141,12 +141,12 @@ def _cmd_export(args) -> int:
     from portarl.trainer.run.progress import quiet_third_party
 
     quiet_third_party()
-    from portarl.export import ExportError, export_checkpoint
-    from portarl.lora import LoraUnavailable
+    from portarl.trainer.checkpoint.export import ExportError, export_checkpoint
+    from portarl.assets.lora import LoraUnavailable
     from portarl.trainer.checkpoint import CheckpointError
 
-    from portarl.export import resolve_checkpoint
-    from portarl.lora import ADAPTER_WEIGHTS
+    from portarl.trainer.checkpoint.export import resolve_checkpoint
+    from portarl.assets.lora import ADAPTER_WEIGHTS
 
     try:
         directory = resolve_checkpoint(args.checkpoint)
@@ -169,9 +169,9 @@ def _cmd_eval(args) -> int:
     from portarl.trainer.run.progress import quiet_third_party
 
     quiet_third_party()
-    from portarl.export import ExportError
-    from portarl.lora import LoraUnavailable
-    from portarl.reward_runner import RewardError
+    from portarl.trainer.checkpoint.export import ExportError
+    from portarl.assets.lora import LoraUnavailable
+    from portarl.assets.reward_runner import RewardError
     from portarl.trainer.checkpoint import CheckpointError
     from portarl.trainer.phases.evaluation import eval_checkpoint
 

@@ -72,7 +72,7 @@ def prepare(args, command: str) -> Prepared:
     config = load_config(args, command)
     blackbox.note(output_dir=config.output_dir)  # named by a supervising parent (portarl/runtime/supervisor.py)
     if config.model.lora is not None:
-        from portarl.lora import LoraUnavailable, require_peft
+        from portarl.assets.lora import LoraUnavailable, require_peft
 
         try:
             require_peft()
@@ -198,7 +198,7 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
     """Train and report; ``(exit code, whether every rank leaves together)``. Every reference
     to the trainer dies with this frame, so the caller can release the process group."""
     from portarl.device import DeviceUnavailableError
-    from portarl.reward_runner import RewardError
+    from portarl.assets.reward_runner import RewardError
     from portarl.trainer import GRPOTrainer, TrainingStopped
     from portarl.trainer.checkpoint import CheckpointError
     from portarl.trainer.run.output_dir import RunDirError
@@ -264,8 +264,8 @@ def cmd_sft(args) -> int:
     _setup_logging()
     import shutil
 
-    from portarl.lora import apply_lora, save_merged
-    from portarl.tokenizer import as_codec
+    from portarl.assets.lora import apply_lora, save_merged
+    from portarl.assets.tokenizer import as_codec
     from portarl.trainer.run.progress import progress_bar
     from portarl.trainer.phases.sft import demonstrations, run_sft
 

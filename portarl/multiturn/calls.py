@@ -3,7 +3,7 @@
 Semantics, which differ from rewards on purpose: a tool or an environment is part of the
 task the model is learning, so its failure is something the model sees (an error message in
 the conversation) and the run counts (a metric), never a stopped run. A reward that fails
-stops the run (:mod:`portarl.reward_runner`): a wrong reward would train the wrong thing.
+stops the run (:mod:`portarl.assets.reward_runner`): a wrong reward would train the wrong thing.
 
 In this process (``rollout.tool_isolation: none``, the default), :func:`call_with_limit`
 goes through :class:`portarl.runtime.user_code.UserCodeGuard`, the one guarded way into user code:

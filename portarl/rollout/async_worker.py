@@ -111,11 +111,11 @@ class Worker:
     def __init__(self, spec: dict):
         import torch
 
-        from portarl.models import build_model
+        from portarl.assets.models import build_model
         from portarl.multiturn.agent import make_agent
-        from portarl.reward_runner import RewardRunner
+        from portarl.assets.reward_runner import RewardRunner
         from portarl.rollout import SamplingParams
-        from portarl.tokenizer import as_codec, chat_template_option
+        from portarl.assets.tokenizer import as_codec, chat_template_option
         from portarl.trainer.checkpoint import seed_global_rngs
         from portarl.trainer.config import TrainConfig
         from portarl.trainer.guards.precision import DTYPES
@@ -181,7 +181,7 @@ class Worker:
         return {"op": "loaded", "version": version}
 
     def generate(self, request: dict) -> dict:
-        from portarl.data import Example
+        from portarl.assets.data import Example
         from portarl.rollout import request_seeds
         from portarl.trainer.phases.episodes import play, reward_examples
 

@@ -58,7 +58,7 @@ API (everything a caller needs)::
 - :func:`arity_problem` says, before the first call, how many arguments a function takes
   and how many portarl passes.
 
-Rewards go through :class:`portarl.reward_runner.RewardRunner` (its ``guard``), the
+Rewards go through :class:`portarl.assets.reward_runner.RewardRunner` (its ``guard``), the
 trainer's hooks through :func:`portarl.trainer.guards.hooks.apply_hooks`. The signal that wakes a
 timed-out main thread is SIGURG, whose default action is to ignore it, so a wake-up that
 arrives after the call ended is harmless.
@@ -269,7 +269,7 @@ class UserCodeGuard:
                  error: type[UserCodeError] = UserCodeError):
         """``setting``: the config field holding ``timeout_s`` (named in the timeout
         message); ``error``: the :class:`UserCodeError` subclass raised (rewards:
-        :class:`~portarl.reward_runner.RewardError`)."""
+        :class:`~portarl.assets.reward_runner.RewardError`)."""
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"{setting} must be > 0 seconds, got {timeout_s!r}")
         self.timeout_s, self.setting, self.error = timeout_s, setting, error

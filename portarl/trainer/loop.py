@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from portarl.runtime import blackbox
-from portarl.reward_runner import RewardError
+from portarl.assets.reward_runner import RewardError
 from portarl.trainer.asynchronous.pipeline import RolloutWorkerError
 from portarl.trainer.run.samples import SampleLog, exact_text
 from portarl.trainer.setup import forced_backend

@@ -51,7 +51,7 @@ def check_user_code(config, examples: list) -> None:
     """Tools, environments and rewards of ``config`` against the training rows ``examples``
     (the module docstring); raises ValueError with one line."""
     from portarl.multiturn.settings import is_multiturn
-    from portarl.reward_runner import column_names
+    from portarl.assets.reward_runner import column_names
 
     dirs = config.code_search_dirs()
     columns = column_names(examples)
@@ -85,7 +85,7 @@ def check_rewards(config, examples: list, columns: list[str], dirs) -> None:
     """Each reward resolves and takes its form's arguments; a batched one takes ``columns``
     (the data's, and a multi-turn run's ``conversation`` / ``env_reward``) as keywords; the
     rows hold an answer where a per-sample reward (or the SFT warm-up) needs one."""
-    from portarl.reward_runner import RewardRunner
+    from portarl.assets.reward_runner import RewardRunner
     from portarl.trainer.setup import check_answers
 
     with RewardRunner([(s.name, s.weight) for s in config.rewards], search_dirs=dirs, timeout_s=None) as runner:

@@ -34,7 +34,7 @@ def test_hf32_mode_rounds_fp32_matmul_inputs():
 
 
 def _batch_and_model():
-    from portarl.models import build_tiny
+    from portarl.assets.models import build_tiny
 
     model, tok = build_tiny(seed=1, hidden_size=32, intermediate_size=64)
     model = model.to(torch.bfloat16)

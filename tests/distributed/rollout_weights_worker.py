@@ -47,7 +47,7 @@ def main(out: Path) -> None:
     except ImportError:
         peft = None
     if peft is not None:
-        from portarl.lora import base_model
+        from portarl.assets.lora import base_model
         from vllm_gather_worker import lora_model
 
         for tied in (True, False):
@@ -70,7 +70,7 @@ def gathers(model, is_main: bool) -> list:
     of anything but a parameter's shard is recorded as ``"?"``)."""
     from torch.distributed.tensor import DTensor
 
-    from portarl.lora import base_model
+    from portarl.assets.lora import base_model
 
     shards = {p.to_local().data_ptr(): n for n, p in base_model(model).named_parameters()}
     record, pending, full_tensor = [], [], DTensor.full_tensor

@@ -28,7 +28,7 @@ from portarl.backends.npu import torch_npu_api  # noqa: E402
 def host_collectives(ctx) -> None:
     """portarl's host-side collectives with the values the trainer passes them (CPU tensors,
     Python numbers, JSON), each checked for its result."""
-    from portarl.reward_runner import RewardError, reward_failure
+    from portarl.assets.reward_runner import RewardError, reward_failure
     from portarl.runtime.user_code import agree_on_failure
 
     rank = ctx.rank

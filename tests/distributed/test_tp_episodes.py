@@ -62,11 +62,11 @@ def _rank(rank: int, store: str, out: str, interrupt: bool) -> None:
     os.environ["RANK"] = str(rank)  # what RankEnv reads, as under torchrun
     from agent_tiny import ScriptedRollout, agent_tokenizer, tiny_model
     from portarl.runtime import distributed as pdist
-    from portarl.data import Example
+    from portarl.assets.data import Example
     from portarl.multiturn.agent import make_agent
     from portarl.rollout import vllm_tp
     from portarl.rollout.base import SamplingParams
-    from portarl.tokenizer import TextCodec
+    from portarl.assets.tokenizer import TextCodec
     from portarl.trainer import TrainConfig
     from portarl.trainer.phases.episodes import play
     from portarl.runtime.user_code import UserCodeError

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from fsdp_linear_worker import tiny
-from portarl.lora import apply_lora, base_model
+from portarl.assets.lora import apply_lora, base_model
 from portarl.rollout.vllm_weights import gathered_weights, local_weights
 from portarl.trainer.config.lora import lora_section
 

@@ -18,7 +18,7 @@ from portarl.multiturn.environment import normalize_step
 from portarl.multiturn.parsing import ToolCall, detect_format, parse_hermes, parse_llama3_json, parse_qwen_xml
 from portarl.multiturn.render import Renderer, declares_tools
 from portarl.multiturn.tools import load_tools
-from portarl.tokenizer import as_codec
+from portarl.assets.tokenizer import as_codec
 
 
 def test_tool_schema_comes_from_type_hints_and_docstring():

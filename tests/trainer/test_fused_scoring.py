@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from portarl.models import tiny_qwen2
+from portarl.assets.models import tiny_qwen2
 from portarl.parity.errors import assert_close
 from portarl.parity.tolerances import Tolerance, fp32_result
 from portarl.trainer.phases.sequences import MATERIALIZE_ENV, build_batch, completion_logprobs, nonfinite_logit_positions

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from portarl.cli import main
-from portarl.models import build_tiny, load_gguf
+from portarl.assets.models import build_tiny, load_gguf
 from portarl.trainer.config import TrainConfig
 from portarl.trainer.memory.arch import arch_of, longest_prompt
 from portarl.trainer.memory.plan import estimate, layer_activation_elements, parse_size

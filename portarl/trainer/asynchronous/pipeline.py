@@ -83,7 +83,7 @@ import torch
 
 from portarl.runtime import distributed as pdist
 from portarl.device import check_worker_devices, child_placement
-from portarl.reward_runner import RewardError
+from portarl.assets.reward_runner import RewardError
 from portarl.trainer.asynchronous.client import (STARTUP_MIN_S, WORKER_LOG, RolloutWorkerError, WorkerClient, as_batch,
                                           check_batch, reward_error, slice_reply, validate_batch)
 from portarl.trainer.asynchronous.resume import restore_in_flight

@@ -292,10 +292,10 @@ class CheckpointManager:
     @staticmethod
     def load_weights(model, directory: Path, *, verify: bool = True) -> None:
         """Load ``model.safetensors`` into ``model`` (after verifying the manifest unless the
-        caller just did); for a LoRA (peft) model, its adapter only (:mod:`portarl.lora`)."""
+        caller just did); for a LoRA (peft) model, its adapter only (:mod:`portarl.assets.lora`)."""
         from safetensors.torch import load_model
 
-        from portarl.lora import is_lora, load_adapter
+        from portarl.assets.lora import is_lora, load_adapter
 
         if verify:
             mf.verify(directory)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from portarl.runtime import distributed as pdist
-from portarl.data import Example
+from portarl.assets.data import Example
 from portarl.multiturn.episode import EpisodeRunner
 from portarl.runtime.user_code import agree_on_failure
 

@@ -78,7 +78,7 @@ def _is_sharded(model) -> bool:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
         return False
-    from portarl.lora import base_model
+    from portarl.assets.lora import base_model
 
     return isinstance(base_model(model), FSDPModule)  # a peft model: FSDP2 shards the model inside it
 

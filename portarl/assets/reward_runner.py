@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from portarl.data import Example
-from portarl.rewards import resolve_reward
+from portarl.assets.data import Example
+from portarl.assets.rewards import resolve_reward
 from portarl.runtime.user_code import UserCodeError, UserCodeGuard, arity_problem
 
 #: ``train.reward_timeout_s``'s default: see :class:`portarl.trainer.config.TrainSection`.
