@@ -14,8 +14,8 @@ _LAZY = {
     "Backend": "portarl.backends",
     "BackendUnavailableError": "portarl.backends",
     "get_backend": "portarl.backends",
-    "DeviceUnavailableError": "portarl.device",
-    "resolve_device": "portarl.device",
+    "DeviceUnavailableError": "portarl.backends.device",
+    "resolve_device": "portarl.backends.device",
     # The trainer needs transformers.
     "GRPOTrainer": "portarl.trainer",
     "TrainConfig": "portarl.trainer",

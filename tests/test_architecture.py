@@ -22,7 +22,7 @@ The layers, top to bottom (a module may import its own layer and any layer below
 5. ``runtime``: what they share: devices, distributed runs, models and tokenizers, data,
    rewards and user code, LoRA, emulation, environment facts (the top-level modules);
 6. ``ops``: the public ops;
-7. ``backends``, with ``portarl/device.py`` (naming and resolving a device, which
+7. ``backends``, with ``portarl/backends/device.py`` (naming and resolving a device, which
    :func:`portarl.backends.get_backend` does for a device name);
 8. ``kernels`` (Triton device code);
 9. ``base``: ``portarl/__init__.py`` (the version and lazy re-exports, imports nothing at
@@ -54,7 +54,7 @@ LAYER_OF_PREFIX = [
     ("portarl.core", "engines"),
     ("portarl.ops", "ops"),
     ("portarl.backends", "backends"),
-    ("portarl.device", "backends"),
+    ("portarl.backends.device", "backends"),
     ("portarl.kernels", "kernels"),
 ]
 
@@ -228,7 +228,7 @@ def test_an_arrow_up_the_layers_is_found(tmp_path):
 @pytest.mark.parametrize("module, layer", [("portarl.cli.train", "cli"), ("portarl.bench.step", "bench"),
                                            ("portarl.rollout.async_worker", "trainer"),
                                            ("portarl.rollout.hf", "engines"), ("portarl.runtime.distributed", "runtime"),
-                                           ("portarl.device", "backends"), ("portarl.runtime.errors", "runtime"),
+                                           ("portarl.backends.device", "backends"), ("portarl.runtime.errors", "runtime"),
                                            ("portarl", "base")])
 def test_layer_names(module, layer):
     assert layer_of(module) == layer

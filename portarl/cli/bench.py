@@ -61,7 +61,7 @@ def _cmd_bench_kernels(args) -> int:
     import torch
     from pathlib import Path
 
-    from portarl.device import DeviceUnavailableError, resolve_device
+    from portarl.backends.device import DeviceUnavailableError, resolve_device
 
     out = Path(args.out) if args.out else None
     try:  # every argument checked before a minute of benchmarking, not after
@@ -72,7 +72,7 @@ def _cmd_bench_kernels(args) -> int:
     except (DeviceUnavailableError, ValueError) as err:
         _log(f"portarl bench kernels: {err}")
         return 2
-    from portarl import envinfo
+    from portarl.backends import envinfo
     from portarl.bench.kernels import QUICK_SHAPES, markdown_table, run_kernels
 
     from portarl.bench.linear import QUICK_LINEAR_SHAPES, linear_table, liger_status, run_linear

@@ -78,7 +78,7 @@ def _prepare_interpreter(device) -> None:
 def _cmd_parity(args) -> int:
     import torch  # noqa: F401  (imported here so `portarl --help` stays fast)
 
-    from portarl.device import DeviceUnavailableError, resolve_device
+    from portarl.backends.device import DeviceUnavailableError, resolve_device
 
     try:
         device = resolve_device(args.device)
@@ -87,7 +87,7 @@ def _cmd_parity(args) -> int:
         return 2
     _prepare_interpreter(device)
 
-    from portarl import envinfo
+    from portarl.backends import envinfo
     from portarl.backends import BACKEND_NAMES, get_backend_by_name
     from portarl.parity import report as report_lib
     from portarl.parity.sweep import backends_for, run_sweep

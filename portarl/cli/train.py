@@ -132,7 +132,7 @@ def _build(command: str, config, locked: bool) -> Prepared:
     """The device, data, model and tokenizer (after every check of the output directory).
     The data loads first: ``train`` checks the user's tools, environments and rewards
     against its columns (:mod:`portarl.trainer.preflight`) before the model loads."""
-    from portarl.device import DeviceUnavailableError, resolve_device
+    from portarl.backends.device import DeviceUnavailableError, resolve_device
     from portarl.trainer import preflight
 
     try:
@@ -197,7 +197,7 @@ def cmd_train(args) -> int:
 def _train(args, ready: Prepared) -> tuple[int, bool]:
     """Train and report; ``(exit code, whether every rank leaves together)``. Every reference
     to the trainer dies with this frame, so the caller can release the process group."""
-    from portarl.device import DeviceUnavailableError
+    from portarl.backends.device import DeviceUnavailableError
     from portarl.assets.reward_runner import RewardError
     from portarl.trainer import GRPOTrainer, TrainingStopped
     from portarl.trainer.checkpoint import CheckpointError

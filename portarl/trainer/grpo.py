@@ -36,8 +36,8 @@ import torch
 from portarl.runtime import blackbox
 from portarl.runtime import distributed as pdist
 from portarl.assets.data import Example, arithmetic_examples, load_examples_for
-from portarl.device import resolve_device
-from portarl.emulation import resolve_profile
+from portarl.backends.device import resolve_device
+from portarl.backends.emulation import resolve_profile
 from portarl.assets.lora import is_lora
 from portarl.assets.reward_runner import RewardError, RewardRunner
 from portarl.rollout import SamplingParams

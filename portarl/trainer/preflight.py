@@ -37,7 +37,7 @@ def check_worker_devices(config) -> None:
     """``rollout.worker_devices`` naming a device this torch cannot use (``cuda:0`` on a
     CPU-only build, a device index past those visible): the workers would fail at their
     start, after the trainer had built everything."""
-    from portarl.device import DeviceUnavailableError, resolve_device
+    from portarl.backends.device import DeviceUnavailableError, resolve_device
 
     for device in config.rollout.worker_devices or ():
         try:

@@ -85,7 +85,7 @@ def test_chunked_blame_finds_nonfinite_logits(monkeypatch):
 
 
 def test_emulation_profile_keeps_its_own_path():
-    from portarl.emulation import resolve_profile
+    from portarl.backends.emulation import resolve_profile
 
     model, batch = _setup(torch.bfloat16)
     emulate = resolve_profile("npu-emulated")

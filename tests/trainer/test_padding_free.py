@@ -156,7 +156,7 @@ def test_tokens_a_completion_does_not_score_stay_in_the_sequence():
 
 
 def test_materialised_logits_and_npu_emulation_paths_equal_padded(monkeypatch):
-    from portarl.emulation import resolve_profile
+    from portarl.backends.emulation import resolve_profile
 
     batch = _batch()
     monkeypatch.setenv(MATERIALIZE_ENV, "1")

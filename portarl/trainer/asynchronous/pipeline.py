@@ -82,7 +82,7 @@ from typing import NamedTuple
 import torch
 
 from portarl.runtime import distributed as pdist
-from portarl.device import check_worker_devices, child_placement
+from portarl.backends.device import check_worker_devices, child_placement
 from portarl.assets.reward_runner import RewardError
 from portarl.trainer.asynchronous.client import (STARTUP_MIN_S, WORKER_LOG, RolloutWorkerError, WorkerClient, as_batch,
                                           check_batch, reward_error, slice_reply, validate_batch)

@@ -166,7 +166,7 @@ def eval_checkpoint(checkpoint, data: str, *, n: int | None = None, greedy: bool
     ``n`` > 1 without ``greedy`` samples; ``greedy=True`` with ``n`` > 1 is refused."""
     import dataclasses
 
-    from portarl.device import resolve_device
+    from portarl.backends.device import resolve_device
     from portarl.trainer.checkpoint.export import load_checkpoint_model
     from portarl.assets.reward_runner import RewardRunner
     from portarl.rollout.hf import HFRollout
