@@ -82,7 +82,7 @@ def test_a_10mb_tool_output_is_cut_and_a_step_trains_with_bounded_memory(tmp_pat
                        "rewards=[{name: math_exact}]", f"rollout.tool_isolation={isolation}",
                        f"rollout.max_tool_tokens={cap}",
                        "train.max_tokens_per_micro_batch=256")  # below the episodes: its warning's advice is read
-    caplog.set_level(logging.WARNING)
+    caplog.set_level(logging.WARNING, logger="portarl.train")  # its own level too (another test may have raised it)
     try:
         phase, peak = _rollout_peak(trainer)
         _assert_within_context(phase.rollout)
@@ -192,13 +192,13 @@ def test_no_warning_advises_a_token_budget_past_the_models_context(caplog):
     budget to at least 2500283")."""
     trainer = types.SimpleNamespace(model=types.SimpleNamespace(config=types.SimpleNamespace(
         max_position_embeddings=2048)), budget_warned=False)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="portarl.train"):
         micro_batches._warn_over_budget(trainer, 16384, [40, 50], [2_500_243, 100])
     assert "longer than the model's context (2048 positions)" in caplog.text
     assert not [n for n in map(int, re.findall(r"\d+", caplog.text)) if 16384 < n < 2_500_283]
     assert not _advised(caplog)
     trainer.budget_warned = False
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="portarl.train"):
         micro_batches._warn_over_budget(trainer, 512, [40], [1000])  # within the context: advice as before
     assert _advised(caplog) == [1040]
 
