@@ -10,7 +10,7 @@ from portarl.bench import kernels
 
 
 def bench_device() -> torch.device:
-    from portarl.device import resolve_device
+    from portarl.backends.device import resolve_device
 
     return resolve_device(os.environ.get("PORTARL_BENCH_DEVICE", "auto"))
 

@@ -41,7 +41,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from safetensors.torch import load_file
 
-    from portarl.models import load_local
+    from portarl.assets.models import load_local
     from portarl.trainer.asynchronous.weights import WeightSlots, rollout_state_dict, write_rollout_weights
 
     model, _ = load_local(args.model, dtype=torch.float32)

@@ -10,9 +10,9 @@ import dataclasses, os, random, time, types
 
 import torch
 torch.set_num_threads(1)
-from portarl.data import load_examples_for
-from portarl.models import build_model
-from portarl.tokenizer import as_codec, chat_template_option
+from portarl.assets.data import load_examples_for
+from portarl.assets.models import build_model
+from portarl.assets.tokenizer import as_codec, chat_template_option
 from portarl.trainer.config import TrainConfig
 from portarl.trainer.phases.packing import resolve_padding_free
 from portarl.trainer.phases.sequences import build_batch, completion_logprobs

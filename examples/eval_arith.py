@@ -14,18 +14,18 @@ from pathlib import Path
 
 import torch
 
-from portarl.data import load_examples
-from portarl.models import load_local
-from portarl.rewards import math_exact
+from portarl.assets.data import load_examples
+from portarl.assets.models import load_local
+from portarl.assets.rewards import math_exact
 from portarl.rollout import SamplingParams
 from portarl.rollout.hf import HFRollout
-from portarl.tokenizer import as_codec
+from portarl.assets.tokenizer import as_codec
 
 
 def model_problem(path: str) -> str | None:
     """A LoRA checkpoint holds only its adapter (the base model is rebuilt from the run's
     config): it must be exported first. Anything else that is not a model is named too."""
-    from portarl.models import resolve_model_path
+    from portarl.assets.models import resolve_model_path
 
     directory = resolve_model_path(path)
     if directory.suffix == ".gguf":

@@ -23,11 +23,11 @@ HERE = Path(__file__).parent
 
 
 def main() -> None:
-    from portarl.models import load_local
+    from portarl.assets.models import load_local
     from portarl.multiturn.agent import make_agent
-    from portarl.reward_runner import RewardRunner
+    from portarl.assets.reward_runner import RewardRunner
     from portarl.rollout.hf import HFRollout
-    from portarl.tokenizer import as_codec, chat_template_option
+    from portarl.assets.tokenizer import as_codec, chat_template_option
     from portarl.trainer.config import TrainConfig
     from portarl.trainer.phases.evaluation import evaluate, load_eval_set
 

@@ -39,7 +39,7 @@ def children(pid: int) -> list[int]:
 
 def supervised(pid: int) -> int:
     """The process doing the work of the ``portarl`` command ``pid``: the child its
-    supervising parent forked (portarl/supervisor.py: the same command line), or ``pid``
+    supervising parent forked (portarl/runtime/supervisor.py: the same command line), or ``pid``
     itself when it has none (not yet forked, or not supervised)."""
     try:
         command = Path(f"/proc/{pid}/cmdline").read_bytes()

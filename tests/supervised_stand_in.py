@@ -1,4 +1,4 @@
-"""A stand-in for a supervised command (tests/test_supervisor.py): portarl.supervisor's
+"""A stand-in for a supervised command (tests/test_supervisor.py): portarl.runtime.supervisor's
 parent around a child that does what ``argv[1]`` says, in a process that never imports
 torch (so each case costs a fraction of a second). ``argv[2]``: the run's output directory.
 
@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from portarl import blackbox, supervisor
+from portarl.runtime import blackbox
+from portarl.runtime import supervisor
 
 scenario, out = sys.argv[1], Path(sys.argv[2])
 args = argparse.Namespace(command="train", argv=["train", "--output-dir", str(out)])

@@ -9,24 +9,30 @@ when it is imported by name.
 
 The layers, top to bottom (a module may import its own layer and any layer below):
 
-1. ``cli``: the command line (``portarl/cli*.py``, ``__main__``);
+1. ``cli``: the command line (``portarl/cli/``, ``__main__``);
 2. ``bench``: benchmarks and the stability harness, which drive the trainer;
-3. ``trainer``: the GRPO trainer (``portarl/trainer/``), ``portarl/export.py`` (turns its
-   checkpoints into a model directory) and the async rollout worker's entry point
-   ``portarl/rollout/async_worker.py`` (the rollout process's main: it builds its engine
-   and rewards from the run's :class:`~portarl.trainer.config.TrainConfig`, as the trainer
-   does);
+3. ``trainer``: the GRPO trainer (``portarl/trainer/``, with ``trainer/checkpoint/export.py``,
+   which turns its checkpoints into a model directory) and the async rollout worker's entry
+   point ``portarl/rollout/async_worker.py`` (the rollout process's main: it builds its
+   engine and rewards from the run's :class:`~portarl.trainer.config.TrainConfig`, as the
+   trainer does);
 4. ``engines``: what the trainer drives: rollout engines (``rollout/``), multi-turn
    episodes (``multiturn/``), the parity harness (``parity/``) and the device-free
    algorithms (``core/``);
-5. ``runtime``: what they share: devices, distributed runs, models and tokenizers, data,
-   rewards and user code, LoRA, emulation, environment facts (the top-level modules);
-6. ``ops``: the public ops;
-7. ``backends``, with ``portarl/device.py`` (naming and resolving a device, which
-   :func:`portarl.backends.get_backend` does for a device name);
-8. ``kernels`` (Triton device code);
-9. ``base``: ``portarl/__init__.py`` (the version and lazy re-exports, imports nothing at
-   module level).
+5. ``assets``: what a run is built from (``portarl/assets/``): models and tokenizers, LoRA,
+   data, rewards and their runner;
+6. ``runtime``: process-level plumbing (``portarl/runtime/``): the supervising parent and
+   what it reads, signals, lifelines, process trees, the user-code guard, the distributed
+   set-up and heartbeat, file modes, the errors raised across layers;
+7. ``ops``: the public ops;
+8. ``backends``, with devices and the numerics switches (``backends/device.py``,
+   ``precision_switches.py``, ``emulation.py``, ``envinfo.py``);
+9. ``kernels`` (Triton device code);
+10. ``base``: ``portarl/__init__.py`` (the version, lazy re-exports and the old names of moved
+    modules; imports nothing at module level).
+
+The package's top level holds these folders and nothing loose: a new module goes into the
+folder of its role (:func:`test_the_top_level_holds_only_the_packages_by_role`).
 """
 
 from __future__ import annotations
@@ -38,23 +44,23 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "portarl"
 
-LAYERS = ["cli", "bench", "trainer", "engines", "runtime", "ops", "backends", "kernels", "base"]
+LAYERS = ["cli", "bench", "trainer", "engines", "assets", "runtime", "ops", "backends", "kernels", "base"]
 
 #: First matching prefix wins (so a module listed on its own comes before its package).
 LAYER_OF_PREFIX = [
     ("portarl.rollout.async_worker", "trainer"),
-    ("portarl.cli", "cli"),  # cli, cli_bench, cli_common, cli_config, cli_plan, cli_train
+    ("portarl.cli", "cli"),
     ("portarl.__main__", "cli"),
     ("portarl.bench", "bench"),
     ("portarl.trainer", "trainer"),
-    ("portarl.export", "trainer"),
     ("portarl.rollout", "engines"),
     ("portarl.multiturn", "engines"),
     ("portarl.parity", "engines"),
     ("portarl.core", "engines"),
+    ("portarl.assets", "assets"),
+    ("portarl.runtime", "runtime"),
     ("portarl.ops", "ops"),
     ("portarl.backends", "backends"),
-    ("portarl.device", "backends"),
     ("portarl.kernels", "kernels"),
 ]
 
@@ -63,12 +69,9 @@ def layer_of(module: str) -> str:
     if module == "portarl":
         return "base"
     for prefix, layer in LAYER_OF_PREFIX:
-        if module == prefix or module.startswith(prefix + ".") or (
-                prefix == "portarl.cli" and module.startswith("portarl.cli_")):
+        if module == prefix or module.startswith(prefix + "."):
             return layer
-    if module.count(".") == 1:  # a top-level module not named above: shared runtime
-        return "runtime"
-    raise AssertionError(f"{module}: no layer; add its package to LAYER_OF_PREFIX")
+    raise AssertionError(f"{module}: no layer; put it in the package of its role, or add a package to LAYER_OF_PREFIX")
 
 
 def modules(package: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:
@@ -197,6 +200,30 @@ def test_every_module_has_a_layer():
         assert layer_of(module) in LAYERS
 
 
+#: ``portarl/`` by role: one package per layer (the engines' four), and the two files Python needs.
+TOP_LEVEL = {"__init__.py", "__main__.py", "cli", "bench", "trainer", "rollout", "multiturn", "parity", "core",
+             "assets", "runtime", "ops", "backends", "kernels"}
+
+
+def test_the_top_level_holds_only_the_packages_by_role():
+    """A newcomer reads the roles off the listing: no loose module grows back beside them."""
+    entries = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
+    assert entries == TOP_LEVEL, (f"unexpected in portarl/: {sorted(entries - TOP_LEVEL)} (put each in the package "
+                                  f"of its role: this module's docstring); missing: {sorted(TOP_LEVEL - entries)}")
+
+
+def test_the_old_names_of_moved_modules_are_the_modules_themselves():
+    """``portarl.models`` and the other names docs and users' code import still work, as the
+    very module of the new home (portarl/__init__.py, MOVED), and nothing is left at an old path."""
+    import importlib
+
+    import portarl
+
+    for old, new in portarl.MOVED.items():
+        assert not (PACKAGE / (old.split(".", 1)[1] + ".py")).exists(), f"{old} is both moved and left"
+        assert importlib.import_module(old) is importlib.import_module(new), old
+
+
 def _write_package(root: Path, files: dict[str, str]) -> Path:
     package = root / "portarl"
     for name, text in files.items():
@@ -225,10 +252,23 @@ def test_an_arrow_up_the_layers_is_found(tmp_path):
     assert arrows == ["portarl.ops (ops) imports portarl.trainer.grpo (trainer) at line 2"]
 
 
-@pytest.mark.parametrize("module, layer", [("portarl.cli_train", "cli"), ("portarl.bench.step", "bench"),
+@pytest.mark.parametrize("importer, imported", [("runtime", "assets"), ("assets", "multiturn"), ("backends", "runtime"),
+                                               ("runtime", "cli"), ("assets", "trainer")])
+def test_an_arrow_up_between_the_packages_by_role_is_found(tmp_path, importer, imported):
+    """The check between the new layers: a module low in the package importing one above."""
+    files = {"__init__.py": "", f"{importer}/__init__.py": "", f"{imported}/__init__.py": "",
+             f"{importer}/low.py": f"def f():\n    from portarl.{imported} import high\n", f"{imported}/high.py": ""}
+    arrows = upward_arrows(import_graph(_write_package(tmp_path, files)))
+    assert arrows == [f"portarl.{importer}.low ({layer_of('portarl.' + importer)}) imports portarl.{imported}.high "
+                      f"({layer_of('portarl.' + imported)}) at line 2"]
+
+
+@pytest.mark.parametrize("module, layer", [("portarl.cli.train", "cli"), ("portarl.bench.step", "bench"),
                                            ("portarl.rollout.async_worker", "trainer"),
-                                           ("portarl.rollout.hf", "engines"), ("portarl.distributed", "runtime"),
-                                           ("portarl.device", "backends"), ("portarl.errors", "runtime"),
+                                           ("portarl.trainer.checkpoint.export", "trainer"),
+                                           ("portarl.rollout.hf", "engines"), ("portarl.assets.models", "assets"),
+                                           ("portarl.runtime.distributed", "runtime"),
+                                           ("portarl.backends.device", "backends"), ("portarl.runtime.errors", "runtime"),
                                            ("portarl", "base")])
 def test_layer_names(module, layer):
     assert layer_of(module) == layer

@@ -10,7 +10,7 @@ import torch
 
 import portarl
 from portarl.backends.npu import torch_npu_api
-from portarl.device import DeviceUnavailableError
+from portarl.backends.device import DeviceUnavailableError
 
 
 @pytest.fixture

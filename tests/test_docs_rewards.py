@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from portarl.rewards import BUILTIN_REWARDS
+from portarl.assets.rewards import BUILTIN_REWARDS
 
 ROOT = Path(__file__).resolve().parents[1]
 #: How the docs start a list of the built-in rewards.

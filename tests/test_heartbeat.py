@@ -10,7 +10,7 @@ import time
 
 import torch.distributed as dist
 
-from portarl.heartbeat import Heartbeat
+from portarl.runtime.heartbeat import Heartbeat
 
 
 class _Recorder(Heartbeat):

@@ -1,5 +1,5 @@
-"""The supervising parent of ``portarl train / sft / eval`` (portarl/supervisor.py), its
-flight recorder (portarl/blackbox.py) and the command it prints (portarl/continuation.py),
+"""The supervising parent of ``portarl train / sft / eval`` (portarl/runtime/supervisor.py), its
+flight recorder (portarl/runtime/blackbox.py) and the command it prints (portarl/runtime/continuation.py),
 on a stand-in command that imports no torch (tests/supervised_stand_in.py): exit 0 only
 for a child that finished and said so; any other end is one line naming the step, the
 phase, the user function and what to run next; stop signals reach the child exactly once,
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from portarl import blackbox
+from portarl.runtime import blackbox
 from portarl.cli import build_parser
-from portarl.continuation import continue_command, newest_checkpoint
-from portarl.supervisor import EXIT_DIED, FORWARD_GRACE_S
+from portarl.runtime.continuation import continue_command, newest_checkpoint
+from portarl.runtime.supervisor import EXIT_DIED, FORWARD_GRACE_S
 from portarl.trainer.run.output_dir import check_output_dir
 from proc_tree import line_queue
 
@@ -117,7 +117,7 @@ def test_the_flight_recorder_keeps_the_innermost_call_and_costs_nothing_unattach
 
 
 def test_a_lost_rank_says_resume_only_when_there_is_a_checkpoint(tmp_path):
-    from portarl.heartbeat import _what_next
+    from portarl.runtime.heartbeat import _what_next
 
     assert "continue with --resume" in _what_next()  # nothing recorded (a library user): as before
     blackbox.attach(blackbox.create(tmp_path / "record"))

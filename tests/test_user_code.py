@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from portarl.startup_signals import RunInterrupt
-from portarl.user_code import UserCodeError, UserCodeGuard, arity_problem, interrupt_active_call
+from portarl.runtime.startup_signals import RunInterrupt
+from portarl.runtime.user_code import UserCodeError, UserCodeGuard, arity_problem, interrupt_active_call
 
 #: How long a "hung" call waits before it gives up by itself: a broken guard fails the test
 #: by returning then; a working one ends the call long before, on any machine load.

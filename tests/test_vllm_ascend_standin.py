@@ -14,7 +14,8 @@ import torch
 
 import npu_standin
 import vllm_standin
-from portarl import envinfo, precision_switches
+from portarl.backends import envinfo
+from portarl.backends import precision_switches
 from portarl.backends.npu import torch_npu_api
 from portarl.rollout import vllm_sync
 from portarl.rollout.vllm import VLLMRollout

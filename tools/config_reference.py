@@ -139,7 +139,7 @@ def reference() -> str:
         note = " (null by default: LoRA off; set any field, e.g. `model.lora.r=8`, to turn it on)" if title == "model.lora" else ""
         out += [f"## `{title}`{note}", "", *rows, ""]
         sections += nested
-    from portarl.rewards import BUILTIN_REWARDS
+    from portarl.assets.rewards import BUILTIN_REWARDS
 
     builtins = ", ".join(f"`{name}`" for name in BUILTIN_REWARDS)
     out += ["## `rewards`", "", f"A list of `{{name, weight}}`: `name` is a built-in reward ({builtins}; `environment` "

@@ -1,7 +1,7 @@
 """One rank of the exit-race reproduction (tools/stress_distributed_exit.sh --mechanism).
 
 Gloo collectives on DTensors (as FSDP2 runs them), ``destroy_process_group()``, then either
-the plain interpreter exit (``plain``: what portarl's CLI did before portarl/exit_path.py)
+the plain interpreter exit (``plain``: what portarl's CLI did before portarl/runtime/exit_path.py)
 or portarl's exit path (``portarl``). A plain exit can die with ``terminate called without
 an active exception``: the Gloo backend outlives destroy_process_group (DTensor's caches
 hold its mesh) and its worker threads race interpreter finalisation.
@@ -26,6 +26,6 @@ for _ in range(20):
     dist.all_reduce(t)
 dist.destroy_process_group()
 if mode == "portarl":
-    from portarl.exit_path import leave_process
+    from portarl.runtime.exit_path import leave_process
 
     leave_process(0)

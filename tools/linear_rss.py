@@ -10,7 +10,7 @@ import resource
 
 import torch
 
-from portarl.models import tiny_qwen2
+from portarl.assets.models import tiny_qwen2
 from portarl.trainer.phases.sequences import build_batch, completion_logprobs
 
 torch.manual_seed(0)

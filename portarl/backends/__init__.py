@@ -6,6 +6,11 @@
 - ``npu``: torch_npu operators, every call in :mod:`portarl.backends.npu.torch_npu_api`.
 - ``triton``: the ``cuda`` backend's Triton kernels on an Ascend NPU through triton-ascend
   (:mod:`portarl.backends.triton_ascend`).
+
+Beside them, what decides how the numerics run on a device: :mod:`.device` (naming and
+resolving a device), :mod:`.precision_switches` (matmul precision and the NPU's switches
+that change results), :mod:`.emulation` (an Ascend stack's numerics emulated on another
+device) and :mod:`.envinfo` (the versions and switches a report records).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ def get_backend(device_or_name: str | torch.device | Backend = "auto") -> Backen
     if isinstance(device_or_name, str) and device_or_name in BACKEND_NAMES:
         # "cuda" and "npu" name both a backend and a device: the backend is what is asked for.
         return get_backend_by_name(device_or_name)
-    from portarl.device import resolve_device
+    from portarl.backends.device import resolve_device
 
     return choose_backend("get_backend", resolve_device(device_or_name))
 

@@ -83,7 +83,7 @@ def _worker(config: str | None, sets: list[str], steps: int) -> None:
               "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
               "estimate_bytes": estimate.peak, "estimate_parts": estimate.parts, "estimate_phase": estimate.phase}
     print(MARK + json.dumps(record), flush=True)
-    from portarl import distributed as pdist
+    from portarl.runtime import distributed as pdist
 
     pdist.shutdown()
 

@@ -48,7 +48,7 @@ def run_portarl(steps: int, threads: int, work: Work, mode: str = "colocated") -
     started = time.perf_counter()
     asynchronous = mode == "async"
     set_threads(max(1, threads // 2) if asynchronous else threads)
-    from portarl.data import Example
+    from portarl.assets.data import Example
     from portarl.trainer import GRPOTrainer, TrainConfig
     from portarl.trainer.asynchronous.pipeline import async_rollout
 

@@ -87,7 +87,7 @@ def markdown(result: dict) -> str:
              f"tokens, micro-batches of {w.get('micro_batch_size', 'all')} rows, gradient checkpointing "
              f"{'on' if w.get('gradient_checkpointing') else 'off'}, beta {w['beta']}, lr {w.get('lr', 5e-4)}, temperature "
              f"{w.get('temperature', 1.0)}; reward: {w.get('reward', 'share of digits in the completion')}; prompts: "
-             f"{w.get('data', 'synthetic arithmetic (portarl.data)')}; {w['model']}. "
+             f"{w.get('data', 'synthetic arithmetic (portarl.assets.data)')}; {w['model']}. "
              + (f"TRL: per_device_train_batch_size {trl['per_device_train_batch_size']}, gradient_accumulation_steps "
                 f"{trl['gradient_accumulation_steps']}, steps_per_generation {trl['steps_per_generation']}. "
                 if trl and 'trl' in s else "")

@@ -7,7 +7,7 @@ Two kinds of work:
   tiny Qwen2 built from a config and a character tokenizer, 8 prompts x 8 samples, 8 new
   tokens, one 64-row micro-batch, checkpointing off, no KL reference;
 * ``--model PATH``: a local Hugging Face model directory or a ``.gguf`` file, loaded on
-  both sides by :func:`portarl.models.load_local` in fp32 (the code path of ``model.path``
+  both sides by :func:`portarl.assets.models.load_local` in fp32 (the code path of ``model.path``
   in a training config: same weights, same tokenizer). Defaults are the README's own-data
   settings: 16 prompts x 8 samples, 64 new tokens, micro-batches of 64 rows, activation
   checkpointing on (portarl's ``auto`` for such a model, and TRL's default), KL weight
@@ -23,7 +23,7 @@ prompts with the tokenizer's special tokens added.)
 The reward and the prompts: by default the share of digits in the completion (any model
 earns some, so a step always has a gradient) on the synthetic arithmetic prompts;
 ``--reward math_exact`` scores the completion's last number against the answer
-(:func:`portarl.rewards.math_exact`, the examples' reward) and ``--data FILE`` takes the
+(:func:`portarl.assets.rewards.math_exact`, the examples' reward) and ``--data FILE`` takes the
 prompts and answers of a JSONL file instead (``examples/data/arith_train.jsonl``: the work
 of ``examples/smollm2-arith.yaml``); ``--temperature`` the sampling temperature (default 1), ``--lr`` the learning rate (default 5e-4).
 Both sides score with the same function; the reward per sample is reported beside the time.
@@ -139,17 +139,17 @@ class Work:
         """The work as the JSON result records it."""
         tiny = TINY_DESCRIPTION.format(hidden=self.tiny_hidden, layers=self.tiny_layers, mlp=3 * self.tiny_hidden)
         return {"model": tiny if self.model is None else
-                f"{self.model} (portarl.models.load_local, fp32; chat template applied to conversational prompts)",
+                f"{self.model} (portarl.assets.models.load_local, fp32; chat template applied to conversational prompts)",
                 "model_path": self.model, "prompts_per_step": self.prompts_per_step, "group_size": self.group_size,
                 "max_new_tokens": self.max_new_tokens, "micro_batch_size": self.micro_batch_size,
                 "gradient_checkpointing": self.gradient_checkpointing, "beta": self.beta,
-                "reward": REWARDS[self.reward][1], "data": self.data or "synthetic arithmetic (portarl.data)",
+                "reward": REWARDS[self.reward][1], "data": self.data or "synthetic arithmetic (portarl.assets.data)",
                 "temperature": self.temperature, "lr": self.lr, "trl_batching": self.trl_batching()}
 
 
 def check_model_path(path: str) -> None:
     """A clear error for a ``--model`` that cannot be loaded, before any worker starts."""
-    from portarl.models import resolve_model_path
+    from portarl.assets.models import resolve_model_path
 
     try:
         resolved = resolve_model_path(path)
@@ -224,7 +224,7 @@ def load(work: Work):
         return model(layers=work.tiny_layers, hidden_size=work.tiny_hidden), tokenizer()
     import torch
 
-    from portarl.models import load_local
+    from portarl.assets.models import load_local
 
     return load_local(work.model, dtype=torch.float32)
 
@@ -234,7 +234,7 @@ def prompts(work: Work, n: int) -> list[tuple[object, str]]:
     template), one-message conversations for ``--model``; ``--data``: the file's, in order
     (repeated when it has fewer than ``n``)."""
     if work.data is not None:
-        from portarl.data import load_examples
+        from portarl.assets.data import load_examples
 
         rows = load_examples(work.data)
         return [(rows[i % len(rows)].prompt, rows[i % len(rows)].answer) for i in range(n)]
@@ -257,7 +257,7 @@ REWARDS = {"digits": ("portarl.bench.step_work:digit_share", "share of digits in
 
 def reward_fn(work: Work):
     """The work's reward as a function ``(prompt, completion, answer) -> float`` (both sides)."""
-    from portarl.rewards import resolve_reward
+    from portarl.assets.rewards import resolve_reward
 
     return resolve_reward(REWARDS[work.reward][0])
 
@@ -294,12 +294,12 @@ def tokenizer():
 
 
 def model(seed: int = 0, layers: int = 2, hidden_size: int = 64):
-    from portarl.models import tiny_qwen2
+    from portarl.assets.models import tiny_qwen2
 
     return tiny_qwen2(64, seed=seed, layers=layers, hidden_size=hidden_size, intermediate_size=3 * hidden_size)
 
 
 def arithmetic_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
-    from portarl.data import arithmetic_examples
+    from portarl.assets.data import arithmetic_examples
 
     return [(ex.prompt, ex.answer) for ex in arithmetic_examples(n, seed=seed)]

@@ -45,11 +45,11 @@ BUCKETS_MB = (64, 256, 1024)
 
 def build_model(name: str, dtype: torch.dtype):
     if name == "tiny":  # the built-in tiny Qwen2 (tests)
-        from portarl.models import build_tiny
+        from portarl.assets.models import build_tiny
 
         return build_tiny()[0].to(dtype)
     if name == "smollm2":
-        from portarl.models import load_local
+        from portarl.assets.models import load_local
 
         return load_local(SMOLLM2, dtype)[0]
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
             code = receiver(args)
         finally:
             sys.stdout.flush()
-            os._exit(code)  # Gloo's threads must not race interpreter finalisation (portarl.exit_path)
+            os._exit(code)  # Gloo's threads must not race interpreter finalisation (portarl.runtime.exit_path)
     plan = [(m, d, int(r)) for m, d, r in (c.split(":") for c in args.models)] if args.models else PLAN
     result = {"command": "python -m portarl.bench.weight_sync " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}", "load_before": os.getloadavg(),

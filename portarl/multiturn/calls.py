@@ -3,10 +3,10 @@
 Semantics, which differ from rewards on purpose: a tool or an environment is part of the
 task the model is learning, so its failure is something the model sees (an error message in
 the conversation) and the run counts (a metric), never a stopped run. A reward that fails
-stops the run (:mod:`portarl.reward_runner`): a wrong reward would train the wrong thing.
+stops the run (:mod:`portarl.assets.reward_runner`): a wrong reward would train the wrong thing.
 
 In this process (``rollout.tool_isolation: none``, the default), :func:`call_with_limit`
-goes through :class:`portarl.user_code.UserCodeGuard`, the one guarded way into user code:
+goes through :class:`portarl.runtime.user_code.UserCodeGuard`, the one guarded way into user code:
 a call past ``rollout.tool_timeout_s`` is ended from inside (on the main thread a signal
 ends a blocking sleep, read or wait too), ``sys.exit`` is caught like any exception, and a
 stop signal (Ctrl-C, SIGTERM) that arrives during a call stops the run the documented way
@@ -24,7 +24,7 @@ import dataclasses
 import json
 import time
 
-from portarl.user_code import UserCodeError, describe
+from portarl.runtime.user_code import UserCodeError, describe
 
 
 @dataclasses.dataclass
@@ -50,7 +50,7 @@ def _as_json(value, started: float) -> CallOutcome:
 
 
 def call_with_limit(guard, fn, args: tuple = (), kwargs: dict | None = None, what: str | None = None) -> CallOutcome:
-    """``fn(*args, **kwargs)`` through ``guard`` (a :class:`~portarl.user_code.UserCodeGuard`
+    """``fn(*args, **kwargs)`` through ``guard`` (a :class:`~portarl.runtime.user_code.UserCodeGuard`
     with ``rollout.tool_timeout_s``). Never raises for what ``fn`` does, except a stop
     signal that arrived during the call (``UserCodeError`` of kind ``interrupted``).
     ``what``: the call as a user names it ("tool 'search'"), for the run's flight recorder."""

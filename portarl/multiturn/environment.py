@@ -43,7 +43,7 @@ import inspect
 import math
 
 from portarl.multiturn.tools import load_object
-from portarl.user_code import UserCodeError, UserCodeGuard, arity_problem
+from portarl.runtime.user_code import UserCodeError, UserCodeGuard, arity_problem
 
 ROW_FIELD = "environment"
 

@@ -51,7 +51,7 @@ import dataclasses
 import json
 
 from portarl.rollout.base import RolloutBatch, seed_of
-from portarl.user_code import UserCodeError
+from portarl.runtime.user_code import UserCodeError
 from portarl.multiturn.environment import environment_of
 from portarl.multiturn.render import tool_result_messages
 from portarl.multiturn.report import Counts, broken_environment, episode_metrics, episode_record, errors_event

@@ -5,17 +5,17 @@ Why: a tool that starts a server or a background job (``subprocess.Popen`` it ne
 waits for, a shell's ``&``, ``setsid``, a daemon's double fork) left it running after the
 run. With ``tool_isolation: none`` the tools run in the trainer's own process (or the async
 worker's), which cannot be killed to end them; so while tools run here, this process is a
-subreaper (:func:`portarl.process_tree.set_subreaper`): what a tool starts stays among its
+subreaper (:func:`portarl.runtime.process_tree.set_subreaper`): what a tool starts stays among its
 descendants however it detaches, instead of going to ``init``. :meth:`Leftovers.watch`
 notes the children that appear during each call, and their descendants as seen after it;
 :meth:`Leftovers.close` (the agent's close: the run's end, every exit path) stops and
-kills those trees (:func:`portarl.process_tree.end_tree`) and restores the subreaper
+kills those trees (:func:`portarl.runtime.process_tree.end_tree`) and restores the subreaper
 setting. The process's own children (a vLLM engine, compile workers) appear outside the
 calls and are left alone. The cost: two reads of ``/proc/<pid>/task/*/children`` a call,
 0.3 ms with 8 threads (measured on a loaded 2-core CPU; it grows with the thread count).
 
 With ``tool_isolation: process`` the tool process is the subreaper and is ended with its
-whole tree (:func:`portarl.lifeline.stop_child`); what this catches there is what a tool
+whole tree (:func:`portarl.runtime.lifeline.stop_child`); what this catches there is what a tool
 process that *crashed* left: its orphans come to this process during the call that found
 it dead, and are ended at once.
 
@@ -38,7 +38,7 @@ import os
 import threading
 import weakref
 
-from portarl.process_tree import children, descendants, end_tree, set_subreaper, stat
+from portarl.runtime.process_tree import children, descendants, end_tree, set_subreaper, stat
 
 _lock = threading.Lock()
 _holders = 0  # Leftovers in this process that made it a subreaper and have not closed yet

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from portarl.multiturn.calls import CallOutcome, call_with_limit
 from portarl.multiturn.leftovers import Leftovers
-from portarl.user_code import UserCodeGuard
+from portarl.runtime.user_code import UserCodeGuard
 from portarl.multiturn.environment import check_made, check_reward, normalize_step, setting_of
 
 

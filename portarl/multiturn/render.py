@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 
-from portarl.tokenizer import no_template_fix
+from portarl.assets.tokenizer import no_template_fix
 
 MARKER = "PORTARL_ASSISTANT_CONTENT_MARKER"
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 
 from portarl.multiturn.environment import setting_of
-from portarl.user_code import UserCodeError
+from portarl.runtime.user_code import UserCodeError
 
 REASONS = ("stop", "done", "max_turns", "length", "budget", "env_error")
 

@@ -18,7 +18,7 @@ the protocol), and it ignores SIGINT (the trainer decides when it stops).
 
 Whatever a tool starts ends with the child: the child is the subreaper of its tools'
 processes (a ``setsid`` or double-forked one stays in its tree), and killing it means
-stopping and killing its whole tree and process group (:func:`portarl.lifeline.stop_child`),
+stopping and killing its whole tree and process group (:func:`portarl.runtime.lifeline.stop_child`),
 after a timeout, when it crashed (its orphans came to the parent: :mod:`.leftovers`) and at
 the run's end.
 
@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 
-from portarl.lifeline import stop_child
+from portarl.runtime.lifeline import stop_child
 from portarl.multiturn.calls import CallOutcome
 from portarl.multiturn.leftovers import Leftovers
 
@@ -151,7 +151,7 @@ class ProcessExecutor:
 
 def main() -> int:
     """The child: a spec line, then requests until stdin closes."""
-    from portarl.lifeline import adopt_orphans, die_with_parent
+    from portarl.runtime.lifeline import adopt_orphans, die_with_parent
     from portarl.multiturn.calls import run_captured
     from portarl.multiturn.environment import load_factories
     from portarl.multiturn.operations import OPS, Operations

@@ -4,7 +4,7 @@ must look like, and what multi-turn episodes cannot be combined with yet."""
 
 from __future__ import annotations
 
-from portarl.errors import ConfigError
+from portarl.runtime.errors import ConfigError
 
 
 def is_multiturn(cfg) -> bool:

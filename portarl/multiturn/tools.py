@@ -15,7 +15,7 @@ import dataclasses
 import inspect
 from pathlib import Path
 
-from portarl.rewards import _import
+from portarl.assets.rewards import _import
 
 
 def load_object(spec: str, search_dirs, setting: str):

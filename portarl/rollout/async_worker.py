@@ -36,7 +36,7 @@ every process of a job must not kill the worker under a trainer that is finishin
 step and saving), and stops it with SIGKILL (it holds nothing worth saving), together with
 every process it started: the worker is their subreaper, so what its tools and
 environments start, however detached, stays in its process tree, which the trainer ends
-whole (:func:`portarl.lifeline.stop_child`).
+whole (:func:`portarl.runtime.lifeline.stop_child`).
 
 Fault injection for the tests (``PORTARL_ROLLOUT_WORKER_FAULT``): ``die@S``, ``hang@S``,
 ``garbage@S``, ``stale@S`` (the first batch of step S claims old weights: the trainer must
@@ -56,8 +56,8 @@ import signal
 import sys
 import time
 
-from portarl import blackbox
-from portarl.lifeline import adopt_orphans, die_with_parent as _die_with_parent
+from portarl.runtime import blackbox
+from portarl.runtime.lifeline import adopt_orphans, die_with_parent as _die_with_parent
 
 FAULT_ENV = "PORTARL_ROLLOUT_WORKER_FAULT"
 DUMP_ENV = "PORTARL_ROLLOUT_WORKER_DUMP"
@@ -111,11 +111,11 @@ class Worker:
     def __init__(self, spec: dict):
         import torch
 
-        from portarl.models import build_model
+        from portarl.assets.models import build_model
         from portarl.multiturn.agent import make_agent
-        from portarl.reward_runner import RewardRunner
+        from portarl.assets.reward_runner import RewardRunner
         from portarl.rollout import SamplingParams
-        from portarl.tokenizer import as_codec, chat_template_option
+        from portarl.assets.tokenizer import as_codec, chat_template_option
         from portarl.trainer.checkpoint import seed_global_rngs
         from portarl.trainer.config import TrainConfig
         from portarl.trainer.guards.precision import DTYPES
@@ -181,7 +181,7 @@ class Worker:
         return {"op": "loaded", "version": version}
 
     def generate(self, request: dict) -> dict:
-        from portarl.data import Example
+        from portarl.assets.data import Example
         from portarl.rollout import request_seeds
         from portarl.trainer.phases.episodes import play, reward_examples
 
@@ -230,7 +230,7 @@ class Worker:
         return reply
 
     def handle(self, request: dict) -> dict:
-        from portarl.user_code import UserCodeError
+        from portarl.runtime.user_code import UserCodeError
 
         op = request.get("op")
         try:
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             worker.agent.close()  # tool_isolation=process: its tool process
         if worker.inbox is not None:
             worker.inbox.close()  # before the trainer closes the group: it hosts the store
-    if worker.inbox is not None:  # Gloo's threads must not race interpreter finalisation (portarl.exit_path)
+    if worker.inbox is not None:  # Gloo's threads must not race interpreter finalisation (portarl.runtime.exit_path)
         logging.shutdown()
         for stream in (out, sys.stderr):
             try:

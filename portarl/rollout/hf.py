@@ -27,7 +27,7 @@ import logging
 import torch
 
 from portarl import ops
-from portarl.distributed import has_sharded_params
+from portarl.runtime.distributed import has_sharded_params
 from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 from portarl.rollout.lean_decode import LeanDecoder, unsupported_reason
 from portarl.rollout.sampling import filter_logits, sample_tokens, seed_keys, uniform_span

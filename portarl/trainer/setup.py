@@ -11,9 +11,9 @@ import os
 
 import torch
 
-from portarl import distributed as pdist
-from portarl.data import encode_examples
-from portarl.lora import apply_lora, base_model, is_lora
+from portarl.runtime import distributed as pdist
+from portarl.assets.data import encode_examples
+from portarl.assets.lora import apply_lora, base_model, is_lora
 from portarl.rollout import ENGINES
 from portarl.trainer.memory.checkpointing import enable_checkpointing, wants_checkpointing
 from portarl.trainer.config import ConfigError, TrainConfig
@@ -60,7 +60,7 @@ def place_model(model, cfg: TrainConfig, dist, device):
     torchrun FSDP2-sharded (with fp32 parameters and a ``param_dtype`` compute policy when
     fp32 master weights are asked for), plus a sharded frozen reference copy when the loss
     has a KL term (``None`` otherwise, and always ``None`` on one process). With
-    ``model.lora`` the model is wrapped with its adapters first (:mod:`portarl.lora`); its
+    ``model.lora`` the model is wrapped with its adapters first (:mod:`portarl.assets.lora`); its
     reference is the model with the adapter disabled (no copy), and under torchrun FSDP2
     shards the peft model's Hugging Face model (the adapters ride in their layers' shards;
     only they require gradients, so the optimizer state is the adapter's alone)."""

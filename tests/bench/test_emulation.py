@@ -1,4 +1,4 @@
-"""NPU numerics EMULATION switches (portarl.emulation): each does what its source documents."""
+"""NPU numerics EMULATION switches (portarl.backends.emulation): each does what its source documents."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from portarl.bench.stability import parse_runs
-from portarl.emulation import PROFILES, SWITCHES, HF32Matmuls, resolve_profile, round_mantissa
+from portarl.backends.emulation import PROFILES, SWITCHES, HF32Matmuls, resolve_profile, round_mantissa
 from portarl.trainer.phases.sequences import build_batch, completion_logprobs
 
 
@@ -34,7 +34,7 @@ def test_hf32_mode_rounds_fp32_matmul_inputs():
 
 
 def _batch_and_model():
-    from portarl.models import build_tiny
+    from portarl.assets.models import build_tiny
 
     model, tok = build_tiny(seed=1, hidden_size=32, intermediate_size=64)
     model = model.to(torch.bfloat16)

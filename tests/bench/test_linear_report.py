@@ -12,7 +12,7 @@ import torch
 
 from portarl.bench import linear
 from portarl.bench.kernels import KernelResult
-from portarl.cli_bench import _parse_shapes
+from portarl.cli.bench import _parse_shapes
 
 
 def test_liger_needs_cuda_even_when_installed(monkeypatch):

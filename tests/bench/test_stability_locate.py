@@ -19,7 +19,7 @@ from portarl.bench.stability import dump_modules, locate  # noqa: E402
 from portarl.bench.stability.dump_index import Dump  # noqa: E402
 from portarl.bench.stability.locate_report import write_locate_report  # noqa: E402
 from portarl.cli import main  # noqa: E402
-from portarl.models import build_tiny  # noqa: E402
+from portarl.assets.models import build_tiny  # noqa: E402
 
 TINY = ["train.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=3", "data.synthetic_size=64",
         "model.hidden_size=32", "model.intermediate_size=64", "train.sft_warmup_steps=0", "train.micro_batch_size=16"]

@@ -12,7 +12,7 @@ from portarl.bench.weight_sync import estimate, run_case, write_report  # noqa: 
 
 
 def test_tiny_case_reports_both_paths_with_the_models_bytes(tmp_path):
-    from portarl.models import build_tiny
+    from portarl.assets.models import build_tiny
 
     case = run_case("tiny", "bf16", 1, reps=2, buckets_mb=[0.01, 64], work=tmp_path)
     model = build_tiny()[0]

@@ -50,7 +50,7 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """A tiny model directory saved without its tokenizer, and one with only config.json."""
-    from portarl.models import build_tiny
+    from portarl.assets.models import build_tiny
 
     root = tmp_path_factory.mktemp("models")
     model, _ = build_tiny(hidden_size=32, intermediate_size=64)
@@ -286,13 +286,13 @@ def _user_code_case(case, tmp_path) -> tuple[list[str], str, Path]:
 
 @pytest.mark.parametrize("case", sorted(USER_CODE_CASES))
 def test_user_code_mistakes_are_one_line_errors_before_the_model_loads(case, tmp_path, capsys, monkeypatch):
-    import portarl.models
+    import portarl.assets.models
     from portarl.cli import main
 
     def load(*args, **kwargs):
         raise ModelLoaded(f"the model loaded before the mistake of {case!r} was found")
 
-    monkeypatch.setattr(portarl.models, "build_model", load)
+    monkeypatch.setattr(portarl.assets.models, "build_model", load)
     monkeypatch.delitem(sys.modules, "ec_user_code", raising=False)
     args, needle, out = _user_code_case(case, tmp_path)
     try:

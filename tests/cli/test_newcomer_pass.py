@@ -138,7 +138,7 @@ def test_export_message_modes_and_a_loadable_tokenizer(tmp_path, capsys):
         assert set(modes.values()) == {expected}, modes
     tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     ids = tok("1+2=")["input_ids"]
-    from portarl.tokenizer import CharTokenizer
+    from portarl.assets.tokenizer import CharTokenizer
 
     assert ids == CharTokenizer().encode("1+2=")
     assert tok.decode(ids, skip_special_tokens=True) == "1+2="

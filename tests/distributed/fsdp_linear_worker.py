@@ -6,7 +6,7 @@ weight to ``<out>/<tied|untied>.safetensors``.
 
 Run plainly: one process, an unsharded model, the whole batch. Under torchrun (Gloo): each
 rank scores its own rows of the batch through an FSDP2-sharded model
-(:func:`portarl.distributed.shard`); rank 0 saves the gathered rows and the ``full_tensor``
+(:func:`portarl.runtime.distributed.shard`); rank 0 saves the gathered rows and the ``full_tensor``
 of the weight gradient. Each rank's loss is multiplied by the world size so that FSDP's
 gradient average equals the single process's sum (x2 is exact in fp32).
 """
@@ -47,7 +47,7 @@ def tiny(tied: bool):
 def run(tied: bool, rank: int, world: int) -> dict[str, torch.Tensor] | None:
     model = tiny(tied)
     if world > 1:
-        from portarl.distributed import shard
+        from portarl.runtime.distributed import shard
 
         shard(model)
         assert _is_sharded(model)
@@ -114,9 +114,9 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    # portarl's exit path for a torchrun rank (portarl/exit_path.py): no interpreter
+    # portarl's exit path for a torchrun rank (portarl/runtime/exit_path.py): no interpreter
     # finalisation for Gloo's threads to race.
-    from portarl.exit_path import leave_process
+    from portarl.runtime.exit_path import leave_process
 
     code = 1
     try:

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 import portarl.trainer.phases.update as update
-from portarl import distributed as pdist
+from portarl.runtime import distributed as pdist
 from portarl.trainer import GRPOTrainer, TrainConfig, build_from_config
 from portarl.trainer.memory.checkpointing import checkpointing_enabled
 from portarl.trainer.phases.packing import Layout

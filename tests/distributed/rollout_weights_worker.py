@@ -7,7 +7,7 @@ under torchrun each rank's record of the gathers (``lora-<tied|untied>-gathers-r
 for every tensor published, the parameters gathered since the one before, in order).
 
 Run plainly: one process, the unsharded model. Under torchrun (Gloo): the model FSDP2-
-sharded (:func:`portarl.distributed.shard`); every rank takes part in the gather and rank
+sharded (:func:`portarl.runtime.distributed.shard`); every rank takes part in the gather and rank
 0 alone writes. The two runs must write the same bytes' worth of tensors.
 """
 
@@ -35,7 +35,7 @@ def main(out: Path) -> None:
     for tied in (True, False):
         model = tiny(tied)
         if world > 1:
-            from portarl.distributed import shard
+            from portarl.runtime.distributed import shard
 
             shard(model)
         for name, dtype in DTYPES.items():
@@ -47,13 +47,13 @@ def main(out: Path) -> None:
     except ImportError:
         peft = None
     if peft is not None:
-        from portarl.lora import base_model
+        from portarl.assets.lora import base_model
         from vllm_gather_worker import lora_model
 
         for tied in (True, False):
             model, tag = lora_model(tied), f"lora-{'tied' if tied else 'untied'}"
             if world > 1:
-                from portarl.distributed import shard
+                from portarl.runtime.distributed import shard
 
                 shard(base_model(model))  # as portarl.trainer.setup.place_model does with model.lora
                 (out / f"{tag}-gathers-rank{rank}.json").write_text(json.dumps(gathers(model, rank == 0)))
@@ -70,7 +70,7 @@ def gathers(model, is_main: bool) -> list:
     of anything but a parameter's shard is recorded as ``"?"``)."""
     from torch.distributed.tensor import DTensor
 
-    from portarl.lora import base_model
+    from portarl.assets.lora import base_model
 
     shards = {p.to_local().data_ptr(): n for n, p in base_model(model).named_parameters()}
     record, pending, full_tensor = [], [], DTensor.full_tensor

@@ -3,7 +3,7 @@ over the strict stand-in backend (hccl_standin.py) and the torch_npu stand-in.
 
     python -m torch.distributed.run --nproc-per-node 2 strict_hccl_worker.py train --device cpu ...
 
-``portarl.distributed.init_distributed`` runs first with an ``npu`` device, exactly as
+``portarl.runtime.distributed.init_distributed`` runs first with an ``npu`` device, exactly as
 ``portarl train --device npu`` would call it, and so decides the group's backends; the
 training run (CPU tensors: the stand-in has no NPU memory) then makes every collective the
 trainer makes in that group. A host-side flag, count or JSON sent to a backend that refuses
@@ -21,15 +21,15 @@ import torch  # noqa: E402
 
 import hccl_standin  # noqa: E402
 import npu_standin  # noqa: E402
-from portarl import distributed as pdist  # noqa: E402
+from portarl.runtime import distributed as pdist  # noqa: E402
 from portarl.backends.npu import torch_npu_api  # noqa: E402
 
 
 def host_collectives(ctx) -> None:
     """portarl's host-side collectives with the values the trainer passes them (CPU tensors,
     Python numbers, JSON), each checked for its result."""
-    from portarl.reward_runner import RewardError, reward_failure
-    from portarl.user_code import agree_on_failure
+    from portarl.assets.reward_runner import RewardError, reward_failure
+    from portarl.runtime.user_code import agree_on_failure
 
     rank = ctx.rank
     assert pdist.any_rank(ctx, rank == 1) and not pdist.any_rank(ctx, False)  # guard / stop flags

@@ -84,7 +84,7 @@ def test_the_gathered_lora_shards_are_one_process_merged_weights(published, tied
     under the base model's names: one process's merged_state_dict of the same full
     weights, cast to the rollout dtype, bitwise."""
     pytest.importorskip("peft")
-    from portarl.lora import merged_state_dict
+    from portarl.assets.lora import merged_state_dict
     from vllm_gather_worker import lora_model
 
     name = f"lora-{tied}-{dtype}.safetensors"
@@ -303,9 +303,9 @@ def test_a_send_cut_midway_stops_every_rank_at_the_same_step_with_a_checkpoint(t
 
 # ------------------------------------------------------------------- LoRA, async
 def _merged_from(directory: Path | None) -> dict[str, torch.Tensor]:
-    """The merged weights (portarl.lora.merged_state_dict, one process) of a LoRA run's
+    """The merged weights (portarl.assets.lora.merged_state_dict, one process) of a LoRA run's
     checkpoint (sharded or not); ``None``: the initial adapter's (B = 0: the base)."""
-    from portarl.lora import load_adapter, merged_state_dict
+    from portarl.assets.lora import load_adapter, merged_state_dict
     from test_torchrun_options import _lora_model
 
     model = _lora_model()
@@ -374,7 +374,7 @@ def test_lora_async_on_two_ranks_matches_one_process(tmp_path):
     first = [next(d for d in CheckpointManager(out).complete() if CheckpointManager.load_state(d)["step"] == 1)
              for out in (single, double)]
     one, two = _lora_model(), _lora_model()
-    from portarl.lora import load_adapter
+    from portarl.assets.lora import load_adapter
 
     load_adapter(one, first[0])
     assert CheckpointManager.is_sharded(first[1])

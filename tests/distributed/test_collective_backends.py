@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from portarl import distributed as pdist
+from portarl.runtime import distributed as pdist
 
 TWO_RANKS_ON_CUDA = pdist.DistContext(rank=0, world_size=2, local_rank=0, backend="nccl")
 

@@ -58,7 +58,7 @@ def _rows(out: Path) -> list[dict]:
 
 def _params_from(directory: Path) -> dict[str, torch.Tensor]:
     """Model parameters of a checkpoint, sharded (DCP) or not, loaded in this process."""
-    from portarl.models import build_tiny
+    from portarl.assets.models import build_tiny
 
     model, _ = build_tiny(hidden_size=32, intermediate_size=64)
     if CheckpointManager.is_sharded(directory):
@@ -114,7 +114,7 @@ def test_one_step_on_two_ranks_matches_one_process(one_and_two):
 
 
 def _params_from_init():
-    from portarl.models import build_tiny
+    from portarl.assets.models import build_tiny
 
     model, _ = build_tiny(hidden_size=32, intermediate_size=64)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -134,7 +134,7 @@ def test_nan_on_one_rank_makes_both_skip(tmp_path):
 
 
 def _worker_pids(launcher_pid: int) -> dict[int, int]:
-    """rank -> pid of the process doing each rank's work: the supervised child (portarl/supervisor.py)
+    """rank -> pid of the process doing each rank's work: the supervised child (portarl/runtime/supervisor.py)
     of torchrun's worker process (its children with RANK in their environment)."""
     from proc_tree import supervised
 

@@ -1,4 +1,4 @@
-"""Two ranks in the process group ``portarl.distributed.init_distributed`` makes for Ascend
+"""Two ranks in the process group ``portarl.runtime.distributed.init_distributed`` makes for Ascend
 NPUs, over a stand-in ``hccl`` registered for the ``npu`` device type only, as torch_npu
 registers it (tests/distributed/hccl_standin.py). Every collective the trainer makes runs
 there: the flags and codes of the step guard and the stop agreement, the step guard's KL

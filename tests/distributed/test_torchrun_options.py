@@ -33,8 +33,8 @@ def _one_and_two(root, *sets):
 
 
 def _lora_model():
-    from portarl.lora import apply_lora
-    from portarl.models import build_tiny
+    from portarl.assets.lora import apply_lora
+    from portarl.assets.models import build_tiny
     from portarl.trainer.config.lora import lora_section
 
     model, _ = build_tiny(hidden_size=32, intermediate_size=64)
@@ -48,7 +48,7 @@ def _adapter(model) -> dict:
 
 def test_lora_on_two_ranks_matches_one_process(tmp_path):
     pytest.importorskip("peft")
-    from portarl.lora import load_adapter
+    from portarl.assets.lora import load_adapter
 
     single, double = _one_and_two(tmp_path, *LORA)
     assert_same_step(single, double)
@@ -117,6 +117,6 @@ def test_fp16_on_two_ranks_matches_one_process(tmp_path):
 
 
 def _tiny():
-    from portarl.models import build_tiny
+    from portarl.assets.models import build_tiny
 
     return build_tiny(hidden_size=32, intermediate_size=64)[0]

@@ -42,7 +42,7 @@ def _interrupt_turn_2(executor) -> None:
     """The executor's first ``env_step`` of turn 2 (the ``G + 1``-th) ends as a stop signal
     arriving during the call would end it (``UserCodeGuard``: ``UserCodeError`` of kind
     ``interrupted``)."""
-    from portarl.user_code import UserCodeError
+    from portarl.runtime.user_code import UserCodeError
 
     run, steps = executor.run, []
 
@@ -61,15 +61,15 @@ def _rank(rank: int, store: str, out: str, interrupt: bool) -> None:
     sys.path.insert(0, str(TRAINER_TESTS))
     os.environ["RANK"] = str(rank)  # what RankEnv reads, as under torchrun
     from agent_tiny import ScriptedRollout, agent_tokenizer, tiny_model
-    from portarl import distributed as pdist
-    from portarl.data import Example
+    from portarl.runtime import distributed as pdist
+    from portarl.assets.data import Example
     from portarl.multiturn.agent import make_agent
     from portarl.rollout import vllm_tp
     from portarl.rollout.base import SamplingParams
-    from portarl.tokenizer import TextCodec
+    from portarl.assets.tokenizer import TextCodec
     from portarl.trainer import TrainConfig
     from portarl.trainer.phases.episodes import play
-    from portarl.user_code import UserCodeError
+    from portarl.runtime.user_code import UserCodeError
 
     class GroupEngine(ScriptedRollout):
         """One engine for the group: every rank's requests gathered, all generated, this rank's rows kept."""
@@ -111,7 +111,7 @@ def _rank(rank: int, store: str, out: str, interrupt: bool) -> None:
     finally:
         dist.destroy_process_group()
     # Gloo's threads outlive the group: interpreter finalisation can race them and abort the
-    # process ("terminate called without an active exception"; portarl/exit_path.py), as it
+    # process ("terminate called without an active exception"; portarl/runtime/exit_path.py), as it
     # did here at random. A rank that got this far leaves as a portarl rank does.
     sys.stdout.flush()
     sys.stderr.flush()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from fsdp_linear_worker import tiny
-from portarl.lora import apply_lora, base_model
+from portarl.assets.lora import apply_lora, base_model
 from portarl.rollout.vllm_weights import gathered_weights, local_weights
 from portarl.trainer.config.lora import lora_section
 
@@ -39,7 +39,7 @@ def received(tied: bool, sharded: bool) -> dict:
     model = lora_model(tied)
     if not sharded:
         return {k: v.contiguous() for k, v in local_weights(model)}
-    from portarl.distributed import shard
+    from portarl.runtime.distributed import shard
 
     shard(base_model(model))  # as portarl.trainer.setup.place_model does with model.lora
     return {k: v.contiguous() for k, v in gathered_weights(model, dtype=torch.float32, bucket_mb=0.01)}

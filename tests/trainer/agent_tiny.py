@@ -47,7 +47,7 @@ def agent_tokenizer(template: str = SMOLLM2):
 
 
 def tiny_model(vocab_size: int, seed: int = 0, **sizes):
-    from portarl.models import tiny_qwen2
+    from portarl.assets.models import tiny_qwen2
 
     sizes = {"hidden_size": 32, "intermediate_size": 64, **sizes}
     return tiny_qwen2(vocab_size, max_positions=4096, seed=seed, **sizes)

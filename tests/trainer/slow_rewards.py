@@ -6,7 +6,7 @@ When ``$HOLD_DIR/hold`` exists, the next call creates ``$HOLD_DIR/holding`` and 
 otherwise it returns at once. A held step therefore ends only by the test's word or by the
 process dying, never by a sleep that a loaded machine could outlast.
 
-The first stop signal ends a reward call in progress (portarl.user_code) with an exception
+The first stop signal ends a reward call in progress (portarl.runtime.user_code) with an exception
 that is not a KeyboardInterrupt; this reward swallows it, as a reward with a bare
 ``except`` would, so the step stays open until the second signal's abort (a
 KeyboardInterrupt, let through) ends it."""

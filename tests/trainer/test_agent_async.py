@@ -76,7 +76,7 @@ def test_an_environment_that_fails_every_episode_in_the_worker_is_named_as_user_
     from types import SimpleNamespace
 
     from portarl.rollout.async_worker import Worker
-    from portarl.user_code import UserCodeError
+    from portarl.runtime.user_code import UserCodeError
 
     def generate(request):
         raise UserCodeError("environment 'agent_tools:BrokenEnv'", None, "failed in all 4 of its episodes of this step")

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from agent_tiny import ScriptedRollout, agent_tokenizer, tiny_model
-from portarl.data import Example
+from portarl.assets.data import Example
 from portarl.trainer import GRPOTrainer, TrainConfig, TrainingStopped
 from portarl.trainer.config import ConfigError
 from portarl.trainer.phases.rollout import run_rollout

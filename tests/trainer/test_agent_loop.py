@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from agent_tiny import ScriptedRollout, agent_tokenizer, call_text, tiny_model
-from portarl.data import Example
+from portarl.assets.data import Example
 from portarl.trainer import GRPOTrainer
 from portarl.trainer.phases.rollout import run_rollout
 from portarl.trainer.phases.scoring import score

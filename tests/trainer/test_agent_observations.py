@@ -18,9 +18,9 @@ import pytest
 
 from agent_tiny import ScriptedRollout, agent_tokenizer, call_text, tiny_model
 from agent_tools import FLOOD
-from portarl.data import Example
+from portarl.assets.data import Example
 from portarl.multiturn.observations import MARKER, ObservationCap
-from portarl.tokenizer import CharTokenizer, TextCodec
+from portarl.assets.tokenizer import CharTokenizer, TextCodec
 from portarl.trainer import GRPOTrainer, TrainConfig
 from portarl.trainer.config import ConfigError
 from portarl.trainer.phases import micro_batches

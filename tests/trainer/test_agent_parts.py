@@ -18,7 +18,7 @@ from portarl.multiturn.environment import normalize_step
 from portarl.multiturn.parsing import ToolCall, detect_format, parse_hermes, parse_llama3_json, parse_qwen_xml
 from portarl.multiturn.render import Renderer, declares_tools
 from portarl.multiturn.tools import load_tools
-from portarl.tokenizer import as_codec
+from portarl.assets.tokenizer import as_codec
 
 
 def test_tool_schema_comes_from_type_hints_and_docstring():
@@ -133,7 +133,7 @@ def test_environment_step_results():
 
 
 def test_a_call_with_a_limit_never_raises_for_what_the_tool_does():
-    from portarl.user_code import UserCodeGuard
+    from portarl.runtime.user_code import UserCodeGuard
 
     with UserCodeGuard(0.2, "rollout.tool_timeout_s") as guard:
         assert call_with_limit(guard, multiply, (3, 4)).value == 12

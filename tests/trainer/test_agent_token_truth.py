@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agent_tiny import agent_tokenizer, talkative_model
-from portarl.data import Example
+from portarl.assets.data import Example
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL
 from portarl.multiturn.episode import EpisodeRunner
 from portarl.trainer import GRPOTrainer

@@ -12,7 +12,7 @@ import pytest
 
 from agent_tiny import ScriptedRollout, agent_tokenizer, call_text, tiny_model
 from portarl.cli import main
-from portarl.data import Example
+from portarl.assets.data import Example
 from portarl.trainer import GRPOTrainer
 from portarl.trainer.phases.episodes import reward_examples
 from scored_rows import capture_scored_batches, segment_mismatch
@@ -151,7 +151,7 @@ def test_portarl_episodes_names_what_is_not_there(tool_run, capsys, args, messag
 
 def test_portarl_episodes_refuses_a_tokenizer_that_is_not_the_runs(tool_run, capsys):
     """--tokens decodes with the checkpoint's tokenizer only if it gives back every recorded text."""
-    from portarl.tokenizer import CharTokenizer
+    from portarl.assets.tokenizer import CharTokenizer
 
     trainer = tool_run[0]
     [ckpt] = (trainer.output_dir / "checkpoints").glob("step-*")

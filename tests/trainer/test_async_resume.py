@@ -72,7 +72,7 @@ def _sigterm(proc, out: Path) -> int:
     _wait_rows(proc, out, 2)
     # To the command's process group, as a shell or a scheduler does: the run's process gets it
     # at once (one sent to the supervising parent alone is forwarded up to a second later,
-    # portarl/supervisor.py, by which time this tiny run could have finished)
+    # portarl/runtime/supervisor.py, by which time this tiny run could have finished)
     os.killpg(proc.pid, signal.SIGTERM)  # finishes its step, saves (with the batch in flight), exits 143
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 143, err[-3000:]

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from chat_tiny import CHATML, chat_tokenizer, tiny_llama
-from portarl.data import load_examples
+from portarl.assets.data import load_examples
 from portarl.rollout import SamplingParams
 from portarl.rollout.hf import HFRollout
-from portarl.tokenizer import CharTokenizer, as_codec, chat_template_option
+from portarl.assets.tokenizer import CharTokenizer, as_codec, chat_template_option
 from portarl.trainer import GRPOTrainer
 from trainer_fast import fast_config
 

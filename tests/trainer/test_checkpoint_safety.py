@@ -199,7 +199,7 @@ def test_prune_never_removes_the_checkpoint_just_written(trained):
 
 def test_sharded_checkpoint_verified_before_dcp_reads_metadata(make_trainer, tmp_path):
     """DCP unpickles ``.metadata``: a planted one, or a foreign file, is refused first."""
-    from portarl.distributed import SINGLE
+    from portarl.runtime.distributed import SINGLE
 
     trainer = make_trainer("train.steps=1")
     manager = CheckpointManager(tmp_path / "sharded")
@@ -219,7 +219,7 @@ def test_sharded_checkpoint_verified_before_dcp_reads_metadata(make_trainer, tmp
 def test_sharded_metadata_is_unpickled_with_an_allow_list(make_trainer, tmp_path):
     """Even with the manifest rewritten to match, DCP's pickles cannot run code: ``.metadata``
     goes through an allow-list unpickler, non-tensor items through weights_only=True."""
-    from portarl.distributed import SINGLE
+    from portarl.runtime.distributed import SINGLE
     from portarl.trainer.checkpoint.safe_dcp import load_metadata_safely
 
     trainer = make_trainer("train.steps=1")

@@ -80,7 +80,7 @@ def test_cli_sft_saves_a_loadable_model(tmp_path, capsys):
     for item in FAST:
         args += ["--set", item]
     assert main(args) == 0
-    from portarl.models import load_local
+    from portarl.assets.models import load_local
 
     model, tok = load_local(tmp_path / "sft-model")
     assert tok.encode("1+1=")[0] == tok.bos_token_id

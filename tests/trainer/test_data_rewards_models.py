@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from portarl.data import Example, arithmetic_examples, load_examples, write_jsonl
-from portarl.models import build_tiny, load_local, save_local
-from portarl.rewards import extract_answer, format_reward, math_exact, resolve_reward
-from portarl.tokenizer import CharTokenizer, as_codec
+from portarl.assets.data import Example, arithmetic_examples, load_examples, write_jsonl
+from portarl.assets.models import build_tiny, load_local, save_local
+from portarl.assets.rewards import extract_answer, format_reward, math_exact, resolve_reward
+from portarl.assets.tokenizer import CharTokenizer, as_codec
 
 
 def test_jsonl_and_parquet(tmp_path):
@@ -51,7 +51,7 @@ def test_empty_prompts_are_refused_or_skipped_with_a_count(tmp_path, caplog):
     with pytest.raises(ValueError, match=r"d.jsonl:2: field 'prompt' is empty or only whitespace: .*"
                                          r"data.empty_prompts=skip"):
         load_examples(data)
-    with caplog.at_level("WARNING", logger="portarl.data"):
+    with caplog.at_level("WARNING", logger="portarl.assets.data"):
         kept = load_examples(data, empty_prompts="skip")
     assert [e.where for e in kept] == [f"{data}:1", f"{data}:4"]
     assert f"left out 2 row(s) of {data} whose prompt is empty or only whitespace ({data}:2, {data}:3)" in caplog.text
@@ -85,9 +85,9 @@ def test_math_exact_and_format():
 
 
 def test_user_rewards_by_module_path():
-    assert resolve_reward("portarl.rewards:math_exact") is math_exact
+    assert resolve_reward("portarl.assets.rewards:math_exact") is math_exact
     with pytest.raises(ValueError, match="cannot be loaded"):
-        resolve_reward("portarl.rewards:nope")
+        resolve_reward("portarl.assets.rewards:nope")
     with pytest.raises(ValueError, match="module:function"):
         resolve_reward("nope")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from portarl.models import tiny_qwen2
+from portarl.assets.models import tiny_qwen2
 from portarl.parity.errors import assert_close
 from portarl.parity.tolerances import Tolerance, fp32_result
 from portarl.trainer.phases.sequences import MATERIALIZE_ENV, build_batch, completion_logprobs, nonfinite_logit_positions
@@ -85,7 +85,7 @@ def test_chunked_blame_finds_nonfinite_logits(monkeypatch):
 
 
 def test_emulation_profile_keeps_its_own_path():
-    from portarl.emulation import resolve_profile
+    from portarl.backends.emulation import resolve_profile
 
     model, batch = _setup(torch.bfloat16)
     emulate = resolve_profile("npu-emulated")

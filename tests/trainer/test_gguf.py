@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("gguf", reason="GGUF loading needs the gguf package (pip install 'portarl[gguf]')")
 
 from gguf_tiny import write_tiny_gguf  # noqa: E402
-from portarl.models import load_local  # noqa: E402
-from portarl.tokenizer import as_codec  # noqa: E402
+from portarl.assets.models import load_local  # noqa: E402
+from portarl.assets.tokenizer import as_codec  # noqa: E402
 from trainer_fast import fast_config  # noqa: E402
 
 

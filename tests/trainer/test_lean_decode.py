@@ -19,7 +19,7 @@ from portarl.parity.tolerances import fp32_result  # noqa: E402
 from portarl.rollout import HFRollout, SamplingParams, request_seeds  # noqa: E402
 from portarl.rollout.hf import left_pad  # noqa: E402
 from portarl.rollout.lean_decode import LeanDecoder, unsupported_reason  # noqa: E402
-from portarl.tokenizer import CharTokenizer  # noqa: E402
+from portarl.assets.tokenizer import CharTokenizer  # noqa: E402
 
 TOK = CharTokenizer()
 CONFIGS = {

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("peft", reason="LoRA needs peft (pip install 'portarl[lora]')")
 
-from portarl.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_lora, merged_state_dict  # noqa: E402
+from portarl.assets.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_lora, merged_state_dict  # noqa: E402
 from portarl.parity.tolerances import fp32_result  # noqa: E402
 from portarl.trainer import build_from_config  # noqa: E402
 from portarl.trainer.config import ConfigError, TrainConfig  # noqa: E402
@@ -241,7 +241,7 @@ def test_export_writes_a_merged_hf_model_with_the_trained_logits(make_trainer, t
     loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     ids = torch.randint(3, 60, (3, 10), generator=torch.Generator().manual_seed(2))
     _assert_close(_logits(loaded, ids), _logits(trainer.model, ids), "exported model vs trained peft model")
-    from portarl.models import load_local
+    from portarl.assets.models import load_local
 
     _, tokenizer = load_local(out)  # the tokenizer came along
     assert len(tokenizer) == len(trainer.tokenizer)
@@ -267,7 +267,7 @@ def test_export_writes_a_merged_hf_model_with_the_trained_logits(make_trainer, t
 def test_export_of_a_full_model_checkpoint(make_trainer, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from portarl.export import export_checkpoint
+    from portarl.trainer.checkpoint.export import export_checkpoint
 
     trainer = make_trainer("train.steps=1", rewards=[varied_reward])
     trainer.train()
@@ -281,7 +281,7 @@ def test_portarl_sft_with_lora_saves_a_merged_model(tmp_path):
     from safetensors.torch import load_file
 
     from portarl import cli
-    from portarl.models import load_local
+    from portarl.assets.models import load_local
 
     sets = [x for item in FAST for x in ("--set", item)]
     out = tmp_path / "sft"
@@ -298,7 +298,7 @@ def test_portarl_sft_with_lora_saves_a_merged_model(tmp_path):
 
 
 def test_a_model_wrapped_by_the_caller_is_refused(tmp_path):
-    from portarl.lora import apply_lora
+    from portarl.assets.lora import apply_lora
     from portarl.trainer import GRPOTrainer
 
     cfg = fast_config(tmp_path, *LORA)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from portarl.cli import main
-from portarl.models import build_tiny, load_gguf
+from portarl.assets.models import build_tiny, load_gguf
 from portarl.trainer.config import TrainConfig
 from portarl.trainer.memory.arch import arch_of, longest_prompt
 from portarl.trainer.memory.plan import estimate, layer_activation_elements, parse_size
@@ -93,7 +93,7 @@ def test_plan_command_says_whether_it_fits(capsys):
 def test_train_start_line_names_the_peak_and_the_device_memory():
     import torch
 
-    from portarl.cli_plan import train_start_line
+    from portarl.cli.plan import train_start_line
     from portarl.trainer import build_from_config
 
     cfg = TrainConfig.load(None, ["data.synthetic_size=20"])

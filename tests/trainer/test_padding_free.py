@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import portarl.trainer.phases.packing as packing
-from portarl.models import tiny_qwen2
+from portarl.assets.models import tiny_qwen2
 from portarl.parity.errors import assert_close
 from portarl.parity.tolerances import fp32_result, low_precision_forward
 from portarl.trainer.phases.micro_batches import micro_batches
@@ -156,7 +156,7 @@ def test_tokens_a_completion_does_not_score_stay_in_the_sequence():
 
 
 def test_materialised_logits_and_npu_emulation_paths_equal_padded(monkeypatch):
-    from portarl.emulation import resolve_profile
+    from portarl.backends.emulation import resolve_profile
 
     batch = _batch()
     monkeypatch.setenv(MATERIALIZE_ENV, "1")
@@ -330,8 +330,8 @@ def assert_steps_equal(want_run, got_run) -> None:
 def test_models_that_pack_hf_directory_and_gguf(tmp_path):
     pytest.importorskip("gguf")
     from gguf_tiny import write_tiny_gguf
-    from portarl.models import load_local, save_local
-    from portarl.tokenizer import CharTokenizer
+    from portarl.assets.models import load_local, save_local
+    from portarl.assets.tokenizer import CharTokenizer
 
     save_local(tiny_qwen2(VOCAB), CharTokenizer(), tmp_path / "hf")
     write_tiny_gguf(tmp_path / "tiny.gguf")

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from portarl.data import load_examples_for
-from portarl.models import build_model, resolve_model_path
-from portarl.tokenizer import as_codec, chat_template_option
+from portarl.assets.data import load_examples_for
+from portarl.assets.models import build_model, resolve_model_path
+from portarl.assets.tokenizer import as_codec, chat_template_option
 from portarl.trainer.config import TrainConfig
 from portarl.trainer.phases.packing import Layout, resolve_padding_free
 from portarl.trainer.phases.sequences import build_batch

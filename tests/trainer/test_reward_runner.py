@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from portarl.data import Example
-from portarl.reward_runner import RewardError, RewardRunner
+from portarl.assets.data import Example
+from portarl.assets.reward_runner import RewardError, RewardRunner
 from portarl.trainer import GRPOTrainer, TrainingStopped, build_from_config
 from trainer_fast import fast_config
 

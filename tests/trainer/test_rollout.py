@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from portarl import ops
-from portarl.models import build_tiny
+from portarl.assets.models import build_tiny
 from portarl.rollout import HFRollout, SamplingParams, identical_group_fraction, request_seeds, sample_seed
 from portarl.rollout.hf import filter_logits
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from portarl.models import build_tiny
+from portarl.assets.models import build_tiny
 from portarl.rollout import HFRollout, SamplingParams, request_seeds
 
 

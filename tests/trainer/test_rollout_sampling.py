@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from portarl.models import build_tiny
+from portarl.assets.models import build_tiny
 from portarl.rollout import HFRollout, SamplingParams, request_seeds, sample_seed
 from portarl.rollout.hf import _last_logits_kwargs
 from portarl.rollout.sampling import filter_logits, philox4x32, sample_tokens, seed_keys, uniform_span, uniforms

@@ -93,7 +93,7 @@ def test_logging_fields_validated(field):
 
 def test_bench_outputs_default_outside_committed_results(tmp_path, monkeypatch, capsys):
     from portarl.cli import build_parser, main
-    from portarl.cli_bench import BENCH_OUT
+    from portarl.cli.bench import BENCH_OUT
 
     assert not BENCH_OUT.startswith("bench/results")
     assert build_parser().parse_args(["bench", "stability"]).out.startswith(BENCH_OUT)

@@ -75,14 +75,14 @@ def test_the_agents_recipe_runs_its_tool_and_its_environment(tmp_path):
 
 def test_the_tiny_chat_model_without_the_warm_up_writes_no_tool_call(tmp_path):
     """Why the recipe has a warm-up (docs/agents.md): the random model's replies hold no call."""
-    from portarl.models import build_model
+    from portarl.assets.models import build_model
     from portarl.trainer import GRPOTrainer
 
     cfg = TrainConfig.load(ROOT / "examples/agents-tiny.yaml", [
         f"output_dir={tmp_path / 'run'}", "train.sft_warmup_steps=0", "train.steps=1", "rollout.max_new_tokens=16",
         "rollout.group_size=2", "train.prompts_per_step=4",
         "logging.progress=false", "logging.plot=false", "logging.tensorboard=false"])
-    from portarl.data import load_examples_for
+    from portarl.assets.data import load_examples_for
 
     model, tokenizer = build_model(cfg.model)
     trainer = GRPOTrainer(model, tokenizer, None, load_examples_for(cfg.data), cfg, device="cpu")

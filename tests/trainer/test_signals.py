@@ -140,7 +140,7 @@ def test_a_startup_signal_swallowed_by_a_finaliser_still_stops_before_training()
     records the signal, and graceful_stop refuses to begin training while one is pending."""
     import gc
 
-    from portarl import startup_signals
+    from portarl.runtime import startup_signals
     from portarl.trainer.run.signals import graceful_stop
 
     class Finalised:
@@ -199,7 +199,7 @@ def test_a_signal_during_the_stop_agreement_is_kept_for_the_next_step(monkeypatc
     to rank 1). The answer must be the collective's (ranks act alike) and the request kept."""
     from types import SimpleNamespace
 
-    from portarl import distributed as pdist
+    from portarl.runtime import distributed as pdist
     from portarl.trainer.grpo import GRPOTrainer
 
     trainer = SimpleNamespace(stop_requested=False, dist=SimpleNamespace(enabled=True))

@@ -10,11 +10,11 @@ import json
 
 import pytest
 
-from portarl.data import Example
-from portarl.models import build_model, build_tiny, load_local, save_local
+from portarl.assets.data import Example
+from portarl.assets.models import build_model, build_tiny, load_local, save_local
 from portarl.multiturn.parsing import detect_format
 from portarl.multiturn.render import Renderer, declares_tools
-from portarl.tokenizer import CharTokenizer, as_codec, byte_chat_tokenizer
+from portarl.assets.tokenizer import CharTokenizer, as_codec, byte_chat_tokenizer
 from portarl.trainer import GRPOTrainer, build_from_config
 from trainer_fast import fast_config
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from portarl.device import child_placement
+from portarl.backends.device import child_placement
 from portarl.trainer import GRPOTrainer, build_from_config
 from portarl.trainer.config import ConfigError
 from trainer_fast import fast_config
@@ -83,7 +83,7 @@ def test_each_worker_is_started_on_its_device_with_only_it_visible(tmp_path, mon
     (["cpu"], "cpu", 2, None),
 ])
 def test_a_worker_on_a_training_ranks_device_is_refused(workers, trainer, local_ranks, taken):
-    from portarl.device import check_worker_devices
+    from portarl.backends.device import check_worker_devices
 
     if taken is None:
         check_worker_devices(workers, torch.device(trainer), local_ranks)

@@ -13,8 +13,8 @@ import torch
 
 def main(threads: int) -> dict:
     torch.set_num_threads(threads)
-    from portarl.data import arithmetic_examples
-    from portarl.models import build_tiny
+    from portarl.assets.data import arithmetic_examples
+    from portarl.assets.models import build_tiny
     from portarl.rollout import HFRollout, SamplingParams, request_seeds
 
     model, tok = build_tiny(seed=0)

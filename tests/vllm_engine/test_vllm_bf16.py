@@ -9,7 +9,7 @@ from vllm_tiny import NO_VLLM, TINY
 
 pytest.importorskip("vllm.entrypoints.llm", reason=NO_VLLM)
 
-from portarl.models import build_tiny, save_local
+from portarl.assets.models import build_tiny, save_local
 from portarl.parity.tolerances import ROLLOUT_BF16_MIN_MEAN_DIFF
 from portarl.rollout import SamplingParams, request_seeds
 from portarl.rollout.vllm import VLLMRollout

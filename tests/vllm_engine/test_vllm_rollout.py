@@ -11,7 +11,7 @@ from vllm_tiny import NO_VLLM, TINY
 
 pytest.importorskip("vllm.entrypoints.llm", reason=NO_VLLM)
 
-from portarl.models import build_tiny, save_local
+from portarl.assets.models import build_tiny, save_local
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL
 from portarl.rollout import SamplingParams, identical_group_fraction, request_seeds
 from portarl.rollout.vllm import VLLMRollout

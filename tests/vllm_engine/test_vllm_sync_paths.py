@@ -13,7 +13,7 @@ from vllm_tiny import NO_VLLM, TINY
 
 pytest.importorskip("vllm.entrypoints.llm", reason=NO_VLLM)
 
-from portarl.models import build_tiny, save_local  # noqa: E402
+from portarl.assets.models import build_tiny, save_local  # noqa: E402
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL  # noqa: E402
 from portarl.rollout import SamplingParams, request_seeds, vllm_sync  # noqa: E402
 from portarl.rollout.vllm import VLLMRollout  # noqa: E402

@@ -47,7 +47,7 @@ safetensors.torch.save_file = _recording(safetensors.torch.save_file, 1)
 safetensors.torch.save_model = _recording(safetensors.torch.save_model, 1)
 torch.save = _recording(torch.save, 1)
 
-from portarl import distributed as pdist  # noqa: E402
+from portarl.runtime import distributed as pdist  # noqa: E402
 from portarl.rollout import vllm_tp  # noqa: E402
 from portarl.rollout.vllm import VLLMRollout  # noqa: E402
 from portarl.trainer.phases import rollout as rollout_phase  # noqa: E402

@@ -4,7 +4,7 @@ The sender publishes versions 1..N of :func:`version_tensors` (deterministic, so
 recomputes them) and writes its port to ``<out>/port``; each receiver saves every version it
 loaded to ``<out>/rank<r>/v<version>.safetensors``, and on a torn version writes
 ``torn.json`` and the weights it kept. Both end with ``os._exit`` (Gloo's threads must not
-race interpreter finalisation: portarl.exit_path).
+race interpreter finalisation: portarl.runtime.exit_path).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``portarl bench stability`` (record, or replay with ``--replay-from``) and
-``portarl bench stability compare`` handlers, kept here so ``portarl/cli.py`` only wires
+``portarl bench stability compare`` handlers, kept here so ``portarl/cli/main.py`` only wires
 arguments."""
 
 from __future__ import annotations

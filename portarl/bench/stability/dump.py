@@ -158,10 +158,10 @@ def dump_modules(model: torch.nn.Module, batch, out: str | Path, *,
     matches: globs or prefixes), and write the dump to ``out`` (replaced if it is a dump).
 
     ``budget_mb`` bounds the full tensors kept (call order); every tensor is summarised.
-    ``environment`` (default: :func:`portarl.envinfo.environment` of the model's device)
+    ``environment`` (default: :func:`portarl.backends.envinfo.environment` of the model's device)
     and ``extra`` (e.g. the dtype and emulation switches) go into the index. Gradients are
     left on the parameters (the caller zeroes them). Returns the index path."""
-    from portarl import envinfo
+    from portarl.backends import envinfo
 
     out = Path(out)
     if out.exists() and (out / "index.json").exists():

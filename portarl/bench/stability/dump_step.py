@@ -81,7 +81,7 @@ def dump_recorded_step(directory: str | Path, step: int, out: str | Path, *, run
                        progress: Callable[[str], None] | None = None) -> Path:
     """Dump step ``step`` of the recording in ``directory`` under setting ``run`` (a
     ``--runs`` entry, default: the directory's own run). Returns the index path."""
-    from portarl import envinfo
+    from portarl.backends import envinfo
     from portarl.bench.stability.dump import dump_modules
     from portarl.rollout import ReplayRollout
     from portarl.rollout.replay import load_rollouts

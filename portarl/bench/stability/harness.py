@@ -27,8 +27,8 @@ from portarl.rollout.replay import load_rollouts
 def _shared_start_model(config_path, overrides: list[str], path: Path, progress) -> None:
     """Every run starts from the same weights: the config's model after its supervised
     warm-up, done once in fp32 on the CPU (as GPU/NPU comparisons start from one checkpoint)."""
-    from portarl.models import save_local
-    from portarl.tokenizer import as_codec
+    from portarl.assets.models import save_local
+    from portarl.assets.tokenizer import as_codec
     from portarl.trainer import TrainConfig, build_from_config
     from portarl.trainer.phases.sft import run_sft
 

@@ -71,7 +71,7 @@ def write_locate_report(result: dict, out: str | Path) -> Path:
              f"{result['tolerance']['rounding']:g} x the unit roundoff of the coarsest dtype involved. "
              "culprit: bit-equal inputs, different outputs; amplifies: output error beyond what is explained."]
     if any((s[k].get("emulation") or []) for k in ("a", "b")):
-        lines += ["", "A side with emulation switches ran portarl.emulation (EMULATION of an Ascend stack's "
+        lines += ["", "A side with emulation switches ran portarl.backends.emulation (EMULATION of an Ascend stack's "
                   "documented numerics), not Ascend hardware."]
     if figure is not None:
         lines += ["", f"![error by module]({figure.name})"]

@@ -116,7 +116,7 @@ def write_report(analysis: dict, out_dir: Path, figure: Path | None, token_figur
                     "; no noise floor measured (--noise-floor)")
                  + ". Skipped (non-finite) steps and steps a run never reached count as diverged.")
     if any(r["emulated"] for r in runs):
-        lines += ["", "Runs marked [EMULATION] use portarl.emulation: documented numerics of an Ascend stack "
+        lines += ["", "Runs marked [EMULATION] use portarl.backends.emulation: documented numerics of an Ascend stack "
                   "reproduced on this device, not Ascend hardware."]
     lines += ["", "## Verdicts", ""] + [f"- {r['verdict']}" for r in runs]
     lines += ["", "| run | device | first parting (metric: step) | KL spikes | grad-norm spikes | NaN steps | mean abs d logp | final reward |",

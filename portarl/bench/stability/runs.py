@@ -2,7 +2,7 @@
 
 The variant is an ops backend (``reference``, ``cuda``, ``npu``) or a numerics profile
 (``npu-emulated``: EMULATION of an Ascend stack's documented numerics, see
-:mod:`portarl.emulation`). ``@`` overrides let the items users walk through when chasing
+:mod:`portarl.backends.emulation`). ``@`` overrides let the items users walk through when chasing
 NPU spikes (clip range, learning rate, warm-up, batch size) sit side by side in one
 comparison, e.g. ``cpu:bf16@optim.lr=1e-5@loss.clip_eps_high=0.2``.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from portarl.emulation import PROFILES, resolve_profile
+from portarl.backends.emulation import PROFILES, resolve_profile
 
 METRICS = (
     ("reward/mean", "reward"),
@@ -108,7 +108,7 @@ def parse_runs(text: str) -> list[RunSpec]:
 def check_run_devices(specs, option: str = "--runs") -> None:
     """Every device a stability run names must be here before the first run's warm-up
     starts (``npu:bf16`` on a machine without torch_npu used to fail 40 s in)."""
-    from portarl.device import DeviceUnavailableError, resolve_device
+    from portarl.backends.device import DeviceUnavailableError, resolve_device
 
     for spec in specs:
         try:

@@ -59,7 +59,7 @@ def _token_tap(trainer, tap, store: dict, trainer_label: str):
 
 
 def run_job(job: dict) -> int:
-    from portarl import envinfo
+    from portarl.backends import envinfo
     from portarl.rollout import RecordingRollout, ReplayRollout
     from portarl.rollout.replay import file_sha256, load_rollouts
     from portarl.trainer import GRPOTrainer, TrainConfig, TrainingStopped, build_from_config

@@ -44,7 +44,7 @@ _BUILT: list = []
 
 def groups_built() -> int:
     """How many communicators this process built: their threads outlive them, so a command
-    that built one ends without interpreter finalisation (:mod:`portarl.exit_path`)."""
+    that built one ends without interpreter finalisation (:mod:`portarl.runtime.exit_path`)."""
     return len(_BUILT)
 
 

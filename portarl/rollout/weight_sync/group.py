@@ -23,7 +23,7 @@ acknowledgements) polls the peers it waits on: a peer that marked itself failed,
 that has not moved for ``stale_after_s`` on this process's monotonic clock, or a store
 that stopped answering (its host, rank 0, is gone) ends the wait at once with
 :class:`PeerLost`. A slow peer that is alive is waited for; the communicator's own timeout
-(``timeout_s``, :data:`portarl.distributed.DEFAULT_TIMEOUT_S` by default) only bounds one
+(``timeout_s``, :data:`portarl.runtime.distributed.DEFAULT_TIMEOUT_S` by default) only bounds one
 bucket's transfer, the same margin as the trainer's collectives.
 """
 
@@ -37,7 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from portarl.distributed import DEFAULT_TIMEOUT_S
+from portarl.runtime.distributed import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("portarl.rollout")
 
@@ -62,7 +62,7 @@ class PeerLost(WeightSyncError):
 
 def liveness_timing(timeout_s: float) -> tuple[float, float]:
     """``(interval, stale_after)`` for ``timeout_s``: the numbers of the trainer's own rank
-    heartbeat (:mod:`portarl.heartbeat`): beat every ``timeout_s / 20`` (0.2-5 s), a peer is
+    heartbeat (:mod:`portarl.runtime.heartbeat`): beat every ``timeout_s / 20`` (0.2-5 s), a peer is
     lost after ``timeout_s / 2`` without a beat."""
     return max(0.2, min(5.0, timeout_s / 20)), timeout_s / 2
 

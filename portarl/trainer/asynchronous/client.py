@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from portarl import blackbox
-from portarl.distributed import without_torchrun_env
-from portarl.lifeline import stop_child
-from portarl.reward_runner import RewardError, RewardScores
+from portarl.runtime import blackbox
+from portarl.runtime.distributed import without_torchrun_env
+from portarl.runtime.lifeline import stop_child
+from portarl.assets.reward_runner import RewardError, RewardScores
 from portarl.rollout import RolloutBatch
 
 #: Start-up (imports, model build) may take longer than a batch: the first ``ready`` gets

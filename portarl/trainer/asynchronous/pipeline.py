@@ -62,7 +62,7 @@ Under torchrun (FSDP2) the workers are started by rank 0, each generating whole 
 (:func:`portarl.trainer.asynchronous.weights.rollout_tensors`), which sends them a tensor at a
 time (``weight_sync: collective``) or writes the file.
 Rank 0 alone talks to the worker; it hands every rank the scored batch, or the error that
-stops the run, as JSON over a Gloo group of its own (:func:`portarl.distributed.broadcast_json`,
+stops the run, as JSON over a Gloo group of its own (:func:`portarl.runtime.distributed.broadcast_json`,
 with a timeout long enough for rank 0's own waits: :func:`share_timeout_s`), and each rank
 trains on its slice of whole groups, as in colocated mode. Every rank then raises the same
 error at the same step, so the checkpoint (a collective) is saved by all of them.
@@ -81,9 +81,9 @@ from typing import NamedTuple
 
 import torch
 
-from portarl import distributed as pdist
-from portarl.device import check_worker_devices, child_placement
-from portarl.reward_runner import RewardError
+from portarl.runtime import distributed as pdist
+from portarl.backends.device import check_worker_devices, child_placement
+from portarl.assets.reward_runner import RewardError
 from portarl.trainer.asynchronous.client import (STARTUP_MIN_S, WORKER_LOG, RolloutWorkerError, WorkerClient, as_batch,
                                           check_batch, reward_error, slice_reply, validate_batch)
 from portarl.trainer.asynchronous.resume import restore_in_flight

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 
-from portarl import distributed as pdist
+from portarl.runtime import distributed as pdist
 
 #: The trainer-state key (``trainer_state.json``) holding the batches in flight.
 STATE_KEY = "async_in_flight"

@@ -41,7 +41,7 @@ import logging
 
 import torch
 
-from portarl.errors import ConfigError
+from portarl.runtime.errors import ConfigError
 from portarl.rollout.weight_sync import SyncGroup, WeightSender
 
 log = logging.getLogger("portarl.trainer")
@@ -75,7 +75,7 @@ def choose_comm(setting: str, trainer_device: torch.device, worker_devices: list
     trainer's numbering; None: on the trainer's device). ``auto`` takes the device's
     communicator where it can run and Gloo otherwise; ``nccl`` / ``hccl`` where it cannot
     is a :class:`ConfigError` naming why and the fix."""
-    from portarl.device import placed as placed_on
+    from portarl.backends.device import placed as placed_on
 
     def fallback(why: str) -> tuple[str, str]:
         if setting != "auto":

@@ -9,7 +9,7 @@ here and nowhere else:
   ``full_tensor()``, a collective, so *every rank* calls :func:`rollout_state_dict` at the
   same point, in the same order; only rank 0 keeps the full tensors (the others get
   ``None``), one tensor at a time, so no rank ever holds more than one extra full tensor.
-- **LoRA**: the adapter is folded in on the side (:func:`portarl.lora.merged_tensors`,
+- **LoRA**: the adapter is folded in on the side (:func:`portarl.assets.lora.merged_tensors`,
   ``W + scaling * B @ A`` summed in fp32), under the base model's names; the training
   model is never merged in place. Under FSDP2 each adapted weight is folded from its
   gathered base weight and gathered ``lora_A`` / ``lora_B``, one layer at a time: the
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from portarl.lora import base_model, merged_tensors
+from portarl.assets.lora import base_model, merged_tensors
 from portarl.trainer.run.write_failure import writing
 
 

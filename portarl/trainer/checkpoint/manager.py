@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 
-from portarl.fileperms import normalize_modes
+from portarl.runtime.fileperms import normalize_modes
 from portarl.trainer.checkpoint import manifest as mf
 from portarl.trainer.checkpoint import safe_state
 from portarl.trainer.checkpoint.manifest import STEP_DIR as _STEP_DIR
@@ -173,7 +173,7 @@ class CheckpointManager:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        from portarl import distributed as pdist
+        from portarl.runtime import distributed as pdist
 
         if (kept := self.kept(step, look=False)) is not None:
             return kept
@@ -292,10 +292,10 @@ class CheckpointManager:
     @staticmethod
     def load_weights(model, directory: Path, *, verify: bool = True) -> None:
         """Load ``model.safetensors`` into ``model`` (after verifying the manifest unless the
-        caller just did); for a LoRA (peft) model, its adapter only (:mod:`portarl.lora`)."""
+        caller just did); for a LoRA (peft) model, its adapter only (:mod:`portarl.assets.lora`)."""
         from safetensors.torch import load_model
 
-        from portarl.lora import is_lora, load_adapter
+        from portarl.assets.lora import is_lora, load_adapter
 
         if verify:
             mf.verify(directory)

@@ -21,7 +21,7 @@ import re
 import shutil
 from pathlib import Path
 
-from portarl.errors import CheckpointError
+from portarl.runtime.errors import CheckpointError
 
 MANIFEST = "MANIFEST.json"
 COMPLETE = "COMPLETE"

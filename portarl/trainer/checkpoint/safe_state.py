@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from portarl.distributed import full
+from portarl.runtime.distributed import full
 
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"

@@ -12,7 +12,7 @@ import math
 import yaml
 
 from portarl.core.yaml_numbers import non_bool_field, number_from_yaml_string
-from portarl.errors import ConfigError
+from portarl.runtime.errors import ConfigError
 
 
 def _check(cond: bool, field: str, message: str, value) -> None:

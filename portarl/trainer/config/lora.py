@@ -1,4 +1,4 @@
-"""The ``model.lora`` config section (LoRA adapters through peft, see :mod:`portarl.lora`),
+"""The ``model.lora`` config section (LoRA adapters through peft, see :mod:`portarl.assets.lora`),
 apart from :mod:`portarl.trainer.config` so that module stays readable; it re-exports
 :class:`LoraSection`."""
 

@@ -231,7 +231,7 @@ class RolloutConfig:
                    "trainer's are not); sample from the full distribution", (self.top_k, self.top_p))
 
     def _check_worker_devices(self) -> None:
-        from portarl.device import parse_device
+        from portarl.backends.device import parse_device
 
         devices = self.worker_devices
         _check(self.mode == "async", "rollout.worker_devices", "places async rollout workers: set rollout.mode=async "
@@ -247,7 +247,7 @@ class RolloutConfig:
     def _check_sync_comm(self) -> None:
         """What ``rollout.sync_comm`` can be told from the config alone; the trainer's device
         and the installed vLLM are checked at start (portarl.trainer.asynchronous.sync.choose_comm)."""
-        from portarl.device import parse_device
+        from portarl.backends.device import parse_device
 
         comm = self.sync_comm
         _check(comm in ("auto", "gloo", "nccl", "hccl"), "rollout.sync_comm", "must be auto, gloo, nccl or hccl", comm)

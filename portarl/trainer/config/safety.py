@@ -27,7 +27,7 @@ class PrecisionConfig:
     #: op still accumulates in fp32).
     logits: str = "fp32"
     #: Numerics: "portarl" (the fp32 contract), or an EMULATION profile of an Ascend stack
-    #: ("npu-emulated", "npu-emulated-hf32"; see portarl.emulation), or a list of switches.
+    #: ("npu-emulated", "npu-emulated-hf32"; see portarl.backends.emulation), or a list of switches.
     numerics: Any = "portarl"
     #: Force one ops backend ("reference", "cuda", "npu", "triton": the Triton kernels on an
     #: NPU through triton-ascend); None: by device.
@@ -39,7 +39,7 @@ class PrecisionConfig:
         return self.dtype != "fp32" and self.master_weights_fp32 is not False
 
     def validate(self):
-        from portarl.emulation import resolve_profile
+        from portarl.backends.emulation import resolve_profile
 
         try:
             resolve_profile(self.numerics)

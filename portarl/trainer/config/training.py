@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from portarl.reward_runner import DEFAULT_TIMEOUT_S
+from portarl.assets.reward_runner import DEFAULT_TIMEOUT_S
 from portarl.trainer.config.fields import _check, _number, _positive_int
 
 

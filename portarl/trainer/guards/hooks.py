@@ -22,7 +22,7 @@ def empty_hooks() -> dict[str, list]:
 
 
 def apply_hooks(hooks: dict[str, list], point: str, step: int, tensor: torch.Tensor, guard=None) -> torch.Tensor:
-    """Each hook of ``point`` in turn; through ``guard`` (a :class:`~portarl.user_code.UserCodeGuard`)
+    """Each hook of ``point`` in turn; through ``guard`` (a :class:`~portarl.runtime.user_code.UserCodeGuard`)
     when given: a hook that raises, exits or hangs is a named failure."""
     for fn in hooks[point]:
         if guard is None:

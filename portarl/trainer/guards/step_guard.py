@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from portarl import distributed as pdist
+from portarl.runtime import distributed as pdist
 from portarl.trainer.guards.detectors import NonFiniteError, SpikeTripped, check_finite
 from portarl.trainer.phases.sequences import nonfinite_logit_positions
 

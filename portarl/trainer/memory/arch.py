@@ -74,7 +74,7 @@ def _from_gguf(path: Path) -> Arch:
 
 def arch_of(model_cfg) -> Arch:
     """The shape of the model a ``ModelConfig`` names (no weights read)."""
-    from portarl.tokenizer import builtin_tokenizer
+    from portarl.assets.tokenizer import builtin_tokenizer
 
     tokenizer = builtin_tokenizer(model_cfg.path)
     if tokenizer is not None:
@@ -82,7 +82,7 @@ def arch_of(model_cfg) -> Arch:
         return Arch(name=f"{m.path} Qwen2 (built in)", vocab=len(tokenizer), hidden=m.hidden_size, layers=m.layers,
                     heads=m.heads, kv_heads=m.kv_heads, head_dim=m.hidden_size // m.heads,
                     intermediate=m.intermediate_size, tied=True, qkv_bias=True)
-    from portarl.models import resolve_model_path
+    from portarl.assets.models import resolve_model_path
 
     path = resolve_model_path(model_cfg.path)
     if path.suffix == ".gguf":
@@ -105,15 +105,15 @@ def longest_prompt(cfg) -> int:
 def prompt_lengths(cfg) -> tuple[int, int, int]:
     """``(longest prompt, examples, prompt tokens in all)`` of ``cfg``'s data, as the
     trainer encodes it (chat template, system prompt); loads the tokenizer, not the model."""
-    from portarl.data import arithmetic_examples, load_examples_for
-    from portarl.tokenizer import as_codec, chat_template_option
+    from portarl.assets.data import arithmetic_examples, load_examples_for
+    from portarl.assets.tokenizer import as_codec, chat_template_option
 
-    from portarl.tokenizer import builtin_tokenizer
+    from portarl.assets.tokenizer import builtin_tokenizer
 
     m, d = cfg.model, cfg.data
     tokenizer = builtin_tokenizer(m.path)
     if tokenizer is None:
-        from portarl.models import resolve_model_path
+        from portarl.assets.models import resolve_model_path
 
         path = resolve_model_path(m.path)
         if path.suffix == ".gguf":
@@ -121,7 +121,7 @@ def prompt_lengths(cfg) -> tuple[int, int, int]:
 
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
         else:
-            from portarl.tokenizer import load_tokenizer
+            from portarl.assets.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(path)
     if d.path is None:

@@ -40,7 +40,7 @@ def wants_checkpointing(cfg) -> bool:
     on for every model not built in by portarl (the tiny models are too small to gain)."""
     value = cfg.train.gradient_checkpointing
     if value == "auto":
-        from portarl.tokenizer import BUILTIN_MODELS
+        from portarl.assets.tokenizer import BUILTIN_MODELS
 
         return cfg.model.path not in BUILTIN_MODELS
     return bool(value)

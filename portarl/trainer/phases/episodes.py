@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from portarl import distributed as pdist
-from portarl.data import Example
+from portarl.runtime import distributed as pdist
+from portarl.assets.data import Example
 from portarl.multiturn.episode import EpisodeRunner
-from portarl.user_code import agree_on_failure
+from portarl.runtime.user_code import agree_on_failure
 
 
 def lock_step(dist):
@@ -20,7 +20,7 @@ def lock_step(dist):
     is a vllm engine that ``rollout.tensor_parallel_size`` ranks share:
     :mod:`portarl.rollout.vllm_tp`). A rank's ``failure`` (a stop signal that ended a tool
     or environment call) is raised on every rank, the first failing rank's message on the
-    others (:func:`~portarl.user_code.agree_on_failure`), in the same one reduction."""
+    others (:func:`~portarl.runtime.user_code.agree_on_failure`), in the same one reduction."""
     if not dist.enabled:
         return None
 

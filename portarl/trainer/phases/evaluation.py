@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from portarl.data import encode_examples, load_examples_for
+from portarl.assets.data import encode_examples, load_examples_for
 from portarl.rollout import SamplingParams
 from portarl.rollout.base import seed_of
 
@@ -63,7 +63,7 @@ def load_eval_set(config, codec, context_length: int | None, path: str | None = 
 
 def evaluate(engine, model, codec, rewards, examples, prompt_ids, config, agent=None) -> dict[str, float]:
     """Generate ``eval.n`` completions per prompt with ``engine`` (synced to ``model``),
-    score them with ``rewards`` (a :class:`~portarl.reward_runner.RewardRunner`), return
+    score them with ``rewards`` (a :class:`~portarl.assets.reward_runner.RewardRunner`), return
     the ``eval/*`` metrics (see the module docstring). ``agent`` (tools / environment):
     each completion is a multi-turn episode, scored on its final turn and conversation as
     in training, with its ``eval/agent/*`` metrics."""
@@ -166,11 +166,11 @@ def eval_checkpoint(checkpoint, data: str, *, n: int | None = None, greedy: bool
     ``n`` > 1 without ``greedy`` samples; ``greedy=True`` with ``n`` > 1 is refused."""
     import dataclasses
 
-    from portarl.device import resolve_device
-    from portarl.export import load_checkpoint_model
-    from portarl.reward_runner import RewardRunner
+    from portarl.backends.device import resolve_device
+    from portarl.trainer.checkpoint.export import load_checkpoint_model
+    from portarl.assets.reward_runner import RewardRunner
     from portarl.rollout.hf import HFRollout
-    from portarl.tokenizer import as_codec, chat_template_option
+    from portarl.assets.tokenizer import as_codec, chat_template_option
 
     _, config, model, tokenizer = load_checkpoint_model(checkpoint)
     e = config.eval

@@ -41,7 +41,7 @@ import logging
 
 import torch
 
-from portarl import distributed as pdist
+from portarl.runtime import distributed as pdist
 from portarl.trainer.phases.pack_rows import first_fit
 from portarl.trainer.phases.packing import pack_micro_batch
 from portarl.trainer.phases.sequences import TokenBatch

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from portarl.distributed import has_sharded_params
+from portarl.runtime.distributed import has_sharded_params
 
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "single")
 

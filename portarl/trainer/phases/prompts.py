@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from portarl.data import Example
+from portarl.assets.data import Example
 
 
 def prompts_for_step(trainer, step: int) -> list[Example]:

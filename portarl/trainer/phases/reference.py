@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from portarl.lora import is_lora
+from portarl.assets.lora import is_lora
 
 
 @contextlib.contextmanager

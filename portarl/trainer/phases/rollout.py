@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from portarl.data import Example
+from portarl.assets.data import Example
 from portarl.rollout import identical_group_fraction, request_seeds
 from portarl.multiturn.trajectory import model_only
 from portarl.trainer.phases.episodes import play

@@ -24,7 +24,7 @@ worker sampled its own copy of the weights, up to ``rollout.max_staleness`` step
 (proximal) log-probs the trainer's current policy's, and with one optimizer step per batch
 those are the training forward's, detached (decoupled PPO): no extra forward either.
 
-The reward call is ``GRPOTrainer.score_rewards`` (:mod:`portarl.reward_runner`: per-sample and
+The reward call is ``GRPOTrainer.score_rewards`` (:mod:`portarl.assets.reward_runner`: per-sample and
 TRL-style batched rewards with dataset columns, errors naming the reward and the sample),
 except in async mode, where the worker scored the batch (``RolloutPhase.scores``).
 """
@@ -35,7 +35,7 @@ import dataclasses
 
 import torch
 
-from portarl import distributed as pdist
+from portarl.runtime import distributed as pdist
 from portarl.core import compute_advantages, kl_penalized_rewards
 from portarl.trainer.phases.episodes import reward_examples
 from portarl.trainer.guards.detectors import NonFiniteError, check_finite

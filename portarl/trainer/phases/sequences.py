@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from portarl import ops
 from portarl.backends.rows import chunk_rows
-from portarl.emulation import bf16_valued, entropy_in_logits_dtype, matmul_context
+from portarl.backends.emulation import bf16_valued, entropy_in_logits_dtype, matmul_context
 from portarl.trainer.phases.packing import Packed, scored_hidden, scored_labels, to_grid
 
 
@@ -78,7 +78,7 @@ def _is_sharded(model) -> bool:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
         return False
-    from portarl.lora import base_model
+    from portarl.assets.lora import base_model
 
     return isinstance(base_model(model), FSDPModule)  # a peft model: FSDP2 shards the model inside it
 
@@ -203,7 +203,7 @@ def completion_logprobs(model, batch: TokenBatch, *, temperature: float, logits_
     the output embedding (tied or not), so no full-vocabulary logits exist in the step;
     ``logits_policy="fp32"``: logits accumulated and kept in fp32 inside the op. With
     ``logits_policy="model"`` and a low-precision head (logits rounded to the compute dtype
-    first, the HF numbers), with ``emulate`` switches of :mod:`portarl.emulation` (the NPU
+    first, the HF numbers), with ``emulate`` switches of :mod:`portarl.backends.emulation` (the NPU
     numerics emulation) or with ``PORTARL_MATERIALIZE_LOGITS=1``, the logits are built
     (:func:`completion_logits`) and scored by :func:`portarl.ops.logprobs`.
     """

@@ -11,9 +11,9 @@ import random
 
 import torch
 
-from portarl import distributed as pdist
-from portarl.data import Example, load_examples_for
-from portarl.tokenizer import TextCodec
+from portarl.runtime import distributed as pdist
+from portarl.assets.data import Example, load_examples_for
+from portarl.assets.tokenizer import TextCodec
 from portarl.trainer.run.progress import progress_bar
 from portarl.trainer.phases.sequences import build_batch, completion_logprobs
 

@@ -19,7 +19,7 @@ import random
 
 import torch
 
-from portarl import distributed as pdist
+from portarl.runtime import distributed as pdist
 from portarl.core import compute_loss
 from portarl.trainer.guards.detectors import GuardTripped, NonFiniteError, first_nonfinite_gradient
 from portarl.trainer.memory.heap import GradientsFirst, release_freed_memory

@@ -24,7 +24,7 @@ import os
 import socket
 from pathlib import Path
 
-from portarl.supervisor import command_pid
+from portarl.runtime.supervisor import command_pid
 from portarl.trainer.run.output_dir import RunDirError
 
 LOCK_NAME = ".portarl.lock"
@@ -68,7 +68,7 @@ def acquire(output_dir) -> None:
                           "end (or stop it), or choose another --output-dir") from None
     try:
         os.ftruncate(fd, 0)
-        os.write(fd, f"{command_pid()} {socket.gethostname()}\n".encode())  # the command's pid (portarl/supervisor.py)
+        os.write(fd, f"{command_pid()} {socket.gethostname()}\n".encode())  # the command's pid (portarl/runtime/supervisor.py)
     except OSError:  # the message's detail only: the lock is held
         pass
     _held[key] = [fd, 1]

@@ -25,7 +25,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from portarl.continuation import existing_run as _existing_run
+from portarl.runtime.continuation import existing_run as _existing_run
 
 log = logging.getLogger("portarl.train")
 
@@ -33,7 +33,7 @@ log = logging.getLogger("portarl.train")
 #: removed by ``--overwrite``).
 RUN_FILES = ("checkpoints", "metrics.jsonl", "events.jsonl", "samples.jsonl", "tensorboard", "config.yaml", "summary.txt",
              "curves.png", "best", "rollout_batches.jsonl", "rollout_worker.log", "async_weights",  # these three: async mode
-             "crash.log")  # portarl/supervisor.py
+             "crash.log")  # portarl/runtime/supervisor.py
 
 #: Fields (``section.field``; a trailing dot: the whole section) that ``--resume`` applies.
 MID_RUN_FIELDS = ("train.steps", "train.old_logprobs", "optim.lr", "optim.implementation", "logging.",
@@ -194,7 +194,7 @@ def prepare_run(trainer, *, resume: bool, overwrite: bool) -> list[tuple[str, ob
             if removed:
                 log.info("--overwrite: removed the previous run's %s from %s", ", ".join(p.name for p in removed), directory)
         if trainer.dist.enabled:
-            from portarl import distributed as pdist
+            from portarl.runtime import distributed as pdist
 
             pdist.barrier(trainer.dist)
         return []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from portarl import distributed as pdist
+from portarl.runtime import distributed as pdist
 from portarl.trainer.asynchronous.resume import STATE_KEY, in_flight_state
 from portarl.trainer.checkpoint import CheckpointError, rng_state, set_rng_state
 from portarl.trainer.checkpoint import step_of as state_step

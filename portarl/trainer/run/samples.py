@@ -17,7 +17,7 @@ role ``prompt``, ``model``, ``tool`` or ``environment`` (a run appended after a 
 holds the chat template's glue and the next generation prompt too), ``loss_mask`` 1 where
 the loss covers the run (the model's tokens), 0 where it does not, and ``text`` the run's
 ids decoded, special tokens kept. Their ids joined are the row's prompt and completion ids,
-token for token; ``portarl episodes`` prints them (:mod:`portarl.cli_episodes`). A single
+token for token; ``portarl episodes`` prints them (:mod:`portarl.cli.episodes`). A single
 turn has two segments, the prompt and the model's completion.
 
 Multi-turn episodes (tools, environments) add the whole ``conversation`` after the prompt,

@@ -3,7 +3,7 @@ send before killing a job) stop a run the same careful way.
 
 - First signal: finish the current step (never half a step), save a checkpoint, exit with
   ``128 + signal number`` (130 for SIGINT, 143 for SIGTERM, the shell convention). When
-  user code (a reward, :mod:`portarl.user_code`) is running, that call ends at once instead
+  user code (a reward, :mod:`portarl.runtime.user_code`) is running, that call ends at once instead
   (it may be the reason the step never finishes): the step is abandoned with nothing of it
   applied, and the checkpoint is of the step before. Under
   torchrun the stop is collective: the trainer all-reduces the request once per step, so
@@ -26,8 +26,8 @@ import logging
 import signal
 import threading
 
-from portarl.startup_signals import RunInterrupt, interrupted_during_startup
-from portarl.user_code import call_in_progress, interrupt_active_call
+from portarl.runtime.startup_signals import RunInterrupt, interrupted_during_startup
+from portarl.runtime.user_code import call_in_progress, interrupt_active_call
 
 log = logging.getLogger("portarl.train")
 

@@ -22,7 +22,7 @@ import os
 import re
 from pathlib import Path
 
-from portarl.continuation import resume_command
+from portarl.runtime.continuation import resume_command
 
 #: ``portarl train``'s exit status when the run could not write a file it needs.
 EXIT_CODE = 4

@@ -36,7 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger("portarl.distributed")
+log = logging.getLogger("portarl.runtime.distributed")
 
 BACKEND_FOR_DEVICE = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
@@ -99,7 +99,7 @@ def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S)
     default group made by the caller before this is kept; if it has no CPU backend, a Gloo
     group is added for the host-side collectives (:attr:`DistContext.host_group`).
 
-    ``timeout_s`` bounds every collective, and a heartbeat thread (:mod:`portarl.heartbeat`)
+    ``timeout_s`` bounds every collective, and a heartbeat thread (:mod:`portarl.runtime.heartbeat`)
     stops the job, naming the rank, when one rank's process stops running for half of it."""
     global _heartbeat, _joined
     if not launched_by_torchrun():
@@ -126,7 +126,7 @@ def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S)
             log.info("process group made by the caller (%s): a Gloo group added for host-side collectives",
                      dist.get_backend_config())
     if _heartbeat is None:
-        from portarl.heartbeat import start_heartbeat
+        from portarl.runtime.heartbeat import start_heartbeat
 
         _heartbeat = start_heartbeat(rank, world, timeout_s)
     return DistContext(rank, world, local, BACKEND_FOR_DEVICE[device.type], host_group), device
@@ -139,7 +139,7 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def shutdown(agreed: bool = True) -> None:
-    """Leave the job (steps 1-3 of :mod:`portarl.exit_path`); idempotent.
+    """Leave the job (steps 1-3 of :mod:`portarl.runtime.exit_path`); idempotent.
 
     ``agreed``: every rank is on its way out together (a finished run, an agreed stop), so
     they meet at an exit barrier first; ``False`` for a rank leaving alone (an error on this
@@ -150,7 +150,7 @@ def shutdown(agreed: bool = True) -> None:
 
 
 def leave_job(heartbeat, agreed: bool) -> None:
-    """Steps 1-3 of :mod:`portarl.exit_path`; safe to call when no process group exists
+    """Steps 1-3 of :mod:`portarl.runtime.exit_path`; safe to call when no process group exists
     (then only step 1). Here, below ``exit_path``, because :func:`shutdown` runs it."""
     if heartbeat is not None:
         heartbeat.stop()
@@ -163,7 +163,7 @@ def leave_job(heartbeat, agreed: bool) -> None:
 
 def joined_a_job() -> bool:
     """Whether this process joined a torchrun job (and so must end through
-    :func:`portarl.exit_path.leave_process`)."""
+    :func:`portarl.runtime.exit_path.leave_process`)."""
     return _joined
 
 

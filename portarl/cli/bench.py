@@ -1,14 +1,14 @@
 """``portarl bench``: kernels, stability (with dump / locate), step, async and memory.
 
-The subcommands' handlers and their parser, kept out of :mod:`portarl.cli` so each module
-stays one job: cli.py routes, this module benchmarks. Nothing here imports torch at module
+The subcommands' handlers and their parser, kept out of :mod:`portarl.cli.main` so each module
+stays one job: main.py routes, this module benchmarks. Nothing here imports torch at module
 level.
 """
 
 from __future__ import annotations
 
 
-from portarl.cli_common import _int_at_least, _log, _missing_train_extra, _setup_logging
+from portarl.cli.common import _int_at_least, _log, _missing_train_extra, _setup_logging
 
 #: Where bench output goes by default (bench/results/ holds the committed results).
 BENCH_OUT = "runs/bench"
@@ -61,7 +61,7 @@ def _cmd_bench_kernels(args) -> int:
     import torch
     from pathlib import Path
 
-    from portarl.device import DeviceUnavailableError, resolve_device
+    from portarl.backends.device import DeviceUnavailableError, resolve_device
 
     out = Path(args.out) if args.out else None
     try:  # every argument checked before a minute of benchmarking, not after
@@ -72,7 +72,7 @@ def _cmd_bench_kernels(args) -> int:
     except (DeviceUnavailableError, ValueError) as err:
         _log(f"portarl bench kernels: {err}")
         return 2
-    from portarl import envinfo
+    from portarl.backends import envinfo
     from portarl.bench.kernels import QUICK_SHAPES, markdown_table, run_kernels
 
     from portarl.bench.linear import QUICK_LINEAR_SHAPES, linear_table, liger_status, run_linear

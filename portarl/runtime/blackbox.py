@@ -4,7 +4,7 @@ that a process outside it reads after it died.
 
 Why: a reward that calls ``os._exit(0)``, a tool that segfaults, the OOM killer's SIGKILL:
 none of them lets the process say anything. The supervising parent of ``portarl train``,
-``sft`` and ``eval`` (:mod:`portarl.supervisor`) and the trainer's client of the async
+``sft`` and ``eval`` (:mod:`portarl.runtime.supervisor`) and the trainer's client of the async
 rollout worker (:mod:`portarl.trainer.asynchronous.client`) read this file once the process
 is gone, to name the step, the phase and the function that was running.
 

@@ -3,7 +3,7 @@
 A reward is a user's code; what it does wrong must stop the run with a message naming
 the reward, the sample and its prompt, never become a silent 0, a silent exit or a
 traceback from deep inside the trainer. Every call goes through a
-:class:`~portarl.user_code.UserCodeGuard` (``RewardRunner.guard``: any ``BaseException``,
+:class:`~portarl.runtime.user_code.UserCodeGuard` (``RewardRunner.guard``: any ``BaseException``,
 ``sys.exit()`` included, and a call that outlives ``train.reward_timeout_s`` become a
 :class:`RewardError`), and every value is checked: a number, and finite (a NaN or inf is
 named with its sample at its first occurrence, instead of skipping steps until the
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from portarl.data import Example
-from portarl.rewards import resolve_reward
-from portarl.user_code import UserCodeError, UserCodeGuard, arity_problem
+from portarl.assets.data import Example
+from portarl.assets.rewards import resolve_reward
+from portarl.runtime.user_code import UserCodeError, UserCodeGuard, arity_problem
 
 #: ``train.reward_timeout_s``'s default: see :class:`portarl.trainer.config.TrainSection`.
 DEFAULT_TIMEOUT_S = 300.0

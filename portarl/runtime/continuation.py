@@ -7,7 +7,7 @@ another run's metrics (steps logged, none checkpointed) refuses a fresh start to
 ``--overwrite`` (:func:`portarl.trainer.run.output_dir.check_output_dir`), so the command
 here adds it exactly then.
 
-Standard library only: the supervising parent (:mod:`portarl.supervisor`) builds the command
+Standard library only: the supervising parent (:mod:`portarl.runtime.supervisor`) builds the command
 without importing torch.
 """
 

@@ -5,7 +5,7 @@
   other column of the data rows; ``None`` means "no reward from this function for this sample".
 
 Running them (shape checks, errors naming the function and the sample) is
-:mod:`portarl.reward_runner`.
+:mod:`portarl.assets.reward_runner`.
 
 Built in:
 - ``math_exact``: 1.0 when the completion's final answer equals the reference answer

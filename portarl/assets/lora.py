@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from portarl.distributed import full
+from portarl.runtime.distributed import full
 
 # peft's save_pretrained asks transformers a deprecated question on every checkpoint; the
 # answer is right, the FutureWarning is noise in every run's log.
@@ -149,7 +149,7 @@ def save_merged(model, directory: str | Path, tokenizer=None) -> Path:
         model.save_pretrained(directory, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-    from portarl.fileperms import normalize_modes
+    from portarl.runtime.fileperms import normalize_modes
 
     normalize_modes(directory)  # safetensors writes model.safetensors 0600
     return directory
@@ -161,7 +161,7 @@ def load_adapter(model, directory: Path) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from portarl.errors import CheckpointError
+    from portarl.runtime.errors import CheckpointError
 
     path = directory / ADAPTER_WEIGHTS
     if not path.is_file():

@@ -37,17 +37,17 @@ def die_with_parent(parent: int) -> None:
 def adopt_orphans() -> None:
     """Make this child the subreaper of what it starts (tools, environments): a process one
     of them detaches (``setsid``, a double fork) stays in this child's tree, which
-    :func:`stop_child` ends whole (:mod:`portarl.process_tree`)."""
-    from portarl.process_tree import set_subreaper
+    :func:`stop_child` ends whole (:mod:`portarl.runtime.process_tree`)."""
+    from portarl.runtime.process_tree import set_subreaper
 
     set_subreaper(True)
 
 
 def stop_child(proc, reader: threading.Thread) -> None:
     """Kill ``proc`` if it still runs, with every process it started (its whole tree and its
-    process group: :func:`portarl.process_tree.end_child`), wait for it, close its pipes
+    process group: :func:`portarl.runtime.process_tree.end_child`), wait for it, close its pipes
     and join the thread that reads its stdout (every exit path)."""
-    from portarl.process_tree import end_child
+    from portarl.runtime.process_tree import end_child
 
     try:
         end_child(proc)  # its pending replies are not needed

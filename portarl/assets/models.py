@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from portarl.tokenizer import BUILTIN_MODELS, CharTokenizer, byte_chat_tokenizer, load_tokenizer
+from portarl.assets.tokenizer import BUILTIN_MODELS, CharTokenizer, byte_chat_tokenizer, load_tokenizer
 
 
 def tiny_qwen2(vocab_size: int, *, hidden_size: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
@@ -31,7 +31,7 @@ def tiny_qwen2(vocab_size: int, *, hidden_size: int = 64, layers: int = 2, heads
 def build_tiny(seed: int = 0, *, chat: bool = False, **sizes):
     """``(model, tokenizer)``: the built-in default, a tiny Qwen2 with a character tokenizer
     (``model.path: tiny``); with ``chat``, the same model with the byte-level ChatML
-    tokenizer of :func:`~portarl.tokenizer.byte_chat_tokenizer` and room for a conversation
+    tokenizer of :func:`~portarl.assets.tokenizer.byte_chat_tokenizer` and room for a conversation
     with a tool description (4096 positions; ``model.path: tiny-chat``)."""
     if chat:
         tokenizer = byte_chat_tokenizer()

@@ -16,8 +16,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from portarl import blackbox
-from portarl.cli_config import UsageError, check_model_dir, load_config, log, require_train_extra
+from portarl.runtime import blackbox
+from portarl.cli.config import UsageError, check_model_dir, load_config, log, require_train_extra
 
 #: ``portarl train --help`` / ``portarl sft --help``: each command's own description.
 DESCRIPTIONS = {
@@ -70,9 +70,9 @@ def prepare(args, command: str) -> Prepared:
     tokenizer and data. Raises :class:`UsageError` with a one-line message."""
     require_train_extra(command)
     config = load_config(args, command)
-    blackbox.note(output_dir=config.output_dir)  # named by a supervising parent (portarl/supervisor.py)
+    blackbox.note(output_dir=config.output_dir)  # named by a supervising parent (portarl/runtime/supervisor.py)
     if config.model.lora is not None:
-        from portarl.lora import LoraUnavailable, require_peft
+        from portarl.assets.lora import LoraUnavailable, require_peft
 
         try:
             require_peft()
@@ -132,7 +132,7 @@ def _build(command: str, config, locked: bool) -> Prepared:
     """The device, data, model and tokenizer (after every check of the output directory).
     The data loads first: ``train`` checks the user's tools, environments and rewards
     against its columns (:mod:`portarl.trainer.preflight`) before the model loads."""
-    from portarl.device import DeviceUnavailableError, resolve_device
+    from portarl.backends.device import DeviceUnavailableError, resolve_device
     from portarl.trainer import preflight
 
     try:
@@ -178,7 +178,7 @@ def cmd_train(args) -> int:
         log(f"portarl train: {err}")
         return 2
     _setup_logging()
-    from portarl import distributed as pdist
+    from portarl.runtime import distributed as pdist
 
     agreed = False  # an exception on this rank: leave alone, never wait for the others
     output_dir, locked = ready.config.output_dir, ready.locked
@@ -197,14 +197,14 @@ def cmd_train(args) -> int:
 def _train(args, ready: Prepared) -> tuple[int, bool]:
     """Train and report; ``(exit code, whether every rank leaves together)``. Every reference
     to the trainer dies with this frame, so the caller can release the process group."""
-    from portarl.device import DeviceUnavailableError
-    from portarl.reward_runner import RewardError
+    from portarl.backends.device import DeviceUnavailableError
+    from portarl.assets.reward_runner import RewardError
     from portarl.trainer import GRPOTrainer, TrainingStopped
     from portarl.trainer.checkpoint import CheckpointError
     from portarl.trainer.run.output_dir import RunDirError
     from portarl.trainer.run.signals import AbortNow, StopRequested, abort_message, exit_code
     from portarl.trainer.run.write_failure import EXIT_CODE as WRITE_EXIT
-    from portarl.continuation import continue_command
+    from portarl.runtime.continuation import continue_command
     from portarl.trainer.run.write_failure import WriteFailed, as_write_failure, intact_checkpoint
 
     config = ready.config
@@ -215,7 +215,7 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
         return 2, False
     ready.model = None
     log(f"portarl train: {config.model.path} model on {trainer.device}, output in {config.output_dir}")
-    from portarl.cli_plan import log_train_plan  # after every set-up error: those stay one line
+    from portarl.cli.plan import log_train_plan  # after every set-up error: those stay one line
 
     log_train_plan(config, ready.tokenizer, ready.examples, ready.device)
     try:
@@ -264,8 +264,8 @@ def cmd_sft(args) -> int:
     _setup_logging()
     import shutil
 
-    from portarl.lora import apply_lora, save_merged
-    from portarl.tokenizer import as_codec
+    from portarl.assets.lora import apply_lora, save_merged
+    from portarl.assets.tokenizer import as_codec
     from portarl.trainer.run.progress import progress_bar
     from portarl.trainer.phases.sft import demonstrations, run_sft
 

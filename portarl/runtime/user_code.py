@@ -10,7 +10,7 @@ and a SIGTERM then waited for a step that never finished.
 
 API (everything a caller needs)::
 
-    from portarl.user_code import UserCodeError, UserCodeGuard
+    from portarl.runtime.user_code import UserCodeError, UserCodeGuard
 
     guard = UserCodeGuard(timeout_s=300.0, setting="train.reward_timeout_s")
     value = guard.call(fn, args, kwargs, what="reward 'accuracy'", where="sample 3 (prompt '1+1=')")
@@ -23,7 +23,7 @@ API (everything a caller needs)::
 
   - raises anything, ``BaseException`` included (``SystemExit``, ``KeyboardInterrupt``,
     ``GeneratorExit``): ``kind`` ``"raised"`` (``"exited"`` for ``SystemExit``); the run's
-    own stop signals (:class:`~portarl.startup_signals.RunInterrupt`: a second Ctrl-C's
+    own stop signals (:class:`~portarl.runtime.startup_signals.RunInterrupt`: a second Ctrl-C's
     abort) pass through unchanged, and so does a ``KeyboardInterrupt`` while SIGINT still
     has Python's default handler (a plain Ctrl-C where no run installed its handlers);
   - has not returned after ``timeout_s`` seconds: ``kind`` ``"timeout"``; the call is
@@ -52,13 +52,13 @@ API (everything a caller needs)::
   exit 3, or ``128 + signal`` when a stop signal ended the call); a caller needs no
   handler of its own. Under several ranks, call :func:`agree_on_failure` where every rank
   passes (one rank's failure becomes every rank's: the stop's checkpoint is collective).
-- Every call is recorded (:mod:`portarl.blackbox`): a process that dies inside user code
+- Every call is recorded (:mod:`portarl.runtime.blackbox`): a process that dies inside user code
   (``os._exit``, a segfault, the OOM killer) is named by whoever reads the record after it,
   the supervising parent of the command line or the async worker's client.
 - :func:`arity_problem` says, before the first call, how many arguments a function takes
   and how many portarl passes.
 
-Rewards go through :class:`portarl.reward_runner.RewardRunner` (its ``guard``), the
+Rewards go through :class:`portarl.assets.reward_runner.RewardRunner` (its ``guard``), the
 trainer's hooks through :func:`portarl.trainer.guards.hooks.apply_hooks`. The signal that wakes a
 timed-out main thread is SIGURG, whose default action is to ignore it, so a wake-up that
 arrives after the call ended is harmless.
@@ -74,8 +74,8 @@ import threading
 import time
 import weakref
 
-from portarl import blackbox
-from portarl.startup_signals import RunInterrupt
+from portarl.runtime import blackbox
+from portarl.runtime.startup_signals import RunInterrupt
 
 #: Wakes a timed-out call on the main thread (default action: ignore).
 WAKE_SIGNAL = getattr(signal, "SIGURG", None)
@@ -107,7 +107,7 @@ def agree_on_failure(ctx, failure: UserCodeError | None, kind: type = UserCodeEr
     saves a checkpoint, which is collective, so a rank that went on alone would hang its
     peers until the timeout. One flag reduction per call site; on a failure the first
     failing rank's message reaches every rank (as ``kind``; rank 0 writes the log)."""
-    from portarl import distributed as pdist
+    from portarl.runtime import distributed as pdist
 
     if not ctx.enabled or not pdist.any_rank(ctx, failure is not None):
         return failure
@@ -162,7 +162,7 @@ class _Call:
         self.timed_out, self.signum, self.done = False, None, False
         self.outer: _Call | None = None  # the main thread's guarded call this one runs inside
         self.outer_watched: _Call | None = None  # the guard's call this one runs inside
-        self.recorded = 0  # its token in the flight recorder (portarl.blackbox)
+        self.recorded = 0  # its token in the flight recorder (portarl.runtime.blackbox)
 
 
 #: The guarded call running on the main thread, where signal handlers run (None: none).
@@ -269,7 +269,7 @@ class UserCodeGuard:
                  error: type[UserCodeError] = UserCodeError):
         """``setting``: the config field holding ``timeout_s`` (named in the timeout
         message); ``error``: the :class:`UserCodeError` subclass raised (rewards:
-        :class:`~portarl.reward_runner.RewardError`)."""
+        :class:`~portarl.assets.reward_runner.RewardError`)."""
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"{setting} must be > 0 seconds, got {timeout_s!r}")
         self.timeout_s, self.setting, self.error = timeout_s, setting, error

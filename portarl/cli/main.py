@@ -25,7 +25,7 @@ stopped answering, 128 + the signal number on SIGINT (130) or SIGTERM (143): aft
 step and a checkpoint on the first signal, at once on a second (the message says whether a
 checkpoint exists for the last step); 128 + the signal number too when the run's process was
 killed (a segfault, the OOM killer). ``train``, ``sft`` and ``eval`` run in a child process that
-a supervising parent waits for (:mod:`portarl.supervisor`): exit 0 only when the child finished.
+a supervising parent waits for (:mod:`portarl.runtime.supervisor`): exit 0 only when the child finished.
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ import signal
 import sys
 import threading
 
-from portarl import __version__, blackbox, cli_bench, cli_train
-from portarl.cli_common import _int_at_least, _log, _missing_train_extra
+from portarl import __version__
+from portarl.runtime import blackbox
+from portarl.cli import train as cli_train
+from portarl.cli import bench as cli_bench
+from portarl.cli.common import _int_at_least, _log, _missing_train_extra
 
 #: ``portarl --help``: what the tool is, before the list of commands.
 DESCRIPTION = ("portarl: RL post-training (GRPO family) of language models with the same numbers\n"
@@ -75,7 +78,7 @@ def _prepare_interpreter(device) -> None:
 def _cmd_parity(args) -> int:
     import torch  # noqa: F401  (imported here so `portarl --help` stays fast)
 
-    from portarl.device import DeviceUnavailableError, resolve_device
+    from portarl.backends.device import DeviceUnavailableError, resolve_device
 
     try:
         device = resolve_device(args.device)
@@ -84,7 +87,7 @@ def _cmd_parity(args) -> int:
         return 2
     _prepare_interpreter(device)
 
-    from portarl import envinfo
+    from portarl.backends import envinfo
     from portarl.backends import BACKEND_NAMES, get_backend_by_name
     from portarl.parity import report as report_lib
     from portarl.parity.sweep import backends_for, run_sweep
@@ -138,12 +141,12 @@ def _cmd_export(args) -> int:
     from portarl.trainer.run.progress import quiet_third_party
 
     quiet_third_party()
-    from portarl.export import ExportError, export_checkpoint
-    from portarl.lora import LoraUnavailable
+    from portarl.trainer.checkpoint.export import ExportError, export_checkpoint
+    from portarl.assets.lora import LoraUnavailable
     from portarl.trainer.checkpoint import CheckpointError
 
-    from portarl.export import resolve_checkpoint
-    from portarl.lora import ADAPTER_WEIGHTS
+    from portarl.trainer.checkpoint.export import resolve_checkpoint
+    from portarl.assets.lora import ADAPTER_WEIGHTS
 
     try:
         directory = resolve_checkpoint(args.checkpoint)
@@ -166,14 +169,14 @@ def _cmd_eval(args) -> int:
     from portarl.trainer.run.progress import quiet_third_party
 
     quiet_third_party()
-    from portarl.export import ExportError
-    from portarl.lora import LoraUnavailable
-    from portarl.reward_runner import RewardError
+    from portarl.trainer.checkpoint.export import ExportError
+    from portarl.assets.lora import LoraUnavailable
+    from portarl.assets.reward_runner import RewardError
     from portarl.trainer.checkpoint import CheckpointError
     from portarl.trainer.phases.evaluation import eval_checkpoint
 
     greedy = None if args.greedy is None else args.greedy == "true"
-    blackbox.note(phase="eval")  # what a supervising parent names if the process dies (portarl/supervisor.py)
+    blackbox.note(phase="eval")  # what a supervising parent names if the process dies (portarl/runtime/supervisor.py)
     try:
         metrics = eval_checkpoint(args.checkpoint, args.data, n=args.n, greedy=greedy, max_prompts=args.max_prompts,
                                   device=args.device)
@@ -231,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         cli_train.add_run_arguments(p, name)
         p.set_defaults(func=func)
 
-    from portarl import cli_plan
+    from portarl.cli import plan as cli_plan
 
     pl = commands.add_parser("plan", help="peak memory per device of a training config, before any weights load",
                              description=cli_plan.__doc__.split("\n\n")[0])
@@ -262,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_cmd_eval)
 
     cli_bench.add_parser(commands)
-    from portarl import cli_episodes
+    from portarl.cli import episodes as cli_episodes
 
     cli_episodes.add_parser(commands)  # portarl episodes RUN: samples.jsonl turn by turn, token ids and loss mask
     return parser
@@ -271,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: `train` names its own resume command
-    from portarl import supervisor
+    from portarl.runtime import supervisor
 
     parent = supervisor.Supervisor.for_command(args, argv)  # train, sft, eval: run by a child it supervises
     if parent is not None and not parent.fork():
@@ -281,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         # SIGINT / SIGTERM before training starts: a clean exit, recorded so that training
         # cannot start after one (trainer/run/signals.py). Restored on return, so a caller that
         # runs main() in-process (tests, notebooks) keeps its own handlers.
-        from portarl.startup_signals import clear_startup_signals, startup_handler
+        from portarl.runtime.startup_signals import clear_startup_signals, startup_handler
 
         clear_startup_signals()
         previous = {s: signal.signal(s, startup_handler) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -306,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     # A torchrun rank, or the command line (not an in-process caller) that built a weight-sync
     # group: leave without interpreter finalisation (exit_path.py).
     if _joined_a_job() or (argv is None and _sync_groups_built() > groups_before):
-        from portarl.exit_path import leave_process
+        from portarl.runtime.exit_path import leave_process
 
         leave_process(code)
     return code
@@ -314,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _joined_a_job() -> bool:
     """Without importing torch (``portarl --help`` stays fast): only a process that imported
-    portarl.distributed can have joined a torchrun job."""
-    pdist = sys.modules.get("portarl.distributed")
+    portarl.runtime.distributed can have joined a torchrun job."""
+    pdist = sys.modules.get("portarl.runtime.distributed")
     return pdist is not None and pdist.joined_a_job()
 
 

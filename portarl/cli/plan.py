@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from portarl.cli_config import UsageError, check_model_dir, load_config, log
+from portarl.cli.config import UsageError, check_model_dir, load_config, log
 
 
 def add_arguments(p) -> None:
@@ -79,7 +79,7 @@ def cmd_plan(args) -> int:
 def train_start_line(config, tokenizer, examples, device) -> str:
     """The one line ``portarl train`` logs at its start: estimated peak and device memory
     (the prompts encoded as the trainer will; devices: torchrun's ``WORLD_SIZE``)."""
-    from portarl.tokenizer import as_codec, chat_template_option
+    from portarl.assets.tokenizer import as_codec, chat_template_option
     from portarl.trainer.memory.arch import arch_of
     from portarl.trainer.memory.plan import estimate, one_line
 

@@ -18,7 +18,7 @@ same unwinding).
 
 The order here:
 
-1. :func:`portarl.distributed.leave_job`: portarl's own threads stop and are joined (the heartbeat; the
+1. :func:`portarl.runtime.distributed.leave_job`: portarl's own threads stop and are joined (the heartbeat; the
    trainer's logger, rollout engine and progress bars are closed by the caller before it
    lets go of the trainer);
 2. on an agreed exit, every rank meets at a barrier held in the rendezvous *store*, not a
@@ -42,12 +42,12 @@ import sys
 
 def leave_process(code: int) -> None:
     """Step 4: end this rank now with ``code``, skipping interpreter finalisation. Only for
-    a process that joined a torchrun job (:func:`portarl.distributed.joined_a_job`); an
+    a process that joined a torchrun job (:func:`portarl.runtime.distributed.joined_a_job`); an
     entry point that has not left the job yet leaves it alone first (no barrier)."""
-    from portarl import blackbox
-    from portarl import distributed as pdist
+    from portarl.runtime import blackbox
+    from portarl.runtime import distributed as pdist
 
-    blackbox.declare(code)  # an exit of its own (portarl.supervisor)
+    blackbox.declare(code)  # an exit of its own (portarl.runtime.supervisor)
     pdist.shutdown(agreed=False)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -3,7 +3,7 @@
 Versions of python, torch, triton, CUDA, the NVIDIA driver, torch_npu, CANN and the NPU
 driver, and the device name. Every probe is best effort: a missing tool gives None, never
 an exception, because a report from a half-configured machine is exactly what one wants
-to read. Also the process's numerics switches (:mod:`portarl.precision_switches`:
+to read. Also the process's numerics switches (:mod:`portarl.backends.precision_switches`:
 deterministic algorithms; on an NPU the internal weight format and HF32) and any a rollout
 engine changed and portarl set back.
 """
@@ -71,7 +71,7 @@ def environment(device: torch.device) -> dict[str, object]:
     info["torch_npu"] = npu.get("torch_npu")
     info["cann"] = npu.get("cann")
     info["npu_driver"] = npu.get("npu_driver")
-    from portarl import precision_switches
+    from portarl.backends import precision_switches
 
     with contextlib.suppress(Exception):
         info["precision_switches"] = precision_switches.read(device.type)

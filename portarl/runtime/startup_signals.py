@@ -19,7 +19,7 @@ _received: list[int] = []  # start-up signals, in order
 
 class RunInterrupt(KeyboardInterrupt):
     """An interrupt of the run's own making (a stop signal's): never a failure of user code
-    (:mod:`portarl.user_code` lets it pass). ``signum``: the signal."""
+    (:mod:`portarl.runtime.user_code` lets it pass). ``signum``: the signal."""
 
     signum: int | None = None
 

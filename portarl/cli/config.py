@@ -1,7 +1,7 @@
 """What ``portarl train``, ``sft`` and ``plan`` read from the user and check before anything
 runs: the ``train`` extra, the config (file, ``--set``, command-line overrides) and the model
 directory. A mistake is a :class:`UsageError`: one line on stderr, exit 2, no traceback.
-Below :mod:`portarl.cli_train`, :mod:`portarl.cli_plan` and :mod:`portarl.cli_common`, which
+Below :mod:`portarl.cli.train`, :mod:`portarl.cli.plan` and :mod:`portarl.cli.common`, which
 all use it.
 
 Nothing here imports torch or transformers at module level: ``portarl --help`` stays fast.
@@ -77,11 +77,11 @@ def load_config(args, command: str):
 def check_model_dir(path: str) -> None:
     """A local model directory must hold a config, weights and tokenizer files; a ``.gguf``
     file (or ``package:<pkg>/<file>.gguf``) must exist."""
-    from portarl.tokenizer import BUILTIN_MODELS
+    from portarl.assets.tokenizer import BUILTIN_MODELS
 
     if path in BUILTIN_MODELS:
         return
-    from portarl.models import resolve_model_path
+    from portarl.assets.models import resolve_model_path
 
     try:
         directory = resolve_model_path(path)

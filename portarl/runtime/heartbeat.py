@@ -24,7 +24,7 @@ import threading
 import time
 from datetime import timedelta
 
-log = logging.getLogger("portarl.distributed")
+log = logging.getLogger("portarl.runtime.distributed")
 
 #: Exit status of a rank that stopped because another rank went silent (EX_TEMPFAIL).
 EXIT_RANK_LOST = 75
@@ -105,17 +105,17 @@ class Heartbeat:
                    f"{_what_next()}.")
         log.error(message)
         print(message, file=sys.stderr, flush=True)
-        from portarl import blackbox
+        from portarl.runtime import blackbox
 
-        blackbox.declare(EXIT_RANK_LOST)  # an exit of its own (portarl.supervisor)
+        blackbox.declare(EXIT_RANK_LOST)  # an exit of its own (portarl.runtime.supervisor)
         os._exit(EXIT_RANK_LOST)
 
 
 def _what_next() -> str:
     """What to run next: ``--resume`` unless the run's directory (recorded by the CLI,
-    :mod:`portarl.blackbox`) is known to hold no checkpoint yet."""
-    from portarl import blackbox
-    from portarl.continuation import newest_checkpoint
+    :mod:`portarl.runtime.blackbox`) is known to hold no checkpoint yet."""
+    from portarl.runtime import blackbox
+    from portarl.runtime.continuation import newest_checkpoint
 
     output_dir = blackbox.recorded("output_dir")
     if output_dir and newest_checkpoint(output_dir) is None:

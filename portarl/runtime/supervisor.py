@@ -8,7 +8,7 @@ process can answer for those, so the command forks right after parsing its argum
 (nothing heavy imported yet: no start-up time is added), the child does the work as before,
 and this parent waits for it:
 
-- the child records what it is doing in a small shared file (:mod:`portarl.blackbox`: the
+- the child records what it is doing in a small shared file (:mod:`portarl.runtime.blackbox`: the
   step, the phase, the user function running, the output directory) and, on every path of
   its own, the exit code it declares (it said its line already);
 - an exit the child declared passes through unchanged, and silently;
@@ -16,7 +16,7 @@ and this parent waits for it:
   the user function that was running, how it died (the exit code, or the signal: a crash
   names the file holding its Python frames, written by :mod:`faulthandler`), the newest
   checkpoint on disk and the command that continues the run
-  (:func:`portarl.continuation.continue_command`); exit :data:`EXIT_DIED` for an exit,
+  (:func:`portarl.runtime.continuation.continue_command`); exit :data:`EXIT_DIED` for an exit,
   ``128 + signal`` for a signal. So exit 0 means the child finished and said so: the last
   step finished and was saved.
 
@@ -45,8 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from portarl import blackbox
-from portarl.continuation import continue_command, newest_checkpoint, rerun_command
+from portarl.runtime import blackbox
+from portarl.runtime.continuation import continue_command, newest_checkpoint, rerun_command
 
 #: The commands that run user code and so are supervised.
 SUPERVISED = ("train", "sft", "eval")
@@ -135,7 +135,7 @@ class Supervisor:
         return False
 
     def _become_child(self, report_w: int) -> None:
-        from portarl.lifeline import die_with_parent
+        from portarl.runtime.lifeline import die_with_parent
 
         global _command_pid
         _command_pid = os.getppid()

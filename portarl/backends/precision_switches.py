@@ -8,7 +8,7 @@ other rounding), and ``vllm_ascend/batch_invariant.py`` calls
 ``torch.use_deterministic_algorithms(True, warn_only=True)`` when batch invariance is on.
 :func:`held` reads the switches before the engine starts (the trainer's policy), puts back
 any the engine changed, logs each one and keeps a record, which
-:func:`portarl.envinfo.environment` writes into the run's environment record (the stability
+:func:`portarl.backends.envinfo.environment` writes into the run's environment record (the stability
 harness's ``run.json`` and report, parity and benchmark reports).
 
 Switches (:func:`read`): ``deterministic_algorithms`` and ``deterministic_warn_only`` on

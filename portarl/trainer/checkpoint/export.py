@@ -5,7 +5,7 @@ Why a command: a LoRA checkpoint holds only the adapter (the base weights are re
 ``model.path``), and every checkpoint carries trainer state a serving stack does not want.
 Export rebuilds the model from the run config saved in the checkpoint's trainer state,
 loads the checkpoint's weights (a LoRA adapter: applied and merged, ``W + scaling * B @ A``,
-see :func:`portarl.lora.merged_state_dict`), and writes the weights (safetensors), the
+see :func:`portarl.assets.lora.merged_state_dict`), and writes the weights (safetensors), the
 model config and the tokenizer.
 
 The checkpoint is verified against its manifest first (like ``--resume``), and the output is
@@ -64,8 +64,8 @@ def load_checkpoint_model(checkpoint: str | Path):
     the model rebuilt from the run config saved in it, its weights loaded (a LoRA adapter
     applied, not merged), in the run's dtype, on the CPU. Verifies the manifest first.
     Raises :class:`ExportError` naming ``--checkpoint`` when it cannot be used."""
-    from portarl.lora import apply_lora, load_adapter, require_peft
-    from portarl.models import build_model
+    from portarl.assets.lora import apply_lora, load_adapter, require_peft
+    from portarl.assets.models import build_model
     from portarl.trainer.checkpoint import CheckpointManager
     from portarl.trainer.checkpoint.safe_state import UnsafeStateError
     from portarl.trainer.config import ConfigError, TrainConfig
@@ -101,7 +101,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: boo
     """Write the model of ``checkpoint`` (LoRA merged in) to ``out`` as a Hugging Face
     directory; returns ``out``. Raises :class:`ExportError` (usage) or
     :class:`~portarl.trainer.checkpoint.CheckpointError` (a damaged checkpoint)."""
-    from portarl.lora import save_merged
+    from portarl.assets.lora import save_merged
 
     directory = resolve_checkpoint(checkpoint)
     out = prepare_out(out, overwrite, directory)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from portarl.cli_common import _int_at_least, _log
+from portarl.cli.common import _int_at_least, _log
 
 
 class EpisodesError(ValueError):
@@ -164,7 +164,7 @@ def _block(title: str | None, text: str) -> list[str]:
 def token_decoder(run: Path, rows: list[dict]):
     """``id -> text`` with the tokenizer of the run's newest checkpoint that has one, after
     checking that it decodes every segment of ``rows`` to its recorded text."""
-    from portarl.tokenizer import CHAR_TOKENIZER_FILE, load_tokenizer
+    from portarl.assets.tokenizer import CHAR_TOKENIZER_FILE, load_tokenizer
 
     saved = [d for d in sorted((run / "checkpoints").glob("step-*"), reverse=True)
              if (d / CHAR_TOKENIZER_FILE).is_file() or (d / "tokenizer_config.json").is_file()]

@@ -34,7 +34,7 @@ def _int_at_least(low: int, why: str = ""):
 def _missing_train_extra(command: str) -> bool:
     """True (after logging the one-line install hint) when ``command`` needs the ``train``
     extra and it is not installed."""
-    from portarl.cli_config import UsageError, require_train_extra
+    from portarl.cli.config import UsageError, require_train_extra
 
     try:
         require_train_extra(command)

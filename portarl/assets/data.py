@@ -23,7 +23,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("portarl.data")
+log = logging.getLogger("portarl.assets.data")
 
 #: ``data.empty_prompts``: what to do with a row whose prompt is empty or only whitespace.
 EMPTY_PROMPTS = ("error", "skip")
