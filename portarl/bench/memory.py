@@ -98,8 +98,9 @@ def measure(config: str | None, sets: list[str], nproc: int = 1, threads: int = 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     if mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)] if nproc > 1 \
-        else [sys.executable]
+    from portarl.runtime.distributed import local_launcher
+
+    launcher = local_launcher(nproc) if nproc > 1 else [sys.executable]
     cmd = [*launcher, "-m", "portarl.bench.memory", "--worker", "--steps", str(steps)]
     if config:
         cmd += ["--config", config]

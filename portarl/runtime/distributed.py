@@ -274,3 +274,16 @@ def without_torchrun_env(env: dict) -> dict:
 def barrier(ctx: DistContext) -> None:
     if ctx.enabled:
         dist.barrier(group=ctx.host_group)
+
+
+def local_launcher(nproc: int) -> list[str]:
+    """The command line that starts ``nproc`` ranks on this machine with torchrun, on a free
+    rendezvous port: torchrun's default, 29500, makes two jobs started side by side on one
+    machine (two benchmarks, two test workers) join each other's rendezvous or fail to bind."""
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port)]

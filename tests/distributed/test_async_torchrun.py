@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 from safetensors.torch import load_file, load_model  # noqa: E402
 
 from portarl.trainer.checkpoint import CheckpointManager  # noqa: E402
+from portarl.runtime.distributed import local_launcher
 from proc_tree import alive  # noqa: E402
 from test_fsdp_gloo import ATOL, PARAM_ATOL, RTOL, _env, _params_from, _rows, _train  # noqa: E402
 
@@ -48,7 +49,7 @@ def published(tmp_path_factory):
     one, two = root / "one", root / "two"
     one.mkdir(), two.mkdir()
     for cmd in ([sys.executable, str(WORKER), str(one)],
-                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(WORKER), str(two)]):
+                [*local_launcher(2), str(WORKER), str(two)]):
         proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
     return one, two
@@ -228,7 +229,7 @@ def test_a_weights_file_that_cannot_be_written_stops_every_rank_with_the_same_li
     file (exit 4), none waits on for a batch that is not coming."""
     from test_fsdp_gloo import FAST
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "portarl", "train", "--device",
+    cmd = [*local_launcher(2), "-m", "portarl", "train", "--device",
            "cpu", "--output-dir", str(tmp_path)]
     for item in (*FAST, "train.steps=2", ASYNC, "rollout.weight_sync=file"):
         cmd += ["--set", item]

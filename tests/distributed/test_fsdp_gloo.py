@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 from portarl.trainer.checkpoint import CheckpointManager  # noqa: E402
+from portarl.runtime.distributed import local_launcher
 
 HERE = Path(__file__).parent
 LR = 1e-2
@@ -42,7 +43,7 @@ def _env(**extra):
 
 
 def _train(out: Path, ranks: int, *sets: str, resume: bool = False, env=None) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "-m", "portarl"] \
+    launcher = [*local_launcher(ranks), "-m", "portarl"] \
         if ranks > 1 else [sys.executable, "-m", "portarl"]
     cmd = [*launcher, "train", "--device", "cpu", "--output-dir", str(out)]
     for item in (*FAST, *sets):
@@ -151,7 +152,7 @@ def _worker_pids(launcher_pid: int) -> dict[int, int]:
 def test_signal_on_one_rank_stops_both_with_one_checkpoint(tmp_path, sig):
     """A signal that reaches one rank first (Ctrl-C races, a scheduler signalling one process):
     the stop is agreed by every rank at the end of the step, then all save one checkpoint."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "portarl", "train",
+    cmd = [*local_launcher(2), "-m", "portarl", "train",
            "--device", "cpu", "--output-dir", str(tmp_path)]
     for item in (*FAST, "train.steps=400", "checkpoint.every=1000"):
         cmd += ["--set", item]

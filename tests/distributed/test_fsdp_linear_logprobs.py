@@ -31,6 +31,7 @@ HERE = Path(__file__).parent
 WORKER = HERE / "fsdp_linear_worker.py"
 sys.path.insert(0, str(HERE))
 import fsdp_linear_worker as worker  # noqa: E402
+from portarl.runtime.distributed import local_launcher
 
 
 def _env():
@@ -48,7 +49,7 @@ def runs(tmp_path_factory):
     procs = [
         subprocess.Popen([sys.executable, str(WORKER), str(single)], env=_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True),
-        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(WORKER),
+        subprocess.Popen([*local_launcher(2), str(WORKER),
                           str(double)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
     ]
     for proc in procs:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from portarl.runtime.distributed import local_launcher
 
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
@@ -26,7 +27,7 @@ RTOL, ATOL = 1e-5, 1e-7
 def test_checkpointing_and_budget_give_the_plain_gradients_on_two_ranks(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(HERE / "memory_worker.py"),
+    cmd = [*local_launcher(2), str(HERE / "memory_worker.py"),
            str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

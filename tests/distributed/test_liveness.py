@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from portarl.runtime.distributed import local_launcher
 
 pytest.importorskip("transformers")
 
@@ -24,7 +25,7 @@ TIMEOUT_S = 16  # the heartbeat fires at 8 s, the Gloo collective timeout at 16 
 
 
 def test_frozen_rank_stops_the_job_naming_it(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "portarl", "train",
+    cmd = [*local_launcher(2), "-m", "portarl", "train",
            "--device", "cpu", "--output-dir", str(tmp_path)]
     for item in (*FAST, "train.steps=400", "checkpoint.every=1000", f"distributed.timeout_s={TIMEOUT_S}"):
         cmd += ["--set", item]

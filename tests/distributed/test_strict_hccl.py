@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from portarl.trainer.checkpoint import CheckpointManager  # noqa: E402
+from portarl.runtime.distributed import local_launcher
 from test_fsdp_gloo import FAST, _env, _rows  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.npu_standin
 
 
 def _strict_train(out: Path, *sets: str, resume: bool = False) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(WORKER), "train",
+    cmd = [*local_launcher(2), str(WORKER), "train",
            "--device", "cpu", "--output-dir", str(out)]
     for item in (*FAST, *sets):
         cmd += ["--set", item]

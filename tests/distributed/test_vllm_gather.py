@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from portarl.runtime.distributed import local_launcher
 
 pytest.importorskip("peft")
 
@@ -27,7 +28,7 @@ WORKER = Path(__file__).parent / "vllm_gather_worker.py"
 def received(tmp_path_factory):
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
     for cmd in ([sys.executable, str(WORKER), str(one)],
-                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(WORKER), str(two)]):
+                [*local_launcher(2), str(WORKER), str(two)]):
         proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
     return one, two

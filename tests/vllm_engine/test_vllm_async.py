@@ -29,6 +29,7 @@ pytest.importorskip("vllm.entrypoints.llm", reason=NO_VLLM)
 
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL  # noqa: E402
 from portarl.trainer.asynchronous.pipeline import WORKER_LOG  # noqa: E402
+from portarl.runtime.distributed import local_launcher
 
 STEPS = 3
 # A learning rate large enough that one optimizer step moves the tiny model's log-probs
@@ -94,7 +95,7 @@ def test_async_vllm_on_two_ranks_trains_from_the_command_line(tmp_path):
     """torchrun, 2 Gloo ranks: rank 0's one worker runs vLLM for the whole batch (the shards
     gathered by both ranks), and each rank trains on its groups."""
     sets = (*SETS, "rollout.mode=async", "train.sft_warmup_steps=0", "train.prompts_per_step=4")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "portarl", "train",
+    cmd = [*local_launcher(2), "-m", "portarl", "train",
            "--device", "cpu", "--output-dir", str(tmp_path), *[arg for item in sets for arg in ("--set", item)]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=os.environ.copy())
     assert proc.returncode == 0, proc.stderr[-4000:]

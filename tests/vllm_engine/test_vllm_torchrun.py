@@ -30,6 +30,7 @@ from vllm_tiny import NO_VLLM, TRAIN_SETS
 pytest.importorskip("vllm.entrypoints.llm", reason=NO_VLLM)
 
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL  # noqa: E402
+from portarl.runtime.distributed import local_launcher
 
 HERE = Path(__file__).parent
 SHM = Path("/dev/shm")
@@ -51,8 +52,7 @@ def run(request, tmp_path_factory):
     if extra:
         pytest.importorskip("peft", reason="model.lora needs peft (the lora extra)")
     out, probe = tmp_path_factory.mktemp("run"), tmp_path_factory.mktemp("probe")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           str(HERE / "vllm_torchrun_worker.py"), str(probe), "train", "--device", "cpu", "--output-dir", str(out),
+    cmd = [*local_launcher(2), str(HERE / "vllm_torchrun_worker.py"), str(probe), "train", "--device", "cpu", "--output-dir", str(out),
            *[arg for item in (*SETS, f"rollout.tensor_parallel_size={tp}", *extra) for arg in ("--set", item)]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     segments = set(SHM.glob("*cpushm*"))

@@ -30,6 +30,7 @@ from vllm_tiny import NO_VLLM, TINY
 pytest.importorskip("vllm.entrypoints.llm", reason=NO_VLLM)
 
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL  # noqa: E402
+from portarl.runtime.distributed import local_launcher
 
 HERE = Path(__file__).parent
 TRAINER_TESTS = HERE.parent / "trainer"
@@ -52,8 +53,7 @@ def run(tmp_path_factory):
             "rollout.max_new_tokens=12", f"rollout.group_size={G}", f"train.prompts_per_step={PROMPTS}",
             f"train.steps={STEPS}", "train.sft_warmup_steps=0", "rollout.vllm_gpu_memory_utilization=0.1",
             "logging.progress=false", "logging.tensorboard=false", "logging.plot=false"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           str(HERE / "vllm_torchrun_worker.py"), str(probe), "train", "--device", "cpu", "--output-dir", str(out),
+    cmd = [*local_launcher(2), str(HERE / "vllm_torchrun_worker.py"), str(probe), "train", "--device", "cpu", "--output-dir", str(out),
            *[arg for item in sets for arg in ("--set", item)]]
     path = [str(HERE), str(TRAINER_TESTS), os.environ.get("PYTHONPATH", "")]  # the worker, agent_tools
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
