@@ -128,7 +128,27 @@ def _clean_dispatch_state(monkeypatch):
     yield
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="also run the slower end-to-end variants listed in tests/suite_budget.py (make test-full)")
+    # (PORTARL_TEST_FULL=1 does the same: tests/suite_budget.py)
+
+
+def _skip_full_only(config, items) -> None:
+    """The slower end-to-end variants ``make test`` leaves to ``make test-full``
+    (tests/suite_budget.py: each with the tests that keep its property covered)."""
+    from suite_budget import check_full_only, full_suite
+
+    reasons = check_full_only(items)
+    if full_suite(config):
+        return
+    for item in items:
+        if item.nodeid in reasons:
+            item.add_marker(pytest.mark.skip(reason=reasons[item.nodeid]))
+
+
 def pytest_collection_modifyitems(config, items):
+    _skip_full_only(config, items)
     cuda_reason = None if torch.cuda.is_available() else "needs an NVIDIA GPU (torch.cuda.is_available() is False)"
     npu_reason = _npu_hardware_reason()
     for item in items:

@@ -37,6 +37,8 @@ def test_bench_kernels_quick(tmp_path, capsys):
 def test_pytest_benchmark_files(tmp_path):
     env = {**os.environ, "PORTARL_BENCH_QUICK": "1", "PORTARL_BENCH_DEVICE": "cpu"}
     env.pop("TRITON_INTERPRET", None)
+    for name in [k for k in env if k.startswith("PYTEST_XDIST_")]:  # make test's worker: pytest-benchmark would
+        env.pop(name)  # take this run for an xdist worker and refuse --benchmark-only
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "bench/", "--benchmark-only", "-q", "-p", "no:cacheprovider",
          "-k", "fp32 and (portarl or eager) and not entropy", "--benchmark-min-rounds=1",

@@ -29,8 +29,12 @@ HERE = Path(__file__).parent
 
 
 def _probe(threads: int) -> dict:
+    # The thread count set for the whole process, as `make demo` sets it (OMP_NUM_THREADS) and
+    # the probe again (torch.set_num_threads): an inherited OMP_NUM_THREADS=1 (make test's)
+    # beside set_num_threads(2) gives a process of mixed pool sizes, not a 2-thread run.
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run([sys.executable, str(HERE / "thread_count_probe.py"), str(threads)], capture_output=True,
-                          text=True, timeout=600, check=True)
+                          text=True, timeout=600, check=True, env=env)
     return json.loads(done.stdout)
 
 

@@ -1,0 +1,119 @@
+"""What ``make test`` leaves to ``make test-full``: the slower end-to-end variants whose
+property a cheaper test in ``make test`` keeps covered (issue 45: a suite sized to CI's
+budget, with room for the features to come).
+
+``make test-full`` (``pytest --full``, or ``PORTARL_TEST_FULL=1``) runs every test; it runs
+before a release and in the GPU / Ascend workflows (docs/hardware-ci.md). ``make test``
+skips the node ids below, each with the reason printed by ``pytest -rs``.
+
+Rules the collection enforces (``check_full_only``, called from conftest.py), so that a
+cover cannot silently disappear:
+
+- every entry names at least one cover, and every cover is a test that runs in ``make
+  test`` (a node id below tests/, or a test function's id to mean all its parameters);
+- an entry or a cover whose file was collected but that matches no test fails the run (a
+  renamed test must be renamed here too).
+"""
+
+from __future__ import annotations
+
+import os
+
+#: Environment variable that turns ``make test`` into ``make test-full``.
+FULL_ENV = "PORTARL_TEST_FULL"
+
+_LINEAR = "parity/test_linear_logprobs.py::test_linear_logprobs_matches_float64"
+_ASYNC2 = "distributed/test_async_torchrun.py::"
+_RESUME = "trainer/test_async_resume.py::test_async_resume_reproduces_the_uninterrupted_run_bitwise"
+
+#: node id (below tests/) -> (covers in make test, what the cover keeps)
+FULL_ONLY: dict[str, tuple[list[str], str]] = {
+    # The Triton interpreter is slow on the two large fused linear log-prob shapes: each
+    # keeps one dtype in make test; the dtypes themselves are held on the smaller shapes.
+    f"{_LINEAR}[cuda-interpreted-v4099_h896_strided_t13-fp32]": (
+        [f"{_LINEAR}[cuda-interpreted-v4099_h896_strided_t13-bf16]",
+         f"{_LINEAR}[cuda-interpreted-v4099_h64_batch-fp32]"],
+        "the large-hidden strided shape in bf16; fp32 on V 4099 with a batch"),
+    f"{_LINEAR}[cuda-interpreted-v4099_h896_strided_t13-fp16]": (
+        [f"{_LINEAR}[cuda-interpreted-v4099_h896_strided_t13-bf16]",
+         f"{_LINEAR}[cuda-interpreted-v4099_h64_batch-fp16]"],
+        "the large-hidden strided shape in bf16; fp16 on V 4099 with a batch"),
+    f"{_LINEAR}[cuda-interpreted-v32000_h8-fp32]": (
+        [f"{_LINEAR}[cuda-interpreted-v32000_h8-fp16]", f"{_LINEAR}[cuda-interpreted-v4099_h64_batch-fp32]"],
+        "the 32000-token vocabulary in fp16; fp32 on V 4099"),
+    f"{_LINEAR}[cuda-interpreted-v32000_h8-bf16]": (
+        [f"{_LINEAR}[cuda-interpreted-v32000_h8-fp16]", f"{_LINEAR}[cuda-interpreted-v4099_h64_batch-bf16]"],
+        "the 32000-token vocabulary in fp16; bf16 on V 4099"),
+    # Two-rank async runs: each property stays covered on two ranks or by its one-process twin.
+    f"{_ASYNC2}test_lora_async_on_two_ranks_matches_one_process": (
+        [f"{_ASYNC2}test_lora_async_on_two_ranks_publishes_the_merged_weights_of_every_version_bitwise[collective]",
+         f"{_ASYNC2}test_one_async_step_on_two_ranks_matches_one_process",
+         "distributed/test_torchrun_options.py::test_lora_on_two_ranks_matches_one_process"],
+        "2-rank LoRA async publishes one process's merged weights bitwise; async and LoRA each 2 ranks = 1 process"),
+    f"{_ASYNC2}test_lora_async_on_two_ranks_publishes_the_merged_weights_of_every_version_bitwise[file]": (
+        [f"{_ASYNC2}test_lora_async_on_two_ranks_publishes_the_merged_weights_of_every_version_bitwise[collective]",
+         "trainer/test_async_weight_sync.py::test_the_workers_weights_equal_the_trainers_bitwise_at_every_version[file]",
+         f"{_ASYNC2}test_a_weights_file_that_cannot_be_written_stops_every_rank_with_the_same_line"],
+        "the merged LoRA weights over collective sync; file sync bitwise, and under torchrun"),
+    f"{_ASYNC2}test_two_workers_under_torchrun_share_the_steps_and_hold_the_trainers_weights_bitwise": (
+        ["trainer/test_async_weight_sync.py::test_two_workers_share_the_steps_and_each_holds_the_trainers_weights_bitwise",
+         f"{_ASYNC2}test_the_gathered_shards_are_the_unsharded_weights",
+         f"{_ASYNC2}test_one_async_step_on_two_ranks_matches_one_process"],
+        "two workers share the steps bitwise (one rank); 2-rank publishing gathers the unsharded weights"),
+    f"{_ASYNC2}test_a_dying_worker_stops_both_ranks_with_one_checkpoint_and_resume_regenerates": (
+        [f"{_ASYNC2}test_a_reward_failing_in_the_worker_stops_both_ranks_naming_it",
+         "trainer/test_async_resume.py::test_a_checkpoint_of_a_failed_pipeline_holds_no_batches_in_flight_and_its_"
+         "resume_says_so"],
+        "a failing worker stops both ranks with one sharded checkpoint; resume regenerates the lost batch"),
+    # Async kill-and-resume points: the kill between checkpoints and the SIGTERM stay.
+    f"{_RESUME}[hang@5-_kill_while_a_checkpoint_waits_for_its_batch_in_flight]": (
+        [f"{_RESUME}[hang@4-_kill_between_checkpoints]", f"{_RESUME}[None-_sigterm]"],
+        "SIGKILL and resume bitwise from a checkpoint holding batches in flight"),
+    f"{_RESUME}[hang@6-_kill_right_after_a_checkpoint]": (
+        [f"{_RESUME}[hang@4-_kill_between_checkpoints]", f"{_RESUME}[None-_sigterm]"],
+        "resume bitwise from a just-written checkpoint holding its batch in flight"),
+    "trainer/test_async_rollout.py::test_kill_9_then_resume_trains_every_step_and_prompt_once": (
+        [f"{_RESUME}[hang@4-_kill_between_checkpoints]"],
+        "SIGKILL mid-run, then --resume trains every step and prompt once (bitwise)"),
+    # One signal of the two on two ranks; SIGINT is held on one process.
+    "distributed/test_fsdp_gloo.py::test_signal_on_one_rank_stops_both_with_one_checkpoint[2]": (
+        ["distributed/test_fsdp_gloo.py::test_signal_on_one_rank_stops_both_with_one_checkpoint[15]",
+         "trainer/test_signals.py::test_second_signal_aborts_at_once_and_says_nothing_was_saved"],
+        "a signal to one rank stops both with one checkpoint; SIGINT's handling on one process"),
+}
+
+
+def full_suite(config) -> bool:
+    """``make test-full``: every test runs."""
+    return bool(config.getoption("--full", default=False)) or os.environ.get(FULL_ENV) == "1"
+
+
+def _matches(nodeid: str, pattern: str) -> bool:
+    return nodeid == pattern or nodeid.startswith(pattern + "[")
+
+
+def check_full_only(items) -> dict[str, str]:
+    """``{collected node id: skip reason}`` for the entries of :data:`FULL_ONLY`; raises
+    ``pytest.UsageError`` on an entry or a cover that breaks the rules (module docstring)."""
+    import pytest
+
+    ids = {item.nodeid.removeprefix("tests/"): item.nodeid for item in items}
+    files = {nodeid.split("::")[0] for nodeid in ids}
+    reasons = {}
+    for entry, (covers, keeps) in FULL_ONLY.items():
+        if not covers:
+            raise pytest.UsageError(f"tests/suite_budget.py: {entry} names no cover")
+        if entry.split("::")[0] not in files:
+            continue  # not collected in this run (a subset of the suite)
+        if entry not in ids:
+            raise pytest.UsageError(f"tests/suite_budget.py: {entry} is not a test (renamed?)")
+        for cover in covers:
+            if cover.split("::")[0] not in files:
+                continue
+            found = [nodeid for nodeid in ids if _matches(nodeid, cover)]
+            if not found:
+                raise pytest.UsageError(f"tests/suite_budget.py: {entry}'s cover {cover} is not a test")
+            if all(nodeid in FULL_ONLY for nodeid in found):
+                raise pytest.UsageError(f"tests/suite_budget.py: {entry}'s cover {cover} runs in make test-full only")
+        reasons[ids[entry]] = f"make test-full only (covered in make test: {keeps})"
+    return reasons
