@@ -204,7 +204,9 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
     from portarl.trainer.run.output_dir import RunDirError
     from portarl.trainer.run.signals import AbortNow, StopRequested, abort_message, exit_code
     from portarl.trainer.run.write_failure import EXIT_CODE as WRITE_EXIT
+    from portarl.runtime import distributed as pdist
     from portarl.runtime.continuation import continue_command
+    from portarl.runtime.heartbeat import EXIT_RANK_LOST
     from portarl.trainer.run.write_failure import WriteFailed, as_write_failure, intact_checkpoint
 
     config = ready.config
@@ -247,6 +249,19 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
     except KeyboardInterrupt as err:  # during resume, before the loop: nothing new to save
         log(f"portarl train: interrupted ({err or 'SIGINT'}) before training began; no checkpoint saved")
         return exit_code(getattr(err, "signum", None)), False
+    except RuntimeError as err:
+        gone = pdist.peer_gone(err)
+        if gone is None:
+            raise
+        # Another rank died (its own line says why, and torchrun names it): one line here, not
+        # the collective's traceback, and the exit status of a lost rank.
+        latest = trainer.checkpoints.latest()
+        command = continue_command(getattr(args, "argv", ["train"]), config.output_dir, latest)
+        log(f"portarl train: rank {trainer.dist.rank}: another rank's process ended during step {trainer.step + 1} "
+            f"(a collective: {gone}); its own line says why; "
+            + (f"the newest checkpoint is {latest}; continue with: {command}" if latest
+               else f"there is no checkpoint yet; start again with: {command}"))
+        return EXIT_RANK_LOST, False
     finally:
         trainer.close()
     if trainer.dist.is_main:

@@ -167,6 +167,21 @@ def joined_a_job() -> bool:
     return _joined
 
 
+#: What a collective raises on a rank whose peer's process is gone: Gloo's TCP pairs, NCCL's
+#: and HCCL's communicators (the peer's own line says why it went).
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+              "communicator was aborted", "remote process exited")
+
+
+def peer_gone(err: BaseException) -> str | None:
+    """What ``err``, raised on a rank of a torchrun job, says when it is a collective that failed
+    because another rank's process ended (not a failure of this rank's own): e.g. "Connection
+    reset by peer"; else None."""
+    if not (_joined and isinstance(err, RuntimeError)):
+        return None
+    return next((s for s in _PEER_GONE if s in str(err)), None)
+
+
 def has_sharded_params(params) -> bool:
     """Whether any of ``params`` is an FSDP2 shard (a DTensor, which carries its mesh)."""
     return any(hasattr(p, "device_mesh") for p in params)
