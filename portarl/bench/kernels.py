@@ -7,7 +7,10 @@ Methods for ``logprobs``:
   N x V fp32 tensor);
 - ``rowloop``: a loop in the style of TRL's selective log-softmax: gather the label logits
   at once, then logsumexp one sequence (1024 tokens) at a time to bound peak memory;
-- ``liger``: Liger-Kernel's cross-entropy (``reduction="none"``), where installed (CUDA).
+- ``liger``: Liger-Kernel's cross-entropy (``reduction="none"``), where installed (CUDA);
+- ``compile``: ``torch.compile`` of the eager formula (inductor, ``dynamic=False``), where
+  asked for (``compile=True``: each shape, dtype and mode is a compile of its own, seconds
+  to tens of seconds, spent in the untimed warm-up).
 
 Modes: ``fwd``, ``fwd+bwd``, each with and without entropy. ``kl``: portarl backends vs the
 eager torch formula (k3 with the same clamps), ``fwd`` and ``fwd+bwd``.
@@ -79,6 +82,17 @@ def portarl_logprobs(backend):
     return run
 
 
+_COMPILED: dict[Callable, Callable] = {}
+
+
+def compiled(fn: Callable) -> Callable:
+    """``torch.compile(fn)``, made once per formula (a new shape or dtype recompiles, in the
+    untimed warm-up call of :func:`median_ms`)."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return _COMPILED[fn]
+
+
 def eager_kl(logp, ref):
     d = (ref.float() - logp.float()).clamp(-20, 20)
     return (d.exp() - d - 1).clamp(max=10)
@@ -95,9 +109,11 @@ def benchmarked_backends(device: torch.device) -> list[str]:
             and get_backend_by_name(name).unavailable_reason(device) is None]
 
 
-def logprob_methods(device: torch.device) -> dict[str, Callable]:
+def logprob_methods(device: torch.device, compile: bool = False) -> dict[str, Callable]:
     methods = {f"portarl:{name}": portarl_logprobs(name) for name in benchmarked_backends(device)}
     methods["eager"] = eager_logprobs
+    if compile:
+        methods["compile"] = compiled(eager_logprobs)
     methods["rowloop"] = rowloop_logprobs
     if device.type == "cuda":
         try:
@@ -109,9 +125,11 @@ def logprob_methods(device: torch.device) -> dict[str, Callable]:
     return methods
 
 
-def kl_methods(device: torch.device) -> dict[str, Callable]:
+def kl_methods(device: torch.device, compile: bool = False) -> dict[str, Callable]:
     methods = {f"portarl:{n}": portarl_kl(n) for n in benchmarked_backends(device)}
     methods["eager"] = eager_kl
+    if compile:
+        methods["compile"] = compiled(eager_kl)
     return methods
 
 
@@ -210,10 +228,16 @@ def _min_bytes(op: str, mode: str, n: int, v: int, elem: int) -> int:
 
 
 def run_kernels(device: torch.device, *, shapes=None, dtypes=("bf16", "fp32"), repeats: int = 5,
-                progress: Callable[[str], None] | None = None) -> tuple[list[KernelResult], float]:
+                progress: Callable[[str], None] | None = None, compile: bool = False,
+                only: set[str] | None = None, modes=None, bandwidth: float | None = None,
+                ) -> tuple[list[KernelResult], float]:
+    """Every method x mode on every shape and dtype. ``only``: time just these methods;
+    ``modes``: just these log-prob modes (KL keeps ``fwd`` / ``fwd+bwd``); ``bandwidth``: the
+    copy bandwidth already measured on this device (measured here otherwise)."""
     shapes = shapes or (CUDA_SHAPES if device.type == "cuda" else CPU_SHAPES)
     dtype_map = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-    bandwidth = copy_bandwidth(device)
+    bandwidth = bandwidth or copy_bandwidth(device)
+    logprob_modes = modes or ("fwd", "fwd+entropy", "fwd+bwd", "fwd+bwd+entropy")
     results: list[KernelResult] = []
     gen = torch.Generator().manual_seed(0)
     for n, v in shapes:
@@ -226,15 +250,17 @@ def run_kernels(device: torch.device, *, shapes=None, dtypes=("bf16", "fp32"), r
                 results.append(KernelResult("logprobs", "-", "-", dname, n, v, error=f"inputs do not fit: {err}"[:200]))
                 continue
             cases = []
-            for name, fn in logprob_methods(device).items():
-                for mode in ("fwd", "fwd+entropy", "fwd+bwd", "fwd+bwd+entropy"):
+            for name, fn in logprob_methods(device, compile).items():
+                for mode in logprob_modes:
                     cases.append(("logprobs", name, mode, _logprob_call(fn, logits, labels, mode)))
             logp = -torch.rand(n, generator=gen).to(dtype).to(device)  # per-token, as in training
             ref = (logp.float() + 0.3 * torch.randn(logp.shape, generator=gen).to(device)).to(dtype)
-            for name, fn in kl_methods(device).items():
+            for name, fn in kl_methods(device, compile).items():
                 for mode in ("fwd", "fwd+bwd"):
                     cases.append(("kl", name, mode, _kl_call(fn, logp, ref, mode)))
             for op, name, mode, call in cases:
+                if only is not None and name not in only:
+                    continue
                 if op == "kl" and v != shapes_v0(shapes, n):
                     continue  # KL is per token: once per N
                 res = KernelResult(op, name, mode, dname, n, v if op == "logprobs" else 0)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from portarl import ops
-from portarl.bench.kernels import KernelResult, benchmarked_backends, peak_extra_bytes
+from portarl.bench.kernels import KernelResult, benchmarked_backends, compiled, peak_extra_bytes
 from portarl.parity.record import synchronize
 
 CHUNK_ROWS = 1024
@@ -75,10 +75,12 @@ def fused(backend):
     return lambda hidden, weight, labels: ops.linear_logprobs(hidden, weight, labels, backend=backend)
 
 
-def linear_methods(device: torch.device) -> dict[str, Callable]:
+def linear_methods(device: torch.device, compile: bool = False) -> dict[str, Callable]:
     methods = {f"portarl:{name}": fused(name) for name in benchmarked_backends(device)}
     methods["eager"] = eager
     methods["chunked"] = chunked
+    if compile:
+        methods["compile"] = compiled(eager)
     if liger_status(device) is None:
         methods["liger"] = liger
     return methods
@@ -101,10 +103,12 @@ MODES = ("fwd", "fwd+bwd")
 
 
 def run_linear(device: torch.device, *, shapes=None, dtypes=("bf16",), repeats: int = 3, modes=MODES,
-               progress: Callable[[str], None] | None = None) -> list[KernelResult]:
+               progress: Callable[[str], None] | None = None, compile: bool = False,
+               only: set[str] | None = None) -> list[KernelResult]:
     """Time and peak extra memory of every method on every (shape, dtype, mode). ``modes``
     may drop ``fwd+bwd``: on a CPU without native bf16 GEMMs, eager's backward at N 4096 x
-    V 151,936 takes many minutes per call."""
+    V 151,936 takes many minutes per call. ``compile``: add ``torch.compile`` of the eager
+    formula; ``only``: time just these methods."""
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise ValueError(f"modes {list(modes)!r}: choose from {list(MODES)}")
@@ -120,7 +124,7 @@ def run_linear(device: torch.device, *, shapes=None, dtypes=("bf16",), repeats: 
             labels = torch.randint(0, v, (n,), generator=gen).to(device)
             for mode in modes:
                 calls = {name: _call(fn, hidden, weight, labels, mode == "fwd+bwd")
-                         for name, fn in linear_methods(device).items()}
+                         for name, fn in linear_methods(device, compile).items() if only is None or name in only}
                 rows = {name: KernelResult("linear_logprobs", name, mode, dname, n, v, h=h) for name in calls}
                 times: dict[str, list[float]] = {name: [] for name in calls}
                 for name, call in calls.items():  # warm-up, and the memory measurement

@@ -53,6 +53,7 @@ EPILOG = """examples:
   portarl export --checkpoint runs/x --out model  a Hugging Face model directory
   portarl parity --device auto                    fused ops against float64 on this device
   portarl bench kernels --quick                   kernel speed and memory
+  portarl hardware-check --device cuda --out hw   a GPU's acceptance run (docs/hardware-ci.md)
 
 exit status: 0 ok (train: the last step finished and was saved), 1 parity disagreement,
 2 bad usage / config / input (one line on stderr), 3 training stopped itself (a checkpoint was
@@ -268,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     from portarl.cli import episodes as cli_episodes
 
     cli_episodes.add_parser(commands)  # portarl episodes RUN: samples.jsonl turn by turn, token ids and loss mask
+    from portarl.cli import hardware as cli_hardware
+
+    cli_hardware.add_parser(commands)  # portarl hardware-check: a lent GPU / an Ascend host in one command
     return parser
 
 

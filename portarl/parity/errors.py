@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from portarl.parity.float64 import reference_device
 from portarl.parity.tolerances import Tolerance
 
 
@@ -25,8 +26,9 @@ class Errors:
 
 
 def measure(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> Errors:
-    a = actual.detach().to("cpu", torch.float64).reshape(-1)
-    e = expected.detach().to("cpu", torch.float64).reshape(-1)
+    where = reference_device()  # the CPU, unless the sweep runs its references on the device
+    a = actual.detach().to(where, torch.float64).reshape(-1)
+    e = expected.detach().to(where, torch.float64).reshape(-1)
     if a.shape != e.shape:
         raise ValueError(f"shape mismatch: actual {tuple(actual.shape)} vs reference {tuple(expected.shape)}")
     finite = torch.isfinite(e)

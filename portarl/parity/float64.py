@@ -1,16 +1,42 @@
-"""float64 references: the obviously-correct formulas, on CPU, with autograd.
+"""float64 references: the obviously-correct formulas, with autograd, on the CPU by default.
 
 These define the numbers every backend is held to. They are row-chunked only so that
 larger hardware cases fit in host memory; rows are independent, so chunking changes
 nothing. They implement the ops' contracts for non-finite input explicitly (a row with
 NaN or +inf is NaN throughout).
+
+Where: the CPU, unless :func:`computed_on` names a device. ``portarl hardware-check`` runs
+them on the accelerator under test for the hardware-sized cases: a 4,096 x 152,064 case is
+5 GB in float64, and a host computing it for every backend and dtype would take the whole
+device loan. IEEE float64 on a GPU rounds its basic operations exactly as the CPU does;
+exp / log may differ in the last ulp (1e-16 relative), eleven orders of magnitude below
+the tightest tolerance of :mod:`portarl.parity.tolerances`. The report records where.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 _CHUNK_ELEMENTS = 1 << 24
+_DEVICE = torch.device("cpu")
+
+
+def reference_device() -> torch.device:
+    """Where the float64 references (and the error measurements) run now."""
+    return _DEVICE
+
+
+@contextlib.contextmanager
+def computed_on(device: torch.device | str):
+    """Run the float64 references and error measurements on ``device`` inside the block."""
+    global _DEVICE
+    previous, _DEVICE = _DEVICE, torch.device(device)
+    try:
+        yield _DEVICE
+    finally:
+        _DEVICE = previous
 
 
 def logprobs_float64(
@@ -25,11 +51,11 @@ def logprobs_float64(
     """float64 ``logp``, ``entropy`` (shape of labels) and, given upstream gradients,
     ``grad`` = d(sum(grad_logp * logp + grad_entropy * entropy)) / d logits (shape of logits)."""
     n_cols = logits.shape[-1]
-    x_all = logits.detach().to("cpu", torch.float64).reshape(-1, n_cols)
-    y_all = labels.detach().to("cpu").reshape(-1)
+    x_all = logits.detach().to(_DEVICE, torch.float64).reshape(-1, n_cols)
+    y_all = labels.detach().to(_DEVICE).reshape(-1)
     want_grad = grad_logp is not None or grad_entropy is not None
-    g1_all = None if grad_logp is None else grad_logp.detach().to("cpu", torch.float64).reshape(-1)
-    g2_all = None if grad_entropy is None else grad_entropy.detach().to("cpu", torch.float64).reshape(-1)
+    g1_all = None if grad_logp is None else grad_logp.detach().to(_DEVICE, torch.float64).reshape(-1)
+    g2_all = None if grad_entropy is None else grad_entropy.detach().to(_DEVICE, torch.float64).reshape(-1)
     logps, entropies, grads = [], [], []
     step = max(1, _CHUNK_ELEMENTS // n_cols)
     for start in range(0, x_all.shape[0], step):
@@ -46,7 +72,7 @@ def logprobs_float64(
         logp = torch.where(valid, logp, 0.0)
         entropy = torch.where(valid, entropy, 0.0)
         if want_grad:
-            total = torch.zeros((), dtype=torch.float64)
+            total = torch.zeros((), dtype=torch.float64, device=_DEVICE)
             if g1_all is not None:
                 total = total + (g1_all[start : start + step] * logp).sum()
             if g2_all is not None:
@@ -75,9 +101,9 @@ def kl_float64(
     grad_out: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """float64 ``value`` and, given ``grad_out``, ``grad_logp`` and ``grad_ref``."""
-    a = logp.detach().to("cpu", torch.float64).clone().requires_grad_(grad_out is not None)
-    b = ref_logp.detach().to("cpu", torch.float64).clone().requires_grad_(grad_out is not None)
-    keep = None if mask is None else mask.detach().to("cpu") != 0
+    a = logp.detach().to(_DEVICE, torch.float64).clone().requires_grad_(grad_out is not None)
+    b = ref_logp.detach().to(_DEVICE, torch.float64).clone().requires_grad_(grad_out is not None)
+    keep = None if mask is None else mask.detach().to(_DEVICE) != 0
     d = b - a
     if keep is not None:
         d = torch.where(keep, d, 0.0)
@@ -96,7 +122,7 @@ def kl_float64(
         value = torch.where(keep, value, 0.0)
     out = {"value": value.detach()}
     if grad_out is not None:
-        ga, gb = torch.autograd.grad((value * grad_out.detach().to("cpu", torch.float64)).sum(), (a, b))
+        ga, gb = torch.autograd.grad((value * grad_out.detach().to(_DEVICE, torch.float64)).sum(), (a, b))
         out["grad_logp"], out["grad_ref"] = ga, gb
     return out
 
@@ -115,12 +141,12 @@ def linear_logprobs_float64(
     """float64 ``logp``, ``entropy`` and, given upstream gradients, ``grad_hidden``,
     ``grad_weight`` (and ``grad_bias``) of ``logprobs_float64(hidden @ weight.T + bias)``."""
     want = grad_logp is not None or grad_entropy is not None
-    h = hidden.detach().to("cpu", torch.float64).requires_grad_(want)
-    w = weight.detach().to("cpu", torch.float64).requires_grad_(want)
-    b = None if bias is None else bias.detach().to("cpu", torch.float64).requires_grad_(want)
+    h = hidden.detach().to(_DEVICE, torch.float64).requires_grad_(want)
+    w = weight.detach().to(_DEVICE, torch.float64).requires_grad_(want)
+    b = None if bias is None else bias.detach().to(_DEVICE, torch.float64).requires_grad_(want)
     with torch.enable_grad():
         z = h @ w.T + (b if b is not None else 0.0)
-        y = labels.detach().to("cpu").reshape(-1)
+        y = labels.detach().to(_DEVICE).reshape(-1)
         zf = z.reshape(-1, z.shape[-1])
         valid = y != ignore_index
         bad_row = (torch.isnan(zf) | torch.isinf(zf) & (zf > 0)).any(dim=-1, keepdim=True)
@@ -131,11 +157,11 @@ def linear_logprobs_float64(
         entropy = torch.where(valid, -(p * torch.where(p > 0, log_sm, torch.zeros_like(log_sm))).sum(-1), 0.0)
     out = {"logp": logp.detach().reshape(labels.shape), "entropy": entropy.detach().reshape(labels.shape)}
     if want:
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=_DEVICE)
         if grad_logp is not None:
-            total = total + (grad_logp.detach().to("cpu", torch.float64).reshape(-1) * logp).sum()
+            total = total + (grad_logp.detach().to(_DEVICE, torch.float64).reshape(-1) * logp).sum()
         if grad_entropy is not None:
-            total = total + (grad_entropy.detach().to("cpu", torch.float64).reshape(-1) * entropy).sum()
+            total = total + (grad_entropy.detach().to(_DEVICE, torch.float64).reshape(-1) * entropy).sum()
         inputs = (h, w, z) + ((b,) if b is not None else ())
         grads = torch.autograd.grad(total, inputs)
         out["grad_hidden"], out["grad_weight"], out["grad_logits"] = grads[0], grads[1], grads[2]

@@ -71,6 +71,10 @@ def _sample_index(numel: int, seed: int) -> torch.Tensor:
     if numel <= SAMPLES_PER_QUANTITY:
         return torch.arange(numel)
     gen = torch.Generator().manual_seed(seed)
+    if numel > 1 << 24:  # hardware-sized: a permutation of 600 M positions is 5 GB of int64
+        drawn = torch.randint(0, numel, (4 * SAMPLES_PER_QUANTITY,), generator=gen).unique()  # sorted
+        keep = torch.randperm(drawn.numel(), generator=gen)[:SAMPLES_PER_QUANTITY]
+        return drawn[keep].sort().values
     return torch.randperm(numel, generator=gen)[:SAMPLES_PER_QUANTITY].sort().values
 
 
@@ -83,8 +87,9 @@ def fill(record: Record, actual: torch.Tensor, expected: torch.Tensor, tol: Tole
     record.max_abs, record.max_rel, record.worst_ratio = err.max_abs, err.max_rel, err.worst_ratio
     record.nonfinite_mismatches, record.atol, record.rtol = err.nonfinite_mismatches, tol.atol, tol.rtol
     record.passed = err.passed
-    flat = actual.detach().reshape(-1).to("cpu", torch.float64)
+    flat = actual.detach().reshape(-1)
     index = _sample_index(flat.numel(), seed)
     record.sample_index = index.tolist()
-    record.sample_values = [_json_number(v) for v in flat[index].tolist()]
+    picked = flat[index.to(flat.device)].to("cpu", torch.float64)  # the sample alone crosses to the host
+    record.sample_values = [_json_number(v) for v in picked.tolist()]
     return record

@@ -52,10 +52,12 @@ class DistContext:
     #: CPU when portarl made it); a Gloo group of its own when the caller made a default group
     #: without a CPU backend before portarl was called.
     host_group: object = dataclasses.field(default=None, compare=False, repr=False)
+    #: One rank under torchrun that shards anyway (``distributed.fsdp_one_rank``).
+    one_rank_sharded: bool = False
 
     @property
     def enabled(self) -> bool:
-        return self.world_size > 1
+        return self.world_size > 1 or self.one_rank_sharded
 
     @property
     def is_main(self) -> bool:
@@ -92,7 +94,8 @@ def _serves_cpu(group=None) -> bool:
         return False
 
 
-def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[DistContext, torch.device]:
+def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S, *, fsdp_one_rank: bool = False
+                     ) -> tuple[DistContext, torch.device]:
     """Initialise the process group (when launched with torchrun) and pin this rank's device.
 
     The one place that decides the group's backends (:func:`process_group_backend`). A
@@ -100,9 +103,13 @@ def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S)
     group is added for the host-side collectives (:attr:`DistContext.host_group`).
 
     ``timeout_s`` bounds every collective, and a heartbeat thread (:mod:`portarl.runtime.heartbeat`)
-    stops the job, naming the rank, when one rank's process stops running for half of it."""
+    stops the job, naming the rank, when one rank's process stops running for half of it.
+
+    ``fsdp_one_rank``: a torchrun job of one rank joins a group of one and shards
+    (``distributed.fsdp_one_rank``); without it, one rank is one plain process."""
     global _heartbeat, _joined
-    if not launched_by_torchrun():
+    one_rank = fsdp_one_rank and os.environ.get("WORLD_SIZE") == "1" and "RANK" in os.environ
+    if not launched_by_torchrun() and not one_rank:
         return SINGLE, device
     _joined = True
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
@@ -129,7 +136,7 @@ def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S)
         from portarl.runtime.heartbeat import start_heartbeat
 
         _heartbeat = start_heartbeat(rank, world, timeout_s)
-    return DistContext(rank, world, local, BACKEND_FOR_DEVICE[device.type], host_group), device
+    return DistContext(rank, world, local, BACKEND_FOR_DEVICE[device.type], host_group, one_rank), device
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,8 @@ class GRPOTrainer:
                  rollout_engine=None):
         self.config = (config or TrainConfig()).validate()
         # Under torchrun: process group (nccl / hccl / gloo), this rank's device, FSDP2.
-        self.dist, self.device = pdist.init_distributed(resolve_device(device), self.config.distributed.timeout_s)
+        self.dist, self.device = pdist.init_distributed(resolve_device(device), self.config.distributed.timeout_s,
+                                                           fsdp_one_rank=self.config.distributed.fsdp_one_rank)
         if self.config.rollout.dynamic_sampling and self.dist.enabled:
             raise ConfigError("rollout.dynamic_sampling runs in a single process (under torchrun each rank would keep "
                               "a different number of groups); use loss.drop_zero_std_groups there")

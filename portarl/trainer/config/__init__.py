@@ -54,9 +54,16 @@ class DistributedConfig:
     #: (frozen, SIGSTOPped, its host gone) stops the job with a message naming it. 10 min
     #: (torch's default is 30): raise it for very large checkpoints or slow first steps.
     timeout_s: float = 600.0
+    #: Under torchrun with one rank (``--nproc-per-node 1``): shard the model with FSDP2
+    #: anyway, so that the sharded path (the mixed-precision policy over fp32 masters, the
+    #: sharded checkpoint) runs on one device; ``portarl hardware-check`` uses it to check
+    #: that path on a lent GPU. False: one rank trains as one process, unsharded.
+    fsdp_one_rank: bool = False
 
     def validate(self):
         _number(self, "distributed", "timeout_s", low=0.0)
+        _check(isinstance(self.fsdp_one_rank, bool), "distributed.fsdp_one_rank", "must be true or false",
+               self.fsdp_one_rank)
         _check(self.timeout_s >= 4, "distributed.timeout_s", "must be >= 4 seconds", self.timeout_s)
 
 
