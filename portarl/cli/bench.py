@@ -211,11 +211,14 @@ def add_parser(commands) -> None:
     st_compare = st_cmds.add_parser("compare", help="one report over run directories made on any machines; exit 1 when a run parts")
     st_dump = st_cmds.add_parser("dump", help="one recorded step's forward and backward, dumped per module on this machine")
     st_locate = st_cmds.add_parser("locate", help="the first module where two dumps part, forward and backward")
+    st_pack = st_cmds.add_parser("pack", help="one .tar of a stability directory (compare / --replay-from / dump take it)")
     from portarl.bench.stability.cli import add_arguments as _stability_arguments
     from portarl.bench.stability.cli import add_locate_arguments as _locate_arguments
+    from portarl.bench.stability.cli import add_pack_arguments as _pack_arguments
 
     _stability_arguments(st, st_compare)
     _locate_arguments(st_dump, st_locate)
+    _pack_arguments(st_pack)
     sp = bench_cmds.add_parser(
         "step", help="per-step CPU / wall time, phases and peak RSS; --vs trl: TRL's GRPOTrainer on the same work",
         description="Run short GRPO trainings in fresh processes and report the median per-step CPU and wall "

@@ -9,7 +9,7 @@
     portarl export --checkpoint C --out DIR [--overwrite]
     portarl episodes RUN [--step N] [--sample K] [--ids] [--tokens]
     portarl plan  [--config FILE.yaml] [--set key=value ...] [--devices N] [--device-memory 80GiB]
-    portarl bench kernels | stability [compare | dump | locate] ...
+    portarl bench kernels | stability [compare | dump | locate | pack] ...
     portarl bench step [--vs trl] [--steps N] [--rounds R] [--threads T] [--out FILE.json]
     portarl bench memory [--config FILE.yaml] [--set key=value ...] [--nproc N]
     portarl --version

@@ -70,6 +70,16 @@ def test_record_replay_elsewhere_and_compare(recorded, tmp_path, capsys):
     assert "## Token-level divergence" in report and "![token-level divergence](tokens.png)" in report
     assert "## Environment per run" in report and "2.13" in report and "[EMULATION]" in report
     assert (report_dir / "tokens.png").exists() and (report_dir / "stability.png").exists()
+    assert "mean relative loss gap" in out and "(Ascend community acceptance: < 2%" in out
+    # The recording as one .tar (what a machine that returns few files hands back): the same report.
+    from portarl.bench.stability.archive import pack_record
+
+    packed = pack_record(gpu, tmp_path / "gpu.tar")
+    assert main(["bench", "stability", "compare", str(packed), str(npu), "--out", str(tmp_path / "from-tar"),
+                 "--threshold", "1e9"]) == 0
+    assert capsys.readouterr().out.replace(str(tmp_path / "from-tar"), str(report_dir)) == out
+    from_tar = json.loads((tmp_path / "from-tar" / "stability.json").read_text())
+    assert from_tar["tokens"] == analysis["tokens"] and from_tar["runs"][1]["loss_gap"] == analysis["runs"][1]["loss_gap"]
     # Any gap at all parts at threshold 0: the exit status gates CI.
     assert main(["bench", "stability", "compare", str(gpu), str(npu), "--out", str(report_dir), "--threshold", "0"]) == 1
     assert "parted from cpu:fp32: cpu:bf16:npu-emulated" in capsys.readouterr().out

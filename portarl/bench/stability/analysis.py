@@ -24,6 +24,9 @@ parts; the report names the first step where mean |d logp| exceeds the bf16 roun
 causes: a run whose only difference is one bf16 rounding of its outputs sits at 1x). A replaying run drifts off the policy that
 sampled the rollouts; the step where its rollout-vs-trainer |d logp| grows well past its
 step-1 value marks where differences come from the replay itself, not only numerics.
+
+Each run also carries its mean relative loss gap to the baseline (:mod:`.loss_gap`), the
+Ascend community's acceptance number; it is reported, and does not change the verdict.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import statistics
 
 import torch
 
+from portarl.bench.stability.loss_gap import ASCEND_LOSS_GAP_LIMIT, mean_relative_loss_gap
 from portarl.bench.stability.record import RunResult
 from portarl.bench.stability.runs import METRICS
 
@@ -236,6 +240,8 @@ def analyse(results: list[RunResult], threshold: float) -> dict:
     noise = next((r for r in results if r.spec.role == "noise"), None)
     bands = {key: noise_band(base, noise, key) for key in CURVE_METRICS} if noise is not None else None
     entries = [_run_entry(r, base, threshold, bands) for r in results]
+    for r, entry in zip(results, entries):  # the Ascend acceptance number; not part of the verdict
+        entry["loss_gap"] = None if r is base else mean_relative_loss_gap(base, r)
     replay = any(r.rollouts.get("mode") == "replayed" for r in results)
     tokens = {}
     for r, entry in zip(results, entries):
@@ -255,4 +261,6 @@ def analyse(results: list[RunResult], threshold: float) -> dict:
             entry["verdict"] += f"; replayed rollouts far off-policy from step {far}"
     return {"baseline": base.label, "threshold": threshold, "replay_rollouts": replay, "noise_floor": bands,
             "runs": entries, "tokens": tokens,
-            "parted": [e["label"] for e in entries if e["parted"] is not None]}
+            "parted": [e["label"] for e in entries if e["parted"] is not None],
+            "loss_gap_limit": ASCEND_LOSS_GAP_LIMIT,
+            "loss_gap_failed": [e["label"] for e in entries if e["loss_gap"] and e["loss_gap"]["passes"] is False]}

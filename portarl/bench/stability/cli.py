@@ -15,21 +15,31 @@ def _log(message: str) -> None:
 def add_arguments(st, compare_parser) -> None:
     """The options this package adds to ``bench stability`` and its ``compare`` subcommand."""
     st.add_argument("--replay-from", metavar="DIR",
-                    help="replay the rollouts recorded in DIR (a --replay-rollouts output made on any machine), "
-                         "from its start model and config; refused when config, data order, seeds or prompts differ")
+                    help="replay the rollouts recorded in DIR (a --replay-rollouts output made on any machine, or a "
+                         ".tar of one: bench stability pack), from its start model and config; refused when config, "
+                         "data order, seeds or prompts differ")
     st.add_argument("--noise-floor", action="store_true",
                     help="also train the first setting with train.seed+1: a run parts only beyond that gap")
-    compare_parser.add_argument("dirs", nargs="+", metavar="DIR", help="stability run directories (first: baseline)")
+    compare_parser.add_argument("dirs", nargs="+", metavar="DIR",
+                                help="stability run directories, or .tar files of them (first: baseline)")
     compare_parser.add_argument("--out", dest="compare_out", metavar="DIR", default="stability-compare",
                                 help="report directory (report.md, stability.png, tokens.png, stability.json)")
     compare_parser.add_argument("--threshold", dest="compare_threshold", metavar="FRACTION", type=float, default=0.1,
                                 help="parting threshold, as a fraction of a metric's typical size")
 
 
+def add_pack_arguments(pack_parser) -> None:
+    """``bench stability pack DIR [--out FILE.tar]``."""
+    pack_parser.add_argument("pack_dir", metavar="DIR", help="stability output directory")
+    pack_parser.add_argument("--out", dest="pack_out", metavar="FILE",
+                             help="archive to write: .tar, or .tar.gz / .tgz for gzip (default: DIR.tar)")
+
+
 def add_locate_arguments(dump_parser, locate_parser) -> None:
     """``bench stability dump`` and ``bench stability locate``."""
     dump_parser.add_argument("--from", dest="dump_from", metavar="DIR", required=True,
-                             help="stability directory that recorded its rollouts (--replay-rollouts), or one that replayed them")
+                             help="stability directory that recorded its rollouts (--replay-rollouts), or one that "
+                                  "replayed them; or a .tar of one")
     dump_parser.add_argument("--step", dest="dump_step", type=int, required=True, metavar="S",
                              help="the step to dump (steps 1..S-1 are trained here on the recorded rollouts first)")
     dump_parser.add_argument("--out", dest="dump_out", metavar="DIR", required=True, help="dump directory")
@@ -61,6 +71,7 @@ def _guarded(command: str, call, errors: tuple):
 
 
 def cmd_dump(args) -> int:
+    from portarl.bench.stability.archive import open_record
     from portarl.bench.stability.dump_step import dump_recorded_step
     from portarl.rollout.replay import RolloutFileError
 
@@ -68,9 +79,14 @@ def cmd_dump(args) -> int:
         _log(f"portarl bench stability dump: --budget-mb {args.dump_budget_mb}: give 0 (summaries only) or more")
         return 2
     logging.getLogger("portarl.train").setLevel(logging.ERROR)
-    index, failed = _guarded("bench stability dump", lambda: dump_recorded_step(
-        args.dump_from, args.dump_step, args.dump_out, run=args.dump_run, modules=args.dump_modules,
-        budget_mb=args.dump_budget_mb, rows=args.dump_rows, progress=_log), (FileNotFoundError, ValueError, RolloutFileError))
+
+    def dump():
+        with open_record(args.dump_from) as source:
+            return dump_recorded_step(source, args.dump_step, args.dump_out, run=args.dump_run,
+                                      modules=args.dump_modules, budget_mb=args.dump_budget_mb, rows=args.dump_rows,
+                                      progress=_log)
+
+    index, failed = _guarded("bench stability dump", dump, (FileNotFoundError, ValueError, RolloutFileError))
     if failed:
         return failed
     print(f"dump: {index.parent}")
@@ -97,8 +113,8 @@ def cmd_stability(args) -> int:
     from portarl.bench.stability.runs import check_run_devices
 
     command = getattr(args, "stability_command", None)
-    if command in ("compare", "dump", "locate"):
-        return {"compare": cmd_compare, "dump": cmd_dump, "locate": cmd_locate}[command](args)
+    if command in ("compare", "dump", "locate", "pack"):
+        return {"compare": cmd_compare, "dump": cmd_dump, "locate": cmd_locate, "pack": cmd_pack}[command](args)
     try:
         specs = parse_runs(args.runs)
         check_run_devices(specs)
@@ -114,14 +130,39 @@ def cmd_stability(args) -> int:
     if failed:
         return failed
     analysis, report = done
-    for run in analysis["runs"]:
-        print(run["verdict"])
+    print_verdicts(analysis)
     print(f"report: {report}")
     return 0
 
 
+def print_verdicts(analysis: dict) -> None:
+    """Each run's verdict, and under it its mean relative loss gap to the baseline."""
+    for run in analysis["runs"]:
+        print(run["verdict"])
+        if run.get("loss_gap"):
+            print(f"  {run['label']}: {run['loss_gap']['line']}")
+
+
+def cmd_pack(args) -> int:
+    """One file for a stability directory (a machine that returns few files returns it whole)."""
+    from pathlib import Path
+
+    from portarl.bench.stability.archive import pack_record
+
+    out = args.pack_out or str(Path(args.pack_dir).resolve()) + ".tar"
+    try:
+        path = pack_record(args.pack_dir, out)
+    except (FileNotFoundError, ValueError) as err:
+        _log(f"portarl bench stability pack: {err}")
+        return 2
+    print(f"packed: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
 def cmd_compare(args) -> int:
-    """Exit 1 when a run parts from the baseline (CI gates on it), 2 on unreadable input."""
+    """Exit 1 when a run parts from the baseline (CI gates on it), 2 on unreadable input
+    (an unsafe or damaged .tar included). The mean relative loss gap is printed under each
+    verdict and does not change the exit status."""
     from portarl.bench.stability import compare
 
     try:
@@ -129,8 +170,7 @@ def cmd_compare(args) -> int:
     except (FileNotFoundError, ValueError, KeyError) as err:
         _log(f"portarl bench stability compare: {err}")
         return 2
-    for run in analysis["runs"]:
-        print(run["verdict"])
+    print_verdicts(analysis)
     print(f"report: {report}")
     if analysis["parted"]:
         print(f"parted from {analysis['baseline']}: {', '.join(analysis['parted'])}")

@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from portarl.bench.stability.archive import is_archive
 from portarl.bench.stability.record import CONFIG, ROLLOUTS, START_MODEL, load_run, read_manifest
 from portarl.bench.stability.runs import check_run_devices, parse_runs
 
@@ -36,6 +37,9 @@ def _source(directory: Path) -> tuple[Path, dict, str]:
     if manifest.get("replayed_from"):
         label = manifest["runs"][0]["label"]
         source = Path(manifest["replayed_from"])
+        if is_archive(source):
+            raise FileNotFoundError(f"{directory} replayed the archive {source}: pass it to --from itself, with "
+                                    f"--run {label}")
         if not source.exists():
             raise FileNotFoundError(f"{directory} replayed {source}, which is not here: pass the recording directory "
                                     "itself to --from")

@@ -16,6 +16,7 @@ from typing import Callable
 import yaml
 
 from portarl.bench.stability import analysis as _analysis
+from portarl.bench.stability.archive import is_archive, open_record
 from portarl.bench.stability.record import (CONFIG, FORMAT, ROLLOUTS, START_MODEL, check_replay, load_directory,
                                             load_run, read_manifest, write_json)
 from portarl.bench.stability.report import plot, plot_tokens, write_report
@@ -66,6 +67,18 @@ def run_stability(
     threshold: float = 0.1,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[dict, Path]:
+    """Train ``specs`` into ``out_dir``; ``replay_from`` is a recording's directory or a
+    ``.tar`` of one (:func:`.archive.pack_record`), extracted for the duration of the runs."""
+    kwargs = dict(steps=steps, seed=seed, config_path=config_path, overrides=overrides, out_dir=out_dir, replay=replay,
+                  noise_floor=noise_floor, threshold=threshold, progress=progress)
+    if replay_from is not None and is_archive(replay_from):
+        with open_record(replay_from) as extracted:
+            return _run_stability(specs, replay_from=extracted, origin=str(Path(replay_from).resolve()), **kwargs)
+    return _run_stability(specs, replay_from=replay_from, **kwargs)
+
+
+def _run_stability(specs, *, steps, seed, config_path, overrides, out_dir, replay, replay_from, noise_floor, threshold,
+                   progress, origin: str | None = None) -> tuple[dict, Path]:
     from portarl.trainer import TrainConfig
 
     out_dir = Path(out_dir)
@@ -74,9 +87,10 @@ def run_stability(
     source = None
     if replay_from is not None:
         source = Path(replay_from).resolve()
+        origin = origin or str(source)  # the directory, or the .tar it was extracted from
         manifest = read_manifest(source)
         if not manifest.get("recording") or not (source / ROLLOUTS).exists():
-            raise FileNotFoundError(f"{source} holds no recorded rollouts: record with --replay-rollouts")
+            raise FileNotFoundError(f"{origin} holds no recorded rollouts: record with --replay-rollouts")
         steps = steps or manifest["steps"]
         recorder = load_run(source / "runs" / manifest["recording"]["slug"])
         config_path, start = source / CONFIG, source / START_MODEL
@@ -86,7 +100,7 @@ def run_stability(
         for spec in specs:  # refuse before anything trains
             here = TrainConfig.load(config_path, [*run_overrides, *spec.overrides()]).to_dict()
             check_replay(recorder_config(source, recorder), here, [*recorder.spec.settings, *spec.settings],
-                         manifest["steps"], steps, str(source))
+                         manifest["steps"], steps, origin)
     else:
         steps = steps or 100
         base = [*overrides, f"train.steps={steps}", f"train.seed={seed}", "guards.max_consecutive_skips=1000000"]
@@ -103,7 +117,7 @@ def run_stability(
     manifest = {"format": FORMAT, "steps": steps, "seed": seed, "threshold": threshold,
                 "runs": [{"label": s.label, "slug": s.slug} for s in all_specs],
                 "recording": {"label": specs[0].label, "slug": specs[0].slug} if replay and source is None else None,
-                "replayed_from": str(source) if source else None}
+                "replayed_from": origin if source else None}
     write_json(out_dir / "manifest.json", manifest)
     results = []
     for i, spec in enumerate(all_specs):
@@ -140,12 +154,16 @@ def recorder_config(source: Path, recorder) -> dict:
 
 def compare(dirs: list[str | Path], out_dir: str | Path, threshold: float = 0.1) -> tuple[dict, Path]:
     """One report over run directories made anywhere (the first directory's first run is the
-    baseline)."""
+    baseline); each may be a ``.tar`` of one (extracted to a temporary folder, removed after)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
     for d in dirs:
-        results += load_directory(d)
+        with open_record(d) as directory:
+            loaded = load_directory(directory)  # everything read into memory (tokens too)
+        for r in loaded:
+            r.source = str(Path(d))
+        results += loaded
     seen: dict[str, int] = {}
     for r in results:
         seen[r.label] = seen.get(r.label, 0) + 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from portarl.bench.stability.analysis import threshold_text
+from portarl.bench.stability.loss_gap import ACCEPTANCE_SOURCE
 from portarl.bench.stability.record import RunResult
 from portarl.bench.stability.runs import METRICS
 
@@ -102,6 +103,28 @@ def _env_row(run: dict) -> str:
             f"{_switches(e)} | {run.get('source') or '-'} |")
 
 
+def _loss_gap_section(runs: list[dict], analysis: dict) -> list[str]:
+    gapped = [r for r in runs if r.get("loss_gap")]
+    if not gapped:
+        return []
+    lines = ["", "## Mean relative loss gap (Ascend community acceptance)", "",
+             f"mean over steps of |loss_run - loss_base| / |loss_base| against {analysis['baseline']}, on the training "
+             f"loss the trainer reports (`loss`; `pg/loss` where a directory has no `loss`); accepted below "
+             f"{analysis['loss_gap_limit']:.0%} ({ACCEPTANCE_SOURCE}). Only steps both runs logged with a finite loss "
+             "count; steps with a near-zero baseline loss are left out and counted; a non-finite loss in the run "
+             "fails the rule. Reported beside the verdicts: it does not change them or compare's exit status.", "",
+             "| run | loss | mean relative gap | steps compared | near-zero left out | non-finite in run | not reached | result |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in gapped:
+        g = r["loss_gap"]
+        mean = g["mean_relative_gap"]
+        shown = "-" if mean is None else ("non-finite" if mean != mean else f"{100 * mean:.3g}%")
+        result = {True: "passes", False: "FAILS", None: "not judged"}[g["passes"]]
+        lines.append(f"| {r['label']} | {g['metric'] or '-'} | {shown} | {g['steps_compared']} | "
+                     f"{len(g['near_zero_steps'])} | {len(g['nonfinite_steps'])} | {len(g['missing_steps'])} | {result} |")
+    return lines
+
+
 def write_report(analysis: dict, out_dir: Path, figure: Path | None, token_figure: Path | None, steps: int) -> Path:
     runs = analysis["runs"]
     lines = ["# portarl stability comparison", ""]
@@ -118,7 +141,11 @@ def write_report(analysis: dict, out_dir: Path, figure: Path | None, token_figur
     if any(r["emulated"] for r in runs):
         lines += ["", "Runs marked [EMULATION] use portarl.backends.emulation: documented numerics of an Ascend stack "
                   "reproduced on this device, not Ascend hardware."]
-    lines += ["", "## Verdicts", ""] + [f"- {r['verdict']}" for r in runs]
+    lines += ["", "## Verdicts", ""]
+    for r in runs:
+        lines.append(f"- {r['verdict']}")
+        if r.get("loss_gap"):
+            lines.append(f"  - {r['loss_gap']['line']}")
     lines += ["", "| run | device | first parting (metric: step) | KL spikes | grad-norm spikes | NaN steps | mean abs d logp | final reward |",
               "|---|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -131,6 +158,7 @@ def write_report(analysis: dict, out_dir: Path, figure: Path | None, token_figur
     if analysis["noise_floor"]:
         lines += ["", "Noise floor (largest gap between the baseline and its repeat with another seed): "
                   + ", ".join(f"{k} {v:.3g}" for k, v in analysis["noise_floor"].items())]
+    lines += _loss_gap_section(runs, analysis)
     limited = [r for r in runs if r.get("limits")]
     if limited:
         lines += ["", "## Parting limit per metric", "",
