@@ -17,7 +17,7 @@ TRITON_ASCEND_VENV := .venv-triton-ascend
 TRITON_ASCEND_PYTHON ?= $(PYTHON)
 TRITON_ASCEND_SPEC ?= triton-ascend==3.2.0
 
-.PHONY: demo agents-demo test test-full docs docs-numbers config-reference test-vllm test-hardware parity-report check-triton-ascend clean
+.PHONY: demo agents-demo test test-full docs docs-numbers config-reference test-vllm test-hardware hardware-check-quick parity-report check-triton-ascend clean
 
 # Each step says what it does: the torch download alone is a minute or two of silence otherwise.
 $(VENV)/.installed: pyproject.toml Makefile
@@ -122,6 +122,16 @@ check-triton-ascend: $(TRITON_ASCEND_VENV)/.installed
 # On a GPU or NPU machine: the hardware-marked tests and a parity report.
 test-hardware: $(VENV)/.installed
 	$(PY) -m pytest -q -m "gpu or npu" -rs
+
+# portarl hardware-check on this CPU, every stage on small shapes (docs/hardware-ci.md): .ci/run
+# runs it so that the command a lent GPU gets cannot rot between loans. Output: runs/hardware-check-cpu.
+HARDWARE_CHECK_OUT ?= runs/hardware-check-cpu
+# The record it leaves is then replayed on the CPU emulation of an Ascend stack, as a GPU's is at home.
+hardware-check-quick: $(VENV)/.installed
+	rm -rf $(HARDWARE_CHECK_OUT) $(HARDWARE_CHECK_OUT)-replay
+	OMP_NUM_THREADS=1 $(VENV)/bin/portarl hardware-check --device cpu --quick --out $(HARDWARE_CHECK_OUT)
+	OMP_NUM_THREADS=1 $(VENV)/bin/portarl bench stability --replay-from $(HARDWARE_CHECK_OUT)/stability.tar \
+		--runs cpu:bf16:npu-emulated --out $(HARDWARE_CHECK_OUT)-replay
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(TRITON_ASCEND_VENV) .pytest_cache parity-report.json runs site

@@ -70,7 +70,7 @@ def run_check(plan: CheckPlan, out: Path, *, stages=STAGES, work: Path | None = 
     for name in stages:
         left = plan.total_s - (time.monotonic() - started)
         limit = min(plan.limits_s.get(name, 300), left)
-        if limit < 5:
+        if left < 5:
             outcomes[name] = {"status": "failed", "line": f"not run: the check's {plan.total_s:.0f} s were spent"}
         else:
             say(f"[{name}] up to {limit:.0f} s")
