@@ -27,7 +27,7 @@ def add_parser(commands) -> None:
     p.add_argument("--stages", nargs="+", metavar="STAGE", default=None,
                    help=f"run only these stages (default: all, in order: {STAGE_HELP})")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="seconds for the whole check (default: 450 on a GPU / NPU, 900 quick); each stage also has "
+                   help="seconds for the whole check (default: 480 on a GPU / NPU, 900 quick); each stage also has "
                         "its own limit")
     p.add_argument("--work", default=None,
                    help="keep the scratch runs here (the stability run directory, the FSDP2 run, pytest's XML); "
