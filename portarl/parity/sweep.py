@@ -136,14 +136,16 @@ def run_sweep(
     include_hardware_cases: bool = False,
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
+    sink: list[Record] | None = None,
 ) -> list[Record]:
-    """Every case x backend x dtype on ``device``; ``progress`` gets one line per case."""
+    """Every case x backend x dtype on ``device``; ``progress`` gets one line per case.
+    ``sink``: a list the records are appended to as each case finishes (and returned), so
+    that a caller stopped midway still holds what ran."""
     names = list(backends) if backends is not None else backends_for(device)
     dtype_list = [case_lib.parse_dtype(d) for d in dtypes]
     lp_cases = case_lib.standard_logprobs_cases()
     kl_cases = case_lib.standard_kl_cases()
     if include_hardware_cases:
-        lp_cases += case_lib.hardware_logprobs_cases()
         kl_cases += case_lib.hardware_kl_cases()
     # The Triton interpreter on CPU skips cases too big for it (they run on a real GPU).
     interpreted = device.type == "cpu"
@@ -157,6 +159,14 @@ def run_sweep(
             for case in kl_cases:
                 for est in ops.KL_ESTIMATORS:
                     jobs.append((f"kl {case.name}/{est}", lambda c=case, e=est, b=backend, d=dtype: run_kl_case(c, e, b, d, device, repeats)))
+    if include_hardware_cases:  # case by case, so that each case's inputs are drawn once (LogprobsCase._draws)
+        for case in case_lib.hardware_logprobs_cases():
+            for backend in names:
+                if interpreted and backend == "cuda" and not case.fits_interpreter():
+                    continue
+                for dtype in dtype_list:
+                    jobs.append((f"logprobs {case.name}",
+                                 lambda c=case, b=backend, d=dtype: run_logprobs_case(c, b, d, device, repeats)))
     from portarl.parity.linear_sweep import run_linear_logprobs_case, standard_linear_cases
 
     for backend in names:
@@ -166,7 +176,7 @@ def run_sweep(
                     continue
                 jobs.append((f"linear_logprobs {case.name}",
                              lambda c=case, b=backend, d=dtype: run_linear_logprobs_case(c, b, d, device, repeats)))
-    records: list[Record] = []
+    records: list[Record] = sink if sink is not None else []
     width = len(str(len(jobs)))
     for i, (label, job) in enumerate(jobs, 1):
         started = time.perf_counter()

@@ -129,3 +129,39 @@ def test_summary_names_every_stage_and_the_failed_ones(tmp_path):
     for name in outcomes:
         assert f"| {name} |" in text
     assert "worst error 1.50x" in text and "skipped 3: needs flash-attn" in text
+
+
+def test_a_stopped_test_run_is_counted_from_its_verbose_output():
+    """The hardware tests are stopped inside the stage's limit before pytest writes its JUnit
+    file: what ran is read from ``pytest -v`` lines (xdist's and plain), each test once."""
+    from portarl.bench.hardware.parity_stage import read_verbose
+
+    text = """[gw0] [  1%] PASSED tests/parity/test_a.py::test_x[cuda-gpu-bf16]
+[gw1] [  2%] FAILED tests/parity/test_b.py::test_y[cuda-gpu]
+tests/test_c.py::test_z[cuda-gpu] SKIPPED (needs flash-attn) [ 3%]
+tests/test_c.py::test_w[cuda-gpu] PASSED                                  [ 4%]
+FAILED tests/parity/test_b.py::test_y[cuda-gpu] - AssertionError
+"""
+    counts, _, failures = read_verbose(text)
+    assert counts == {"passed": 2, "failed": 1, "skipped": 1}
+    assert failures == ["tests/parity/test_b.py::test_y[cuda-gpu]"]
+
+
+def test_hardware_cases_draw_their_inputs_once_and_never_hand_out_the_kept_draws():
+    """The hardware-sized parity cases are drawn once for every backend and dtype (on a GPU
+    the host's drawing took most of each case's time); the tensors handed out are copies, so a
+    backend writing into its input cannot change the next one's."""
+    import torch
+
+    from portarl.parity import cases
+
+    case = cases.LogprobsCase("big_sliced", lead=(2, 4096), vocab=2049, layout="sliced", seed=5)
+    a, la = case.make(torch.float32)
+    first = a.clone()
+    kept = cases._LAST_DRAWS["draws"][0]
+    a.add_(1.0)
+    b, lb = case.make(torch.float32)
+    assert cases._LAST_DRAWS["draws"][0] is kept
+    assert torch.equal(first, b) and torch.equal(la, lb)
+    c, _ = case.make(torch.bfloat16)
+    assert torch.equal(c, b.to(torch.bfloat16))

@@ -100,7 +100,8 @@ def run_stage(name: str, work: Path, out: Path, limit: float, log_path: Path, sa
     with log_path.open("a") as log:
         log.write(f"\n===== {name} =====\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = dict(os.environ, PORTARL_STAGE_LIMIT_S=f"{limit:.0f}")  # a stage with a child of its own stops it first
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             rc = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:

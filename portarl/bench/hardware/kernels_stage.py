@@ -8,8 +8,8 @@ measured bf16 matmul throughput (the linear op), peak extra memory.
 
 Order matters on a timed loan: every method but ``torch.compile`` first, for every shape,
 then the compiled formulas (seconds of compile each). ``kernels.json`` and ``kernels.md``
-are rewritten after every pass, so a stage stopped at its limit leaves every row it
-measured.
+are rewritten after every pass (one shape of one op), so a stage stopped at its limit
+leaves the rows of every pass it finished.
 """
 
 from __future__ import annotations
@@ -33,18 +33,20 @@ def run(plan, device: torch.device, out, work, log) -> dict:
     bandwidth = (env.get("copy_bandwidth_gbps") or 0) * 1e9 or copy_bandwidth(device)
     tflops = env.get("matmul_bf16_tflops")
     rows: list = []
-    passes = [
-        ("logprobs and kl", lambda: run_kernels(device, shapes=list(plan.kernel_shapes), dtypes=plan.kernel_dtypes,
-                                                repeats=plan.kernel_repeats, progress=log, bandwidth=bandwidth)[0]),
-        ("linear_logprobs", lambda: run_linear(device, shapes=list(plan.linear_shapes), dtypes=plan.linear_dtypes,
-                                               repeats=max(1, plan.kernel_repeats - 2), progress=log)),
-        ("torch.compile: logprobs and kl", lambda: run_kernels(
-            device, shapes=list(plan.kernel_shapes), dtypes=plan.compile_dtypes, repeats=plan.kernel_repeats,
-            progress=log, compile=True, only={"compile"}, modes=COMPILE_LOGPROB_MODES, bandwidth=bandwidth)[0]),
-        ("torch.compile: linear_logprobs", lambda: run_linear(
-            device, shapes=list(plan.linear_shapes), dtypes=plan.compile_dtypes,
-            repeats=max(1, plan.kernel_repeats - 2), progress=log, compile=True, only={"compile"})),
-    ]
+    passes = []
+    for shape in plan.kernel_shapes:  # a pass per shape: each one's rows are written as soon as it ends
+        passes.append((f"logprobs and kl {shape}", lambda s=shape: run_kernels(
+            device, shapes=[s], dtypes=plan.kernel_dtypes, repeats=plan.kernel_repeats, progress=log,
+            bandwidth=bandwidth)[0]))
+    for shape in plan.linear_shapes:
+        passes.append((f"linear_logprobs {shape}", lambda s=shape: run_linear(
+            device, shapes=[s], dtypes=plan.linear_dtypes, repeats=plan.linear_repeats, progress=log)))
+    passes.append(("torch.compile: logprobs and kl", lambda: run_kernels(
+        device, shapes=list(plan.kernel_shapes), dtypes=plan.compile_dtypes, repeats=plan.kernel_repeats,
+        progress=log, compile=True, only={"compile"}, modes=COMPILE_LOGPROB_MODES, bandwidth=bandwidth)[0]))
+    passes.append(("torch.compile: linear_logprobs", lambda: run_linear(
+        device, shapes=list(plan.linear_shapes), dtypes=plan.compile_dtypes, repeats=plan.linear_repeats,
+        progress=log, compile=True, only={"compile"})))
     for name, measure in passes:
         log(f"-- {name}")
         rows += measure()

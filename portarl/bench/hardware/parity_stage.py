@@ -13,8 +13,10 @@ reason in the summary, never dropped silently.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -35,13 +37,21 @@ def run(plan, device: torch.device, out, work, log) -> dict:
     log(f"backends usable on {device}: {', '.join(backends)}; dtypes {', '.join(DTYPES)}"
         + ("; with the hardware-sized cases" if plan.parity_large else ""))
     where = device if device.type != "cpu" else torch.device("cpu")
-    with computed_on(where):
-        records = run_sweep(device, backends=backends, dtypes=DTYPES, include_hardware_cases=plan.parity_large,
-                            repeats=plan.parity_repeats, progress=log)
     env = environment(device)
     env["float64_reference_device"] = str(where)
-    report = build_report(device, records, env)
-    write_report(report, out / "parity.json")
+    records: list = []
+    written = [time.monotonic()]
+
+    def progress(line: str) -> None:  # the report so far, every 10 s: a stage stopped at its limit keeps it
+        log(line)
+        if time.monotonic() - written[0] > 10:
+            write_report(build_report(device, records, {**env, "partial": True}), out / "parity.json")
+            written[0] = time.monotonic()
+
+    with computed_on(where):
+        run_sweep(device, backends=backends, dtypes=DTYPES, include_hardware_cases=plan.parity_large,
+                  repeats=plan.parity_repeats, progress=progress, sink=records)
+    write_report(build_report(device, records, env), out / "parity.json")
     failed = [r for r in records if not r.passed]
     line = f"{len(records) - len(failed)}/{len(records)} checks within tolerance ({', '.join(backends)}; {', '.join(DTYPES)})"
     result = {"status": "ok" if not failed else "failed", "line": line, "backends": backends,
@@ -66,22 +76,39 @@ def hardware_tests(plan, device: torch.device, out, work, log) -> dict:
         return {"status": "failed", "line": f"no tests/ beside the package ({REPO}): run from the project's tree"}
     marker = {"cuda": "gpu", "npu": "npu"}.get(device.type, "gpu or npu")
     junit = work / "hardware-tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", marker, "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}",
-           str(tests)]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", marker, "-rs", "-p", "no:cacheprovider", "-p", "no:benchmark",
+           f"--junitxml={junit}", str(tests)]
     if device.type != "cpu" and _has_xdist():
-        cmd[4:4] = ["-n", "4"]  # a device shared by 4 workers: the marked tests are small, their Triton compiles are not
+        cmd[4:4] = ["-n", str(min(8, max(2, (os.cpu_count() or 2) // 2)))]  # the marked tests' Triton compiles are CPU work
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    # pytest's own deadline inside the stage's, so that what ran is counted even when it is stopped
+    deadline = max(10.0, float(os.environ.get("PORTARL_STAGE_LIMIT_S", "600")) - 20)
     log("$ " + " ".join(cmd))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout.splitlines()[-60:]:
+    progress = work / "hardware-tests.log"
+    with progress.open("w") as sink:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = None
+    text_out = progress.read_text(errors="replace")
+    for line in [x for x in text_out.splitlines() if " PASSED" not in x][-60:]:
         log(line)
-    counts, skipped, failures = read_junit(junit)
+    if rc is not None and junit.exists():
+        counts, skipped, failures = read_junit(junit)
+    else:
+        counts, skipped, failures = read_verbose(text_out)
     ran = counts["passed"] + counts["failed"]
     text = (f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
-            f"(pytest -m \"{marker}\", exit {proc.returncode})")
+            f"(pytest -m \"{marker}\", " + (f"exit {rc})" if rc is not None else f"stopped at its {deadline:.0f} s)"))
     result = {"counts": counts, "skipped": skipped, "failures": failures[:20], "line": text}
-    if counts["failed"] or proc.returncode not in (0, 5) or not junit.exists():
+    if rc is None:
+        result["status"] = "failed"
+        result["line"] = f"stopped at {deadline:.0f} s after {text}" + (f"; first failure: {failures[0]}" if failures else "")
+    elif counts["failed"] or rc not in (0, 5) or not junit.exists():
         result["status"] = "failed"
         if failures:
             result["line"] = f"{counts['failed']} hardware tests failed, first: {failures[0]}"
@@ -106,6 +133,33 @@ def _has_xdist() -> bool:
 
 def _first(skipped: dict) -> str:
     return next(iter(skipped), "no reason given")
+
+
+VERBOSE = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b.*?(tests/\S+::\S+)|(tests/\S+::\S+).*?\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
+def read_verbose(text: str) -> tuple[dict, dict, list[str]]:
+    """Counts and failed test ids from ``pytest -v`` output (with or without xdist), for a run
+    stopped before it wrote its JUnit file."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    failures: list[str] = []
+    seen = set()
+    for line in text.splitlines():
+        m = VERBOSE.search(line)
+        if not m:
+            continue
+        status, name = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(3))
+        if (name, status) in seen:
+            continue
+        seen.add((name, status))
+        if status in ("PASSED", "XFAIL", "XPASS"):
+            counts["passed"] += 1
+        elif status == "SKIPPED":
+            counts["skipped"] += 1
+        else:
+            counts["failed"] += 1
+            failures.append(name)
+    return counts, {}, failures
 
 
 def read_junit(path: Path) -> tuple[dict, dict, list[str]]:
