@@ -171,13 +171,21 @@ def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-def cmd_train(args) -> int:
+def _prepared(args, command: str):
+    """``prepare`` for ``command``, logging set up; None after a one-line usage error."""
     try:
-        ready = prepare(args, "train")
+        ready = prepare(args, command)
     except UsageError as err:
-        log(f"portarl train: {err}")
-        return 2
+        log(f"portarl {command}: {err}")
+        return None
     _setup_logging()
+    return ready
+
+
+def cmd_train(args) -> int:
+    ready = _prepared(args, "train")
+    if ready is None:
+        return 2
     from portarl.runtime import distributed as pdist
 
     agreed = False  # an exception on this rank: leave alone, never wait for the others
@@ -271,12 +279,9 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
 
 
 def cmd_sft(args) -> int:
-    try:
-        ready = prepare(args, "sft")
-    except UsageError as err:
-        log(f"portarl sft: {err}")
+    ready = _prepared(args, "sft")
+    if ready is None:
         return 2
-    _setup_logging()
     import shutil
 
     from portarl.assets.lora import apply_lora, save_merged
