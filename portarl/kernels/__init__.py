@@ -22,6 +22,12 @@ def _built_for_interpreter() -> bool:
 #: True when the kernels were decorated under ``TRITON_INTERPRET=1`` and so take CPU tensors.
 INTERPRETED: bool = _built_for_interpreter()
 
+if INTERPRETED:
+    # triton <= 3.6 with NumPy >= 2.4: range() over a kernel scalar fails in the interpreter
+    from portarl.kernels._interpreter import patch_interpreter_index
+
+    patch_interpreter_index()
+
 
 def round_bf16_in_interpreter(dtype) -> bool:
     """Whether a kernel storing ``dtype`` must round bf16 itself (see :mod:`portarl.kernels.rounding`)."""

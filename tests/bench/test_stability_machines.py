@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -68,7 +69,7 @@ def test_record_replay_elsewhere_and_compare(recorded, tmp_path, capsys):
     assert all(t["max_abs_dlogp"] > 0 and t["max_abs_dlogp"] >= t["mean_abs_dlogp"] for t in rows)  # bf16 != fp32
     report = (report_dir / "report.md").read_text()
     assert "## Token-level divergence" in report and "![token-level divergence](tokens.png)" in report
-    assert "## Environment per run" in report and "2.13" in report and "[EMULATION]" in report
+    assert "## Environment per run" in report and torch.__version__ in report and "[EMULATION]" in report
     assert (report_dir / "tokens.png").exists() and (report_dir / "stability.png").exists()
     assert "mean relative loss gap" in out and "(Ascend community acceptance: < 2%" in out
     # The recording as one .tar (what a machine that returns few files hands back): the same report.

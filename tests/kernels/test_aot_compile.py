@@ -24,6 +24,39 @@ pytest.importorskip("triton")
 WORKER = Path(__file__).with_name("aot_worker.py")
 TARGETS = (80, 90)
 
+_FP32_TILE = ("linear_tile_kernel",
+              "*fp32,*fp32,*fp32,*fp32,i32,i32,i32,i32,i32,i32,i32,i32,i32,fp32,constexpr,constexpr,constexpr,"
+              "constexpr,constexpr,constexpr",
+              "ACCUMULATE=False,BLOCK_K=32,BLOCK_M=32,BLOCK_N=64,BROADCAST_DOT=False,HAS_BIAS=False", 8, 2)
+_BF16_GRAD = ("logprobs_grad_kernel",
+              "*bf16,*i64,i32,*i64,*fp32,*fp32,*fp32,*fp32,*bf16,i32,i32,fp32,i32,constexpr,constexpr,constexpr,constexpr")
+#: The stack frames an older Triton's compiler leaves where the pinned one (triton 3.9, its
+#: ptxas 12.9) leaves none, each exactly: (target, kernel, signature, constexprs, warps,
+#: stages) -> (LOCAL, STACK) bytes. triton 3.6 (the GPU image's; its ptxas 12.8) keeps one
+#: to three loop-invariant integers of the persistent loop (the fp32 tile kernel capped at
+#: 128 registers; the bf16 grad kernel's reciprocal of n_rows, at 40) in the stack, stored
+#: once and reloaded once per loop iteration (read from the SASS, issue 46). Any other spill,
+#: or a larger one, still fails; one that is gone passes.
+KNOWN_SPILLS = {
+    (3, 6): {
+        (80, *_FP32_TILE): (0, 16),
+        (90, *_FP32_TILE): (0, 16),
+        (80, *_BF16_GRAD, "BLOCK_V=512,IN_PLACE=False,ROUND_BF16=False,WITH_ENTROPY=False", 2, 1): (0, 8),
+        (80, *_BF16_GRAD, "BLOCK_V=2048,IN_PLACE=False,ROUND_BF16=False,WITH_ENTROPY=False", 8, 1): (0, 8),
+    },
+}
+
+
+def _spill_key(cap, v):
+    return (cap, v["kernel"], ",".join(v["signature"].values()),
+            ",".join(f"{k}={x}" for k, x in sorted(v["constexprs"].items())), v["num_warps"], v["num_stages"])
+
+
+def _known_spills() -> dict:
+    import triton
+
+    return KNOWN_SPILLS.get(tuple(int(p) for p in triton.__version__.split(".")[:2]), {})
+
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
@@ -65,7 +98,9 @@ def test_variants_compile_without_spills(reports, cap):
     assert len(variants) >= 50  # logprobs + kl: a variant list that silently emptied would pass otherwise
     errors = [(v["kernel"], v["constexprs"], v["error"]) for v in variants if "error" in v]
     assert not errors, f"sm_{cap}: compile errors: {errors[:3]}"
+    known = _known_spills()
     spills = [(v["kernel"], v["constexprs"], v["num_warps"], v["LOCAL"], v["STACK"])
-              for v in variants if v["LOCAL"] or v["STACK"]]
+              for v in variants if (v["LOCAL"] or v["STACK"])
+              and known.get(_spill_key(cap, v)) != (v["LOCAL"], v["STACK"])]
     assert not spills, f"sm_{cap}: local memory (spills): {spills}"
     assert all(0 < v["REG"] <= 255 for v in variants)

@@ -129,8 +129,13 @@ def test_module_reward_next_to_the_config_and_batched_columns_from_the_cli(tmp_p
         "rollout: {group_size: 2, max_new_tokens: 3}\nlogging: {progress: false, tensorboard: false, plot: false, "
         "samples_every: 1, samples_count: 2}\n")
     env = {**os.environ, "PYTHONPATH": ""}
-    portarl = Path(sys.executable).with_name("portarl")
-    done = subprocess.run([str(portarl), "train", "--config", str(cfgdir / "run.yaml")], cwd=tmp_path / "model",
+    portarl = [str(Path(sys.executable).with_name("portarl"))]
+    if not Path(portarl[0]).exists():
+        # portarl run from its tree (not installed, as on the GPU image): the tree alone on the
+        # path; -m adds the cwd (the model's folder), never the config's
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+        portarl = [sys.executable, "-m", "portarl"]
+    done = subprocess.run([*portarl, "train", "--config", str(cfgdir / "run.yaml")], cwd=tmp_path / "model",
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
