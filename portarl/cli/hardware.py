@@ -56,8 +56,21 @@ def cmd_hardware_check(args) -> int:
     if args.budget_s is not None and args.budget_s <= 0:
         _log(f"portarl hardware-check: --budget-s {args.budget_s}: give a positive number of seconds")
         return 2
+    import signal
+
+    def stop(signum, frame):  # SIGTERM as Ctrl-C: the running stage's processes are stopped on the way out
+        raise KeyboardInterrupt(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         return run_check(plan, Path(args.out), stages=stages, work=Path(args.work) if args.work else None)
     except FileExistsError as err:
         _log(f"portarl hardware-check: {err}")
         return 2
+    except KeyboardInterrupt as err:
+        signum = err.args[0] if err.args and isinstance(err.args[0], int) else signal.SIGINT
+        _log(f"portarl hardware-check: stopped by {signal.Signals(signum).name}; the running stage was stopped "
+             f"with it (what finished is in {Path(args.out) / 'summary.md'})")
+        return 128 + int(signum)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

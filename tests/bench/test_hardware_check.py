@@ -165,3 +165,42 @@ def test_hardware_cases_draw_their_inputs_once_and_never_hand_out_the_kept_draws
     assert torch.equal(first, b) and torch.equal(la, lb)
     c, _ = case.make(torch.bfloat16)
     assert torch.equal(c, b.to(torch.bfloat16))
+
+
+def test_sigterm_stops_the_check_and_its_running_stage(tmp_path):
+    """The stage runs in a session of its own (so that a hung one can be killed with its
+    children); a SIGTERM to the check must take it along, not leave it running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PORTARL_SUPERVISE="0")
+    proc = subprocess.Popen([sys.executable, "-m", "portarl", "hardware-check", "--device", "cpu", "--quick",
+                             "--stages", "parity", "--out", str(out), "--work", str(tmp_path / "work")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        log = out / "check.log"
+        while proc.poll() is None and not (log.exists() and "[  1/" in log.read_text(errors="replace")):
+            time.sleep(0.2)  # until the stage's own process is at work (its first case logged)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM" in err
+    stage_left = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if "portarl.bench.hardware.stage" in cmd and str(tmp_path) in cmd:
+                stage_left.append(pid)
+    assert not stage_left, f"stage processes left running: {stage_left}"

@@ -107,6 +107,9 @@ def run_stage(name: str, work: Path, out: Path, limit: float, log_path: Path, sa
         except subprocess.TimeoutExpired:
             _stop(proc)
             rc = None
+        except BaseException:  # Ctrl-C / SIGTERM of the check: the stage (a session of its own) goes too
+            _stop(proc)
+            raise
     seconds = time.monotonic() - started
     if result_path.exists():
         result = json.loads(result_path.read_text())
