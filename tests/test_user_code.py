@@ -48,9 +48,14 @@ def run_sigint_handler():
 
 
 def test_ctrl_c_under_pythons_default_handler_passes_through():
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with pytest.raises(KeyboardInterrupt):
-        UserCodeGuard(60.0).call(lambda: (_ for _ in ()).throw(KeyboardInterrupt), what="reward 'r'")
+    # Python's own handler, set here: a test process started in the background of a
+    # non-interactive shell (nohup, `cmd &`) inherits SIGINT ignored instead.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            UserCodeGuard(60.0).call(lambda: (_ for _ in ()).throw(KeyboardInterrupt), what="reward 'r'")
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.parametrize("body, kind, problem", [
