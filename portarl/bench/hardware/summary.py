@@ -96,7 +96,8 @@ def _kernels(out: Path) -> list[str]:
                 if r["median_ms"] is None:
                     return f"({_cell((r['error'] or '')[:40])})"
                 share = f", {r['frac_copy_bw']:.0%}" if r.get("frac_copy_bw") is not None else ""
-                return f"{r['median_ms']:.2f} ms{share}; {r['peak_extra_mb']:.0f} MiB"
+                peak = r.get("peak_extra_mb")  # -1: not measured (an NPU's allocator)
+                return f"{r['median_ms']:.2f} ms{share}" + (f"; {peak:.0f} MiB" if peak is not None and peak >= 0 else "")
             liger = cell("liger", mode.replace("+entropy", ""))
             lines.append(f"| {n}x{v} | {dtype} | {mode} | {cell(native)} | {cell('eager')} | {cell('compile')} | {liger} |")
     linear = [r for r in rows if r["op"] == "linear_logprobs"]
@@ -106,7 +107,7 @@ def _kernels(out: Path) -> list[str]:
         for r in linear:
             ms = f"{r['median_ms']:.2f}" if r["median_ms"] is not None else f"({_cell((r['error'] or '')[:60])})"
             tf = f"{r['tflops']:.0f}" if r.get("tflops") else "-"
-            mib = f"{r['peak_extra_mb']:.0f}" if r.get("peak_extra_mb") is not None else "-"
+            mib = f"{r['peak_extra_mb']:.0f}" if (r.get("peak_extra_mb") or -1) >= 0 else "-"
             lines.append(f"| {r['n']}x{r['h']}x{r['v']} | {r['dtype']} | {r['mode']} | {r['method']} | {ms} | {tf} | {mib} |")
     return lines + [""]
 
