@@ -204,3 +204,22 @@ def test_sigterm_stops_the_check_and_its_running_stage(tmp_path):
             if "portarl.bench.hardware.stage" in cmd and str(tmp_path) in cmd:
                 stage_left.append(pid)
     assert not stage_left, f"stage processes left running: {stage_left}"
+
+
+def test_the_summary_names_the_code_that_ran_by_content(tmp_path):
+    """A lent machine's copied tree may carry a stale .git: the package files' digest says
+    what ran, and changes with any file's content or name."""
+    from portarl.bench.hardware.environment import tree_digest
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    first = tree_digest(tmp_path)
+    assert tree_digest(tmp_path) == first and len(first) == 12
+    (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
+    assert tree_digest(tmp_path) != first
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "a.py").rename(tmp_path / "pkg" / "b.py")
+    assert tree_digest(tmp_path) != first
+    p = plan_lib.make_plan("cuda")
+    (tmp_path / "envinfo.json").write_text(json.dumps({"portarl_tree_sha256": first, "device_name": "X"}))
+    assert f"package files sha256 {first}" in summary_markdown(p, tmp_path, {}, 1.0)

@@ -54,8 +54,22 @@ def device_memory(device: torch.device) -> dict:
     return {"total_gib": pages * size / 2**30, "cores": os.cpu_count()}
 
 
+def tree_digest(root=None) -> str:
+    """sha256 (first 12 hex digits) of every ``.py`` file of the portarl package, by path: what
+    code ran, where a copied tree's ``.git`` may be stale or absent (the lent machine's is)."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def run(plan, device: torch.device, out, work, log) -> dict:
     info = environment(device)
+    info["portarl_tree_sha256"] = tree_digest()
     info["memory"] = device_memory(device)
     accelerator = device.type != "cpu"
     nbytes = (1 << 30) if accelerator else (1 << 24)

@@ -23,7 +23,9 @@ def summary_markdown(plan, out: Path, outcomes: dict, seconds: float) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"# portarl hardware-check: {env.get('device_name', plan.device)}", "",
              f"**{verdict}** in {seconds:.0f} s, {when}; `--device {plan.device}`"
-             + (" `--quick`" if plan.quick else "") + f"; portarl {env.get('portarl', '?')}" + _commit(), "",
+             + (" `--quick`" if plan.quick else "") + f"; portarl {env.get('portarl', '?')}"
+             + (f", package files sha256 {env['portarl_tree_sha256']}" if env.get("portarl_tree_sha256") else "")
+             + _commit(), "",
              "| stage | outcome | seconds | |", "|---|---|---|---|"]
     for name, o in outcomes.items():
         lines.append(f"| {name} | {o['status']} | {o.get('seconds', 0):.0f} | {_cell(o['line'])} |")
@@ -45,7 +47,7 @@ def _commit() -> str:
                              cwd=Path(__file__).parent).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
-    return f" (commit {sha})" if sha else ""
+    return f" (git HEAD {sha}: a copied tree's .git may be stale; the sha256 is what ran)" if sha else ""
 
 
 def _cell(text: str) -> str:
