@@ -36,7 +36,7 @@ def run(plan, device: torch.device, out, work, log) -> dict:
     backends = backends_for(device)
     log(f"backends usable on {device}: {', '.join(backends)}; dtypes {', '.join(DTYPES)}"
         + ("; with the hardware-sized cases" if plan.parity_large else ""))
-    where = device if device.type != "cpu" else torch.device("cpu")
+    where = device  # the float64 references beside the results: the device itself
     env = environment(device)
     env["float64_reference_device"] = str(where)
     records: list = []
@@ -76,10 +76,11 @@ def hardware_tests(plan, device: torch.device, out, work, log) -> dict:
         return {"status": "failed", "line": f"no tests/ beside the package ({REPO}): run from the project's tree"}
     marker = {"cuda": "gpu", "npu": "npu"}.get(device.type, "gpu or npu")
     junit = work / "hardware-tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-v", "-m", marker, "-rs", "-p", "no:cacheprovider", "-p", "no:benchmark",
-           f"--junitxml={junit}", str(tests)]
-    if device.type != "cpu" and _has_xdist():
-        cmd[4:4] = ["-n", str(min(8, max(2, (os.cpu_count() or 2) // 2)))]  # the marked tests' Triton compiles are CPU work
+    workers = []
+    if device.type != "cpu" and _has_xdist():  # the marked tests' Triton compiles are CPU work
+        workers = ["-n", str(min(8, max(2, (os.cpu_count() or 2) // 2)))]
+    cmd = [sys.executable, "-m", "pytest", "-v", *workers, "-m", marker, "-rs", "-p", "no:cacheprovider",
+           "-p", "no:benchmark", f"--junitxml={junit}", str(tests)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     # pytest's own deadline inside the stage's, so that what ran is counted even when it is stopped

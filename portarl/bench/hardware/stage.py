@@ -9,6 +9,7 @@ reports its exit instead.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -36,8 +37,7 @@ def main(argv: list[str]) -> int:
     try:
         device = resolve_device(plan.device)
         module_name, function = STAGE_MODULES[name]
-        module = __import__(module_name, fromlist=[function])
-        result = getattr(module, function)(plan, device, out, work, log)
+        result = getattr(importlib.import_module(module_name), function)(plan, device, out, work, log)
     except Exception as err:  # the stage failed: named in the summary, the traceback in the log
         traceback.print_exc()
         result = {"status": "failed", "line": f"{type(err).__name__}: {str(err)[:300]}"}

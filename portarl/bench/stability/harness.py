@@ -16,7 +16,7 @@ from typing import Callable
 import yaml
 
 from portarl.bench.stability import analysis as _analysis
-from portarl.bench.stability.archive import is_archive, open_record
+from portarl.bench.stability.archive import open_record
 from portarl.bench.stability.record import (CONFIG, FORMAT, ROLLOUTS, START_MODEL, check_replay, load_directory,
                                             load_run, read_manifest, write_json)
 from portarl.bench.stability.report import plot, plot_tokens, write_report
@@ -71,14 +71,16 @@ def run_stability(
     ``.tar`` of one (:func:`.archive.pack_record`), extracted for the duration of the runs."""
     kwargs = dict(steps=steps, seed=seed, config_path=config_path, overrides=overrides, out_dir=out_dir, replay=replay,
                   noise_floor=noise_floor, threshold=threshold, progress=progress)
-    if replay_from is not None and is_archive(replay_from):
-        with open_record(replay_from) as extracted:
-            return _run_stability(specs, replay_from=extracted, origin=str(Path(replay_from).resolve()), **kwargs)
-    return _run_stability(specs, replay_from=replay_from, **kwargs)
+    if replay_from is None:
+        return _run_stability(specs, replay_from=None, **kwargs)
+    with open_record(replay_from) as source:  # a directory as it is, a .tar extracted
+        return _run_stability(specs, replay_from=source, origin=str(Path(replay_from).resolve()), **kwargs)
 
 
 def _run_stability(specs, *, steps, seed, config_path, overrides, out_dir, replay, replay_from, noise_floor, threshold,
                    progress, origin: str | None = None) -> tuple[dict, Path]:
+    """``origin``: what ``replay_from`` came from (the directory, or the .tar extracted into
+    it), the name the refusals and the manifest give."""
     from portarl.trainer import TrainConfig
 
     out_dir = Path(out_dir)
@@ -87,7 +89,6 @@ def _run_stability(specs, *, steps, seed, config_path, overrides, out_dir, repla
     source = None
     if replay_from is not None:
         source = Path(replay_from).resolve()
-        origin = origin or str(source)  # the directory, or the .tar it was extracted from
         manifest = read_manifest(source)
         if not manifest.get("recording") or not (source / ROLLOUTS).exists():
             raise FileNotFoundError(f"{origin} holds no recorded rollouts: record with --replay-rollouts")
