@@ -37,7 +37,7 @@ import statistics
 import torch
 
 from portarl.bench.stability.loss_gap import ASCEND_LOSS_GAP_LIMIT, mean_relative_loss_gap
-from portarl.bench.stability.record import RunResult
+from portarl.bench.stability.record import RunResult, step_ranges
 from portarl.bench.stability.runs import METRICS
 
 BF16_ULP = 2.0 ** -8
@@ -127,17 +127,6 @@ def threshold_text(threshold: float) -> str:
     return f"{threshold:.0%}" if threshold < 10 else f"{threshold:g}x"
 
 
-def _ranges(steps: list[int]) -> str:
-    out, start = [], None
-    for i, s in enumerate(steps):
-        if start is None:
-            start = s
-        if i + 1 == len(steps) or steps[i + 1] != s + 1:
-            out.append(str(start) if start == s else f"{start}-{s}")
-            start = None
-    return ", ".join(out)
-
-
 def token_divergence(base: RunResult, run: RunResult) -> list[dict] | None:
     """Per step, between two runs that trained on the same recorded rollouts."""
     sha = base.rollouts.get("sha256")
@@ -209,7 +198,7 @@ def _run_entry(r: RunResult, base: RunResult, threshold: float, bands: dict | No
     skipped = r.nan_steps
     if skipped:
         bad = sorted({row.get("guard/nonfinite_tensor") for row in r.rows if row.get("skipped")} - {None})
-        verdict += (f"; skipped (non-finite) steps {_ranges(skipped)} ({len(skipped)} of {r.steps or len(r.rows)}, "
+        verdict += (f"; skipped (non-finite) steps {step_ranges(skipped)} ({len(skipped)} of {r.steps or len(r.rows)}, "
                     f"counted as diverged; first bad tensor: {', '.join(bad) or '?'})")
     verdict += (f"; {len(kl_spikes)} KL spike(s), {len(grad_spikes)} grad-norm spike(s); final reward {final:.3f}")
     unscaled = [k for k, v in limits.items() if not v["usable_scale"] and base.series(k)]

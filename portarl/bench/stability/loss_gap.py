@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from portarl.bench.stability.record import RunResult
+from portarl.bench.stability.record import RunResult, step_ranges
 
 ASCEND_LOSS_GAP_LIMIT = 0.02  # the Ascend community's acceptance: mean relative loss gap below 2%
 ACCEPTANCE_SOURCE = "verl PR #332 / OpenRLHF PR #605"
@@ -83,16 +83,6 @@ def mean_relative_loss_gap(base: RunResult, run: RunResult, *, floor: float = LO
     return result
 
 
-def _steps(steps: list[int]) -> str:
-    out, start = [], None
-    for i, s in enumerate(steps):
-        start = s if start is None else start
-        if i + 1 == len(steps) or steps[i + 1] != s + 1:
-            out.append(str(start) if start == s else f"{start}-{s}")
-            start = None
-    return ", ".join(out)
-
-
 def _pct(x: float) -> str:
     return f"{100 * x:.3g}%"
 
@@ -107,7 +97,7 @@ def gap_line(g: dict) -> str:
     if g["nonfinite_steps"]:
         bad = g["nonfinite_steps"]
         text = (f"{name} non-finite over {n + len(bad)} steps {rule}: FAILS (loss NaN/inf or not logged in the run "
-                f"at step{'s' if len(bad) > 1 else ''} {_steps(bad)}; over the {n} finite steps: "
+                f"at step{'s' if len(bad) > 1 else ''} {step_ranges(bad)}; over the {n} finite steps: "
                 + (_pct(g["mean_relative_gap_finite_steps"]) if n else "-") + ")")
     elif g["mean_relative_gap"] is None:
         text = f"{name}: no step to compare {rule}: not judged"
@@ -118,9 +108,9 @@ def gap_line(g: dict) -> str:
     if g["near_zero_steps"]:
         k = len(g["near_zero_steps"])
         notes.append(f"{k} step{'s' if k > 1 else ''} with |baseline loss| < {g['near_zero_floor']:g} left out "
-                     f"({_steps(g['near_zero_steps'])})")
+                     f"({step_ranges(g['near_zero_steps'])})")
     if g["baseline_nonfinite_steps"]:
-        notes.append(f"baseline loss non-finite at steps {_steps(g['baseline_nonfinite_steps'])} (not compared)")
+        notes.append(f"baseline loss non-finite at steps {step_ranges(g['baseline_nonfinite_steps'])} (not compared)")
     if g["missing_steps"]:
-        notes.append(f"steps {_steps(g['missing_steps'])} not reached by the run (not compared)")
+        notes.append(f"steps {step_ranges(g['missing_steps'])} not reached by the run (not compared)")
     return text + "".join(f"; {n}" for n in notes)

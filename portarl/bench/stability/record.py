@@ -82,6 +82,17 @@ def load_tokens(path: Path) -> dict[int, dict[str, torch.Tensor]]:
     return out
 
 
+def step_ranges(steps: list[int]) -> str:
+    """``1-3, 7`` for steps [1, 2, 3, 7] (sorted), as the reports name runs of steps."""
+    out, start = [], None
+    for i, s in enumerate(steps):
+        start = s if start is None else start
+        if i + 1 == len(steps) or steps[i + 1] != s + 1:
+            out.append(str(start) if start == s else f"{start}-{s}")
+            start = None
+    return ", ".join(out)
+
+
 # ---- one run, read back ----
 @dataclasses.dataclass
 class RunResult:
