@@ -163,8 +163,12 @@ def encode_examples(examples: list[Example], codec, *, context_length: int | Non
     out = []
     for i, ex in enumerate(examples):
         where = ex.where or f"example {i}"
+        encode_example = getattr(codec, "encode_example", None)  # a vision-language model's codec
+        if encode_example is None and getattr(ex, "images", ()):
+            raise ValueError(f"{where}: the row has images but the model reads text only (model.path is not a "
+                             "vision-language model)")
         try:
-            ids = codec.encode_prompt(ex.prompt)
+            ids = encode_example(ex) if encode_example is not None else codec.encode_prompt(ex.prompt)
         except ValueError as err:
             raise ValueError(f"{where}: the prompt cannot be encoded: {err}") from None
         if not ids:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from portarl.vision.models import is_vision_config
 from portarl.assets.tokenizer import BUILTIN_MODELS, CharTokenizer, byte_chat_tokenizer, load_tokenizer
 
 
@@ -46,7 +47,15 @@ def build_model(m, dtype: torch.dtype | None = None):
     from ``init_seed``) or a local directory / .gguf file loaded in ``dtype``, with
     ``model.attn_implementation`` when set. Without ``model.lora`` (applied later, by the
     trainer or ``portarl export``)."""
-    if m.path in BUILTIN_MODELS:
+    from portarl.vision.models import BUILTIN_VLMS
+
+    if m.path in BUILTIN_VLMS:
+        from portarl.vision.models import build_tiny_vlm
+
+        model, tokenizer = build_tiny_vlm(m.path, seed=m.init_seed)
+        if dtype is not None:
+            model = model.to(dtype)
+    elif m.path in BUILTIN_MODELS:
         model, tokenizer = build_tiny(seed=m.init_seed, chat=m.path == "tiny-chat", hidden_size=m.hidden_size,
                                       layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
                                       intermediate_size=m.intermediate_size)
@@ -59,12 +68,29 @@ def build_model(m, dtype: torch.dtype | None = None):
         except (ValueError, ImportError) as err:
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ValueError(f"model.attn_implementation={impl!r}: {first}") from None
+    if is_vision_config(getattr(model, "config", None)):
+        from portarl.vision.models import freeze_vision, set_pixel_range
+
+        set_pixel_range(tokenizer, getattr(m, "min_pixels", None), getattr(m, "max_pixels", None))
+        if getattr(m, "freeze_vision", True):
+            freeze_vision(model, train_projector=getattr(m, "train_projector", False))
     return model, tokenizer
+
+
+def is_vision_directory(directory: Path) -> bool:
+    """Whether a model directory holds a vision-language model (its config has a vision tower)."""
+    import json
+
+    try:
+        return "vision_config" in json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def load_local(path: str | Path, dtype: torch.dtype | None = None):
     """``(model, tokenizer)`` from a local Hugging Face model directory or a ``.gguf`` file
-    (no network)."""
+    (no network). A vision-language model's directory gives ``(model, processor)``
+    (:func:`portarl.vision.models.load_vlm`)."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(path)
@@ -76,6 +102,10 @@ def load_local(path: str | Path, dtype: torch.dtype | None = None):
             f"model directory {directory} has no config.json: pass a local Hugging Face model directory "
             "(save_pretrained output), a .gguf file, or 'tiny' / 'tiny-chat' for a built-in model"
         )
+    if is_vision_directory(directory):
+        from portarl.vision.models import load_vlm
+
+        return load_vlm(directory, dtype)
     kwargs = {"local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = dtype

@@ -19,7 +19,8 @@ DEFAULT_CHARS = "0123456789+-*=?., ()abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQ
 
 
 #: ``model.path`` values that name a model built in code (see :func:`builtin_tokenizer`).
-BUILTIN_MODELS = ("tiny", "tiny-chat")
+#: The tiny vision-language models (:mod:`portarl.vision.models`) build their processor themselves.
+BUILTIN_MODELS = ("tiny", "tiny-chat", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl")
 
 #: The chat template of the built-in ``tiny-chat`` model: ChatML (SmolLM2's and Qwen2's turn
 #: format, no default system message) that declares tools compactly, since every byte is a
@@ -269,9 +270,17 @@ class TextCodec:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def as_codec(tokenizer, **options) -> TextCodec:
-    """``options``: ``chat_template``, ``system_prompt`` (see :class:`TextCodec`)."""
-    return tokenizer if isinstance(tokenizer, TextCodec) else TextCodec(tokenizer, **options)
+def as_codec(tokenizer, model=None, **options) -> TextCodec:
+    """``options``: ``chat_template``, ``system_prompt`` (see :class:`TextCodec`). A
+    vision-language model's processor gives a :class:`portarl.vision.codec.VisionCodec`
+    (``model``: its M-RoPE positions come from the model)."""
+    if isinstance(tokenizer, TextCodec):
+        return tokenizer
+    if hasattr(tokenizer, "image_processor") and hasattr(tokenizer, "tokenizer"):
+        from portarl.vision.codec import VisionCodec
+
+        return VisionCodec(tokenizer, model, **options)
+    return TextCodec(tokenizer, **options)
 
 
 def load_tokenizer(directory: str | Path):

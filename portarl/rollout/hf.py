@@ -51,6 +51,11 @@ def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
     return ids.to(device), mask.to(device)
 
 
+def _rows_of(media, rows: list[int]):
+    """The vision inputs of ``rows`` (None without)."""
+    return None if media is None else ([media[0][i] for i in rows], [media[1][i] for i in rows], *media[2:])
+
+
 def _distinct_rows(prompts) -> tuple[list, list[int]]:
     """(the distinct prompts in first-seen order, each row's index into them)."""
     first: dict = {}
@@ -115,9 +120,15 @@ class HFRollout(RolloutEngine):
         """It samples from the module it was given: the trainer's own model, always current."""
         return self.model is model
 
-    def generate(self, prompts, seeds, params: SamplingParams) -> RolloutBatch:
+    def generate(self, prompts, seeds, params: SamplingParams, media=None) -> RolloutBatch:
+        """``media`` (a vision-language model): ``(vision prompts, pixel values, image token
+        id, merge area)`` per prompt, as :meth:`portarl.vision.codec.VisionCodec.batch_vision`
+        makes them; the prefill then runs the vision tower and M-RoPE positions, and decoding
+        continues each row from its prompt's largest position plus one."""
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if media is not None and len(media[0]) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but vision inputs for {len(media[0])}")
         size = self.max_batch_size or max(1, len(prompts))
         parts = []
         with _without_autograd(self.model):
@@ -125,13 +136,15 @@ class HFRollout(RolloutEngine):
             # random stream (seed), so a chunk samples what the whole batch would; ranks
             # hold equal numbers of prompts, so lock-step ranks run equal numbers of chunks.
             for start in range(0, len(prompts), size):
-                parts.append(self._generate(prompts[start:start + size], seeds[start:start + size], params))
+                chunk = None if media is None else (media[0][start:start + size], media[1][start:start + size],
+                                                    *media[2:])
+                parts.append(self._generate(prompts[start:start + size], seeds[start:start + size], params, chunk))
         if len(parts) == 1:
             return parts[0]
         return RolloutBatch(*(sum((getattr(p, f) for p in parts), []) for f in
                               ("prompt_ids", "completion_ids", "logprobs", "finished")))
 
-    def _generate(self, prompts, seeds, params: SamplingParams) -> RolloutBatch:
+    def _generate(self, prompts, seeds, params: SamplingParams, media=None) -> RolloutBatch:
         model = self.model
         was_training = model.training
         model.eval()
@@ -139,8 +152,8 @@ class HFRollout(RolloutEngine):
         try:
             keys = seed_keys(seeds, device)
             stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)
-            past, logits, mask, next_pos = self._prefill(prompts, device)
-            decode = self._decoder(past, mask, params.max_new_tokens - 1)
+            past, logits, mask, next_pos = self._prefill(prompts, device, media)
+            decode = self._decoder(past, mask, params.max_new_tokens - 1, vision=media is not None)
             n = len(prompts)
             tokens = torch.full((n, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
             logps = torch.zeros((n, params.max_new_tokens), dtype=torch.float32, device=device)
@@ -176,13 +189,15 @@ class HFRollout(RolloutEngine):
         finally:
             model.train(was_training)
 
-    def _decoder(self, past, mask, steps: int):
+    def _decoder(self, past, mask, steps: int, vision: bool = False):
         """``step(tokens [B, 1], positions [B, 1]) -> logits [B, V]`` for up to ``steps``
         tokens after the prefill: the lean step (:mod:`portarl.rollout.lean_decode`) where
         it reproduces the model and ``lean_decode`` is on, else the Hugging Face forward.
         ``decode_path`` says which, and why not lean (logged when it changes)."""
         reason = (unsupported_reason(self.model, mask.shape[1] + steps) if self.lean_decode
                   else "rollout.lean_decode is off")
+        if vision:
+            reason = "a vision-language model (M-RoPE)"
         path = "lean" if reason is None else f"hf ({reason})"
         if path != self.decode_path:
             log.info("hf engine decode path: %s", path)
@@ -200,7 +215,7 @@ class HFRollout(RolloutEngine):
 
         return hf_step
 
-    def _prefill(self, prompts, device):
+    def _prefill(self, prompts, device, media=None):
         """The prompts' forward: (KV cache, last-position logits, attention mask, next
         position ids), one row per prompt. With ``share_prefill``, a prompt that repeats (the
         G samples of a GRPO group) is computed once and its cache rows copied
@@ -212,22 +227,39 @@ class HFRollout(RolloutEngine):
         last bits between, say, one process and two ranks of the same run; AdamW's first
         step amplifies that for near-zero gradients beyond what
         ``tests/distributed/test_fsdp_gloo.py`` allows."""
-        distinct, row_of = _distinct_rows(prompts) if self.share_prefill else (prompts, None)
+        if self.share_prefill:
+            # A vision prompt is its tokens and its images: equal tokens with other images are not equal.
+            keys = prompts if media is None else [list(p) + [("vision", id(vp))] for p, vp in zip(prompts, media[0])]
+            distinct, row_of = _distinct_rows(keys)
+        else:
+            distinct, row_of = prompts, None
         if len(distinct) < len(prompts):
-            past, logits, mask, positions = self._forward_prompts(distinct, device)
+            firsts = [row_of.index(k) for k in range(len(distinct))]
+            past, logits, mask, following = self._forward_prompts([prompts[i] for i in firsts], device,
+                                                                   _rows_of(media, firsts))
             if callable(getattr(past, "reorder_cache", None)):
                 index = torch.tensor(row_of, dtype=torch.long, device=device)
                 past.reorder_cache(index)
-                return past, logits[index], mask[index], positions[index, -1:] + 1
-        past, logits, mask, positions = self._forward_prompts(prompts, device)
-        return past, logits, mask, positions[:, -1:] + 1
+                return past, logits[index], mask[index], following[index]
+        past, logits, mask, following = self._forward_prompts(prompts, device, media)
+        return past, logits, mask, following
 
-    def _forward_prompts(self, prompts, device):
+    def _forward_prompts(self, prompts, device, media=None):
+        """(cache, last logits, mask, each row's next position [B, 1])."""
         ids, mask = left_pad(prompts, self.pad_token_id, device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+        following = positions[:, -1:] + 1
+        kwargs = {"position_ids": positions}
+        if media is not None:
+            from portarl.vision.inputs import vision_rows
+
+            rows = vision_rows(media[0], media[1], [len(p) for p in prompts], [0] * len(prompts), ids.shape[1], 0,
+                               media[2], media[3], device)
+            kwargs = rows.padded_kwargs(ids)
+            following = torch.tensor([[vp.next_position] for vp in media[0]], dtype=torch.long, device=device)
+        out = self.model(input_ids=ids, attention_mask=mask, use_cache=True, **kwargs,
                          **_last_logits_kwargs(self.model))
-        return out.past_key_values, out.logits[:, -1], mask, positions
+        return out.past_key_values, out.logits[:, -1], mask, following
 
     @staticmethod
     def _score(pending: list, tokens: torch.Tensor, logps: torch.Tensor, end: int, temperature: float) -> None:

@@ -43,6 +43,7 @@ from portarl.assets.reward_runner import RewardError, RewardRunner
 from portarl.rollout import SamplingParams
 from portarl.multiturn.agent import make_agent
 from portarl.assets.tokenizer import as_codec, chat_template_option
+from portarl.vision.models import vision_refusal
 from portarl.runtime.user_code import UserCodeGuard, agree_on_failure
 from portarl.trainer.checkpoint import CheckpointManager, seed_global_rngs
 from portarl.trainer.config import ConfigError, TrainConfig
@@ -112,7 +113,10 @@ class GRPOTrainer:
         self.padding_free = resolve_padding_free(self.config, self.model)  # micro-batch layout (trainer/phases/packing.py)
         self.tokenizer = tokenizer
         d = self.config.data
-        self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)
+        self.codec = as_codec(tokenizer, self.model, chat_template=chat_template_option(d.chat_template),
+                              system_prompt=d.system_prompt)
+        if hasattr(self.codec, "encode_example") and (why := vision_refusal(self.config)) is not None:
+            raise ConfigError(why)
         # tools / environment: multi-turn episodes (portarl.multiturn); sets the codec's tools
         self.agent = make_agent(self.config, self.codec, self._search_dirs())
         self.rewards = self._resolve_rewards(reward_fns)
@@ -205,6 +209,12 @@ class GRPOTrainer:
     def encoded_prompt(self, example: Example) -> list[int]:
         """``example``'s prompt ids: encoded and checked when the data loaded, else now."""
         return self._prompt_ids.get(id(example)) or self.codec.encode_prompt(example.prompt)
+
+    def vision_inputs(self, examples: list, group_size: int):
+        """``build_batch``'s / the rollout's vision inputs for ``examples`` sampled
+        ``group_size`` times each; None for a text model."""
+        batch_vision = getattr(self.codec, "batch_vision", None)
+        return None if batch_vision is None else batch_vision(examples, group_size)
 
     def uses_reference(self) -> bool:
         """Whether the loss needs a reference model (``loss.kl_coef > 0``)."""

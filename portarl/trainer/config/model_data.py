@@ -37,6 +37,19 @@ class ModelConfig:
     #: (flash-attn on CUDA; on Ascend transformers runs it as npu_fusion_attention, and
     #: padding-free micro-batches use its varlen TND layout).
     attn_implementation: str | None = None
+    #: Vision-language models: keep the vision tower's weights fixed and train the language
+    #: model (most recipes do; TRL / OpenRLHF ``freeze_visual_encoder``, verl
+    #: ``actor.freeze_vision_tower``). Ignored for text models.
+    freeze_vision: bool = True
+    #: Vision-language models with freeze_vision: train the projector (Qwen's merger,
+    #: Qwen3-VL's deepstack mergers) all the same.
+    train_projector: bool = False
+    #: Vision-language models: each image is resized (aspect kept) to hold at least this
+    #: many pixels (Qwen's ``min_pixels``); None: the processor's own.
+    min_pixels: int | None = None
+    #: ... and at most this many (Qwen's ``max_pixels``: it bounds the image tokens per
+    #: image, pixels / (patch x merge)^2); None: the processor's own.
+    max_pixels: int | None = None
 
     def validate(self):
         _check(isinstance(self.path, str) and bool(self.path), "model.path",
@@ -46,6 +59,14 @@ class ModelConfig:
                "model.attn_implementation", "must be unset or a transformers attention implementation name",
                self.attn_implementation)
         _positive_int(self, "model", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
+        for name in ("freeze_vision", "train_projector"):
+            _check(isinstance(getattr(self, name), bool), f"model.{name}", "must be true or false", getattr(self, name))
+        for name in ("min_pixels", "max_pixels"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
+                   f"model.{name}", "must be a positive number of pixels or null", value)
+        _check(self.min_pixels is None or self.max_pixels is None or self.min_pixels <= self.max_pixels,
+               "model.min_pixels", f"must not exceed model.max_pixels ({self.max_pixels})", self.min_pixels)
         self.lora = lora_section(self.lora)
 
 

@@ -130,9 +130,10 @@ def trimmed(batch: TokenBatch, rows: torch.Tensor, width_p: int, width_c: int) -
     """``rows`` of ``batch`` with only the last ``width_p`` prompt columns and the first
     ``width_c`` completion columns (the rest is padding for every one of these rows)."""
     start, end = batch.prompt_width - width_p, batch.prompt_width + width_c
+    vision = None if batch.vision is None else batch.vision.rows(rows).columns(start, end)
     return TokenBatch(batch.input_ids[rows, start:end], batch.attention_mask[rows, start:end],
                       batch.position_ids[rows, start:end], batch.labels[rows, :width_c], batch.mask[rows, :width_c],
-                      width_p)
+                      width_p, vision=vision)
 
 
 def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice, TokenBatch]]:
@@ -167,6 +168,8 @@ def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice
     if packing is not None and packing.share_prompt:  # each row's prompt tokens: equal ones are shared
         prompts = batch.input_ids[:, :p_width].tolist()
         keys = [tuple(row[p_width - p:]) for row, p in zip(prompts, prompt_lens)]
+        if batch.vision is not None:  # equal tokens with other images are other prompts
+            keys = [key + (("vision", k),) for key, k in zip(keys, batch.vision.prompt_keys)]
     out = []
     for part in parts:
         rows = torch.tensor(part, dtype=torch.long, device=batch.labels.device)

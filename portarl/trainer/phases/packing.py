@@ -88,6 +88,9 @@ class Packed:
     cu_seq_lens: torch.Tensor | None = None
     max_length: int | None = None
     attention_mask: torch.Tensor | None = None  # [rows, 1, W, W]: shared-prompt rows (share_prompt.py)
+    #: [rows x width]: each packed token's flat index in the padded micro-batch (what
+    #: :mod:`portarl.vision.inputs` gathers a vision prompt's M-RoPE positions by)
+    source: torch.Tensor | None = None
 
     def forward_kwargs(self) -> dict:
         kwargs = {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
@@ -214,8 +217,8 @@ def pack_micro_batch(part, prompt_lens: list[int], completion_lens: list[int], l
     if layout.share_prompt and keys is not None:
         shared = pack_shared(part, prompt_lens, completion_lens, keys, layout, (len(groups), row_width))
         if shared is not None:
-            ids, positions, scored, where, mask = shared
-            return Packed(ids, positions, scored, where, attention_mask=mask)
+            ids, positions, scored, where, mask, source = shared
+            return Packed(ids, positions, scored, where, attention_mask=mask, source=source)
     src: list[int] = []
     pos: list[int] = []
     scored: list[int] = []
@@ -238,7 +241,7 @@ def pack_micro_batch(part, prompt_lens: list[int], completion_lens: list[int], l
     host = torch.tensor(src + pos + scored + where, dtype=torch.long).to(device, non_blocking=True)
     src_t, pos_t, scored_t, where_t = host.split([len(src), len(pos), len(scored), len(where)])
     ids = part.input_ids.reshape(-1)[src_t].view(len(groups), row_width)
-    packed = Packed(ids, pos_t.view(len(groups), row_width), scored_t, where_t)
+    packed = Packed(ids, pos_t.view(len(groups), row_width), scored_t, where_t, source=src_t)
     if layout.kind == "varlen":
         cu = [0]
         for i in groups[0]:

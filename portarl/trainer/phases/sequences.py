@@ -35,11 +35,15 @@ class TokenBatch:
     mask: torch.Tensor  # [B, T] bool
     prompt_width: int
     packed: Packed | None = None  # the padding-free forward of these rows (portarl.trainer.phases.packing)
+    #: A vision-language model's inputs for these rows (pixels, M-RoPE positions:
+    #: :class:`portarl.vision.inputs.VisionRows`), else None.
+    vision: object = None
 
     def rows(self, index: slice) -> "TokenBatch":
         """These rows, padded (a packed layout belongs to the rows it was built for)."""
         return TokenBatch(self.input_ids[index], self.attention_mask[index], self.position_ids[index],
-                          self.labels[index], self.mask[index], self.prompt_width)
+                          self.labels[index], self.mask[index], self.prompt_width,
+                          vision=None if self.vision is None else self.vision.rows(index))
 
 
 def padded(rows: list[list], width: int, fill, dtype: torch.dtype) -> torch.Tensor:
@@ -51,12 +55,15 @@ def padded(rows: list[list], width: int, fill, dtype: torch.dtype) -> torch.Tens
 
 
 def build_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device,
-                model_mask: list[list[bool]] | None = None) -> TokenBatch:
+                model_mask: list[list[bool]] | None = None, vision: tuple | None = None) -> TokenBatch:
     """The batch tensors, each built from padded lists in one call (:func:`padded`), not
     one small tensor per row: this runs every step on the host. ``model_mask`` (multi-turn
     episodes): per completion token, whether the model produced it; ``mask`` then covers
     those tokens only (tool and environment tokens are in the sequence, read as context,
-    and out of the loss, the mismatch correction and the guards)."""
+    and out of the loss, the mismatch correction and the guards). ``vision`` (a
+    vision-language model): ``(prompts, pixels, image_token_id, merge_area)``, each row's
+    :class:`~portarl.vision.inputs.VisionPrompt` and pixel values
+    (:meth:`portarl.vision.codec.VisionCodec.batch_vision` makes it)."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     width_p = max(len(p) for p in prompts)
@@ -70,7 +77,15 @@ def build_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: 
     mask = labels != -100
     if model_mask is not None:
         mask &= padded(model_mask, width_c, False, torch.bool)
-    return TokenBatch(ids.to(device), attn.to(device), positions.to(device), labels.to(device), mask.to(device), width_p)
+    rows_vision = None
+    if vision is not None:
+        from portarl.vision.inputs import vision_rows
+
+        vps, pixels, image_token_id, merge_area = vision
+        rows_vision = vision_rows(vps, pixels, [len(p) for p in prompts], [len(c) for c in completions], width_p,
+                                  width_c, image_token_id, merge_area, device)
+    return TokenBatch(ids.to(device), attn.to(device), positions.to(device), labels.to(device), mask.to(device), width_p,
+                      vision=rows_vision)
 
 
 def _is_sharded(model) -> bool:
@@ -119,8 +134,25 @@ class _HeadPassthrough:
 
 def _forward_kwargs(batch: TokenBatch) -> dict:
     if batch.packed is not None:
-        return batch.packed.forward_kwargs()
-    return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
+        kwargs = batch.packed.forward_kwargs()
+        if batch.vision is not None:
+            kwargs.update(batch.vision.packed_kwargs(batch.packed, batch.input_ids.shape[1]))
+        return kwargs
+    kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
+    if batch.vision is not None:
+        kwargs.update(batch.vision.padded_kwargs(batch.input_ids))
+    return kwargs
+
+
+def hidden_states(model, batch: TokenBatch) -> torch.Tensor:
+    """The decoder's last hidden states of ``batch``'s forward. A vision-language model
+    runs its ``model.model`` (vision tower, image features into the placeholders, the
+    language model with M-RoPE positions); a text model its decoder."""
+    if batch.vision is not None:
+        from portarl.assets.lora import base_model
+
+        return base_model(model).model(**_forward_kwargs(batch)).last_hidden_state
+    return model.get_decoder()(**_forward_kwargs(batch)).last_hidden_state
 
 
 def _sharded_forward(model, batch: TokenBatch):
@@ -144,7 +176,7 @@ def completion_hidden(model, batch: TokenBatch):
         with _HeadPassthrough(model) as head:
             hidden = _sharded_forward(model, batch)
         return hidden, head.weight, head.bias
-    hidden = model.get_decoder()(**_forward_kwargs(batch)).last_hidden_state
+    hidden = hidden_states(model, batch)
     head = model.get_output_embeddings()
     return scored_hidden(batch, hidden), head.weight, getattr(head, "bias", None)
 
@@ -160,7 +192,7 @@ def completion_logits(model, batch: TokenBatch, logits_policy: str = "fp32") -> 
     """
     if _is_sharded(model):
         return _sharded_forward(model, batch)
-    h = scored_hidden(batch, model.get_decoder()(**_forward_kwargs(batch)).last_hidden_state)
+    h = scored_hidden(batch, hidden_states(model, batch))
     head = model.get_output_embeddings()
     if logits_policy == "fp32":
         bias = head.bias.float() if getattr(head, "bias", None) is not None else None

@@ -25,10 +25,12 @@ def sft_batch(codec: TextCodec, examples: list[Example], device):
     if missing is not None:
         raise ValueError(f"{missing.where or 'an example'}: no answer field; supervised training needs one (set "
                          "data.answer_field, or train.sft_warmup_steps=0)")
-    prompts = [codec.encode_prompt(ex.prompt) for ex in examples]
+    encode_example = getattr(codec, "encode_example", None)  # a vision-language model: prompt and images
+    prompts = [encode_example(ex) if encode_example else codec.encode_prompt(ex.prompt) for ex in examples]
     # A chat model's turn ends with its end-of-turn token (<|im_end|>), not eos.
     answers = [codec.encode_continuation(ex.answer) + [codec.completion_end_id] for ex in examples]
-    return build_batch(prompts, answers, codec.pad_token_id, device)
+    vision = codec.batch_vision(examples, 1) if encode_example else None
+    return build_batch(prompts, answers, codec.pad_token_id, device, vision=vision)
 
 
 def run_sft(model, codec: TextCodec, examples: list[Example], *, steps: int, batch_size: int, lr: float,

@@ -118,7 +118,7 @@ def pack_shared(part, prompt_lens: list[int], completion_lens: list[int], keys: 
     :func:`portarl.trainer.phases.packing.pack_micro_batch` for the arguments; ``keys``:
     each row's prompt tokens, equal for rows of a group), or None where it would compute
     more tokens or cost more than the unshared rows ``bound`` = (rows, width). Returned as
-    the Packed fields ``(input_ids, position_ids, scored, where, attention_mask)``."""
+    the Packed fields ``(input_ids, position_ids, scored, where, attention_mask, source)``."""
     units = _units(prompt_lens, completion_lens, keys, layout)
     lengths = [unit_length(u, prompt_lens, completion_lens) for u in units]
     rows = choose_rows(lengths, layout)
@@ -174,7 +174,7 @@ def pack_shared(part, prompt_lens: list[int], completion_lens: list[int], keys: 
     shape = (len(rows), row_width)
     ids = part.input_ids.reshape(-1)[src_t].view(shape)
     mask = shared_mask(seg_t.view(shape), sub_t.view(shape), layout.mask_dtype)
-    return ids, pos_t.view(shape), scored_t, where_t, mask
+    return ids, pos_t.view(shape), scored_t, where_t, mask, src_t
 
 
 __all__ = ["SHARE_ATTENTION", "pack_shared", "resolve_share_prompt", "shared_mask", "unit_length"]
