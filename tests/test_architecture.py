@@ -20,7 +20,8 @@ The layers, top to bottom (a module may import its own layer and any layer below
    episodes (``multiturn/``), the parity harness (``parity/``) and the device-free
    algorithms (``core/``);
 5. ``assets``: what a run is built from (``portarl/assets/``): models and tokenizers, LoRA,
-   data, rewards and their runner;
+   data, rewards and their runner; and the images of vision-language prompts
+   (``portarl/vision/``);
 6. ``runtime``: process-level plumbing (``portarl/runtime/``): the supervising parent and
    what it reads, signals, lifelines, process trees, the user-code guard, the distributed
    set-up and heartbeat, file modes, the errors raised across layers;
@@ -58,6 +59,7 @@ LAYER_OF_PREFIX = [
     ("portarl.parity", "engines"),
     ("portarl.core", "engines"),
     ("portarl.assets", "assets"),
+    ("portarl.vision", "assets"),
     ("portarl.runtime", "runtime"),
     ("portarl.ops", "ops"),
     ("portarl.backends", "backends"),
@@ -200,9 +202,9 @@ def test_every_module_has_a_layer():
         assert layer_of(module) in LAYERS
 
 
-#: ``portarl/`` by role: one package per layer (the engines' four), and the two files Python needs.
+#: ``portarl/`` by role: one package per layer (the engines' four, the assets' two), and the two files Python needs.
 TOP_LEVEL = {"__init__.py", "__main__.py", "cli", "bench", "trainer", "rollout", "multiturn", "parity", "core",
-             "assets", "runtime", "ops", "backends", "kernels"}
+             "assets", "vision", "runtime", "ops", "backends", "kernels"}
 
 
 def test_the_top_level_holds_only_the_packages_by_role():
@@ -267,6 +269,7 @@ def test_an_arrow_up_between_the_packages_by_role_is_found(tmp_path, importer, i
                                            ("portarl.rollout.async_worker", "trainer"),
                                            ("portarl.trainer.checkpoint.export", "trainer"),
                                            ("portarl.rollout.hf", "engines"), ("portarl.assets.models", "assets"),
+                                           ("portarl.vision.images", "assets"),
                                            ("portarl.runtime.distributed", "runtime"),
                                            ("portarl.backends.device", "backends"), ("portarl.runtime.errors", "runtime"),
                                            ("portarl", "base")])

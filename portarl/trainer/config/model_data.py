@@ -78,6 +78,11 @@ class DataConfig:
     prompt_field: str = "prompt"
     #: Field of each row holding the answer (optional; per-sample rewards and SFT need it).
     answer_field: str = "answer"
+    #: Field of each row holding its images (vision-language prompts, TRL's ``images``): a
+    #: list of paths (relative to the data file) or encoded bytes, one per ``{"type": "image"}``
+    #: part of the prompt's messages; checked and decoded once when the data loads
+    #: (``pip install 'portarl[vision]'``). A row without the field has no images.
+    image_field: str = "images"
     #: JSONL / Parquet of (prompt, answer) demonstrations for the supervised warm-up
     #: (train.sft_warmup_steps) and ``portarl sft``, read like data.path (the same fields and
     #: chat template); None: data.path's rows. For agents: the warm-up shows each model turn
@@ -101,6 +106,9 @@ class DataConfig:
 
     def validate(self):
         _positive_int(self, "data", "synthetic_size", "max_operand")
+        _check(isinstance(self.image_field, str) and bool(self.image_field)
+               and self.image_field not in (self.prompt_field, self.answer_field), "data.image_field",
+               "must be a column name other than data.prompt_field and data.answer_field", self.image_field)
         _check(self.sft_path is None or (isinstance(self.sft_path, str) and bool(self.sft_path)), "data.sft_path",
                "must be a JSONL / Parquet file or null", self.sft_path)
         _check(isinstance(self.chat_template, str) and bool(self.chat_template), "data.chat_template",
