@@ -17,7 +17,7 @@ TRITON_ASCEND_VENV := .venv-triton-ascend
 TRITON_ASCEND_PYTHON ?= $(PYTHON)
 TRITON_ASCEND_SPEC ?= triton-ascend==3.2.0
 
-.PHONY: demo agents-demo test test-full docs docs-numbers config-reference test-vllm test-hardware hardware-check-quick parity-report check-triton-ascend clean
+.PHONY: demo agents-demo vlm-demo test test-full docs docs-numbers config-reference test-vllm test-hardware hardware-check-quick parity-report check-triton-ascend clean
 
 # Each step says what it does: the torch download alone is a minute or two of silence otherwise.
 $(VENV)/.installed: pyproject.toml Makefile
@@ -52,6 +52,12 @@ demo: $(VENV)/.installed
 # faster on an idle machine and several times slower on a busy one (measured: docs/agents.md).
 agents-demo: $(VENV)/.installed
 	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/portarl train --config examples/agents-tiny.yaml --overwrite
+
+# Vision-language GRPO in under a minute (docs/vision-language.md): the built-in tiny Qwen2.5-VL
+# learns which colour a square is from images drawn by examples/make_vlm_colours_data.py
+# (a short warm-up, then GRPO; examples/vlm-colours.yaml; output: runs/vlm-colours).
+vlm-demo: $(VENV)/.installed
+	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/portarl train --config examples/vlm-colours.yaml --overwrite
 
 # The numbers the docs quote, re-run from their documented commands (tools/docs_numbers.py; the
 # quick set takes minutes, ARGS=--full adds SmolLM2 and the algorithm menu, ARGS=--write

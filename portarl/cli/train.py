@@ -160,7 +160,7 @@ def _build(command: str, config, locked: bool) -> Prepared:
         model, tokenizer = build_policy(config)
     except (ValueError, FileNotFoundError, OSError, KeyError) as err:
         raise UsageError(f"{err}") from None
-    if len(tokenizer) == 0:
+    if len(getattr(tokenizer, "tokenizer", tokenizer)) == 0:  # a vision-language model's processor holds it
         raise UsageError(f"the tokenizer in {config.model.path} is empty")
     return Prepared(config, device, model, tokenizer, examples, locked)
 

@@ -53,7 +53,7 @@ def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
 
 def _rows_of(media, rows: list[int]):
     """The vision inputs of ``rows`` (None without)."""
-    return None if media is None else ([media[0][i] for i in rows], [media[1][i] for i in rows], *media[2:])
+    return None if media is None else media.take(rows)
 
 
 def _distinct_rows(prompts) -> tuple[list, list[int]]:
@@ -69,6 +69,21 @@ def _without_autograd(model):
     parameters, whose unsharded buffers are made by the first all-gather, maybe this one,
     and must stay usable by the training forward (an inference tensor is not)."""
     return torch.no_grad() if has_sharded_params(model.parameters()) else torch.inference_mode()
+
+
+def _cache_argument(model) -> str:
+    """The forward's name for the KV cache: ``cache`` (transformers >= 5.2x models that
+    deprecate ``past_key_values``, the Qwen-VL ones among them) or ``past_key_values``."""
+    try:
+        names = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - exotic wrappers
+        return "past_key_values"
+    return "cache" if "cache" in names and "past_key_values" not in names else "past_key_values"
+
+
+def _cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 def _last_logits_kwargs(model) -> dict:
@@ -121,14 +136,14 @@ class HFRollout(RolloutEngine):
         return self.model is model
 
     def generate(self, prompts, seeds, params: SamplingParams, media=None) -> RolloutBatch:
-        """``media`` (a vision-language model): ``(vision prompts, pixel values, image token
-        id, merge area)`` per prompt, as :meth:`portarl.vision.codec.VisionCodec.batch_vision`
-        makes them; the prefill then runs the vision tower and M-RoPE positions, and decoding
-        continues each row from its prompt's largest position plus one."""
+        """``media`` (a vision-language model): the prompts' :class:`portarl.vision.inputs.
+        VisionBatch`; the prefill then runs the vision tower and M-RoPE positions, decoding
+        continues each row from its prompt's largest position plus one, and the image
+        placeholder tokens are never drawn (``VisionBatch.unsampleable``)."""
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-        if media is not None and len(media[0]) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but vision inputs for {len(media[0])}")
+        if media is not None and len(media) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but vision inputs for {len(media)}")
         size = self.max_batch_size or max(1, len(prompts))
         parts = []
         with _without_autograd(self.model):
@@ -136,8 +151,7 @@ class HFRollout(RolloutEngine):
             # random stream (seed), so a chunk samples what the whole batch would; ranks
             # hold equal numbers of prompts, so lock-step ranks run equal numbers of chunks.
             for start in range(0, len(prompts), size):
-                chunk = None if media is None else (media[0][start:start + size], media[1][start:start + size],
-                                                    *media[2:])
+                chunk = None if media is None else media.take(range(start, min(start + size, len(prompts))))
                 parts.append(self._generate(prompts[start:start + size], seeds[start:start + size], params, chunk))
         if len(parts) == 1:
             return parts[0]
@@ -152,6 +166,8 @@ class HFRollout(RolloutEngine):
         try:
             keys = seed_keys(seeds, device)
             stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)
+            banned = None if media is None or not media.unsampleable else \
+                torch.tensor(media.unsampleable, dtype=torch.long, device=device)
             past, logits, mask, next_pos = self._prefill(prompts, device, media)
             decode = self._decoder(past, mask, params.max_new_tokens - 1, vision=media is not None)
             n = len(prompts)
@@ -165,7 +181,8 @@ class HFRollout(RolloutEngine):
             for t in range(params.max_new_tokens):
                 if not params.greedy and t % span == 0:
                     noise = uniform_span(keys, t, min(span, params.max_new_tokens - t), vocab)
-                tok = sample_tokens(logits, keys, t, temperature=params.temperature, top_k=params.top_k,
+                tok = sample_tokens(logits if banned is None else logits.index_fill(-1, banned, float("-inf")),
+                                    keys, t, temperature=params.temperature, top_k=params.top_k,
                                     top_p=params.top_p, greedy=params.greedy,
                                     u=None if params.greedy else noise[:, t % span])
                 tokens[:, t] = tok
@@ -205,12 +222,13 @@ class HFRollout(RolloutEngine):
         if reason is None:
             return LeanDecoder(self.model, past, mask, steps).step
         state = {"past": past, "mask": mask}
+        cache_name = _cache_argument(self.model)
 
         def hf_step(tokens, positions):
             state["mask"] = torch.cat([state["mask"], torch.ones_like(state["mask"][:, :1])], dim=1)
             out = self.model(input_ids=tokens, attention_mask=state["mask"], position_ids=positions,
-                             past_key_values=state["past"], use_cache=True)
-            state["past"] = out.past_key_values
+                             use_cache=True, **{cache_name: state["past"]})
+            state["past"] = _cache_of(out)
             return out.logits[:, -1]
 
         return hf_step
@@ -229,7 +247,7 @@ class HFRollout(RolloutEngine):
         ``tests/distributed/test_fsdp_gloo.py`` allows."""
         if self.share_prefill:
             # A vision prompt is its tokens and its images: equal tokens with other images are not equal.
-            keys = prompts if media is None else [list(p) + [("vision", id(vp))] for p, vp in zip(prompts, media[0])]
+            keys = prompts if media is None else [list(p) + [("vision", id(vp))] for p, vp in zip(prompts, media.prompts)]
             distinct, row_of = _distinct_rows(keys)
         else:
             distinct, row_of = prompts, None
@@ -251,15 +269,12 @@ class HFRollout(RolloutEngine):
         following = positions[:, -1:] + 1
         kwargs = {"position_ids": positions}
         if media is not None:
-            from portarl.vision.inputs import vision_rows
-
-            rows = vision_rows(media[0], media[1], [len(p) for p in prompts], [0] * len(prompts), ids.shape[1], 0,
-                               media[2], media[3], device)
+            rows = media.rows([len(p) for p in prompts], [0] * len(prompts), ids.shape[1], 0, device)
             kwargs = rows.padded_kwargs(ids)
-            following = torch.tensor([[vp.next_position] for vp in media[0]], dtype=torch.long, device=device)
+            following = torch.tensor([[vp.next_position] for vp in media.prompts], dtype=torch.long, device=device)
         out = self.model(input_ids=ids, attention_mask=mask, use_cache=True, **kwargs,
                          **_last_logits_kwargs(self.model))
-        return out.past_key_values, out.logits[:, -1], mask, following
+        return _cache_of(out), out.logits[:, -1], mask, following
 
     @staticmethod
     def _score(pending: list, tokens: torch.Tensor, logps: torch.Tensor, end: int, temperature: float) -> None:

@@ -16,7 +16,7 @@ import collections
 import torch
 
 from portarl.assets.tokenizer import TextCodec
-from portarl.vision.inputs import VisionPrompt
+from portarl.vision.inputs import VisionBatch, VisionPrompt
 
 
 def _rope_index(model):
@@ -44,6 +44,8 @@ class VisionCodec(TextCodec):
         self.processor = processor
         self.rope_index = None if model is None else _rope_index(model)  # None: token counts only (portarl plan)
         self.image_token_id = int(processor.image_token_id)
+        video = getattr(processor, "video_token_id", None)
+        self.unsampleable = tuple(int(t) for t in (self.image_token_id, video) if t is not None)
         self.merge_area = int(getattr(processor.image_processor, "merge_size", 2)) ** 2
         self.prompts: dict[int, VisionPrompt] = {}  # by id(example)
         self._pixels: collections.OrderedDict = collections.OrderedDict()
@@ -110,9 +112,9 @@ class VisionCodec(TextCodec):
         self._remember(example, pixels)
         return pixels
 
-    def batch_vision(self, examples: list, group_size: int) -> tuple:
-        """``build_batch``'s ``vision`` argument for ``examples`` each sampled ``group_size``
-        times (row i is example i // group_size)."""
+    def batch_vision(self, examples: list, group_size: int) -> VisionBatch:
+        """The :class:`~portarl.vision.inputs.VisionBatch` of ``examples`` each sampled
+        ``group_size`` times (row i is example i // group_size)."""
         rows = [ex for ex in examples for _ in range(group_size)]
-        return ([self.prompt_of(ex) for ex in rows], [self.pixel_values(ex) for ex in rows], self.image_token_id,
-                self.merge_area)
+        return VisionBatch([self.prompt_of(ex) for ex in rows], [self.pixel_values(ex) for ex in rows],
+                           self.image_token_id, self.merge_area, self.unsampleable)

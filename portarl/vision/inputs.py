@@ -126,8 +126,33 @@ class VisionRows:
         return {"position_ids": positions, **images}
 
 
-def vision_rows(prompts: list[VisionPrompt], pixels: list, prompt_lens: list[int], completion_lens: list[int],
-                width_p: int, width_c: int, image_token_id: int, merge_area: int, device) -> VisionRows:
-    rope = left_padded_positions(prompts, prompt_lens, completion_lens, width_p, width_c)
-    grids = [vp.image_grid_thw for vp in prompts]
-    return VisionRows(rope.to(device), list(pixels), grids, image_token_id, merge_area, [id(vp) for vp in prompts])
+@dataclasses.dataclass
+class VisionBatch:
+    """The vision side of a list of prompts (one entry per sample), as the rollout and the
+    batch builder take it (:meth:`portarl.vision.codec.VisionCodec.batch_vision` makes it):
+    each prompt's :class:`VisionPrompt` and pixel values, the image placeholder token,
+    patches per image token, and the placeholder tokens a completion must never contain
+    (``unsampleable``: the forward would take a sampled ``<|image_pad|>`` for an image's
+    slot, so the engines never draw them; log-probs stay those of the full distribution,
+    as with top-k)."""
+
+    prompts: list
+    pixels: list
+    image_token_id: int
+    merge_area: int
+    unsampleable: tuple = ()
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def take(self, rows) -> "VisionBatch":
+        rows = list(rows)
+        return dataclasses.replace(self, prompts=[self.prompts[i] for i in rows], pixels=[self.pixels[i] for i in rows])
+
+    def rows(self, prompt_lens: list[int], completion_lens: list[int], width_p: int, width_c: int,
+             device) -> VisionRows:
+        """The :class:`VisionRows` of a padded batch of these prompts."""
+        rope = left_padded_positions(self.prompts, prompt_lens, completion_lens, width_p, width_c)
+        grids = [vp.image_grid_thw for vp in self.prompts]
+        return VisionRows(rope.to(device), list(self.pixels), grids, self.image_token_id, self.merge_area,
+                          [id(vp) for vp in self.prompts])

@@ -125,15 +125,17 @@ def tiny_processor(family: str, tokenizer=None, *, min_pixels: int = TINY_MIN_PI
     """The processor of a tiny ``family`` model: Qwen's image processor (patch 14, or 16 for
     Qwen3-VL; 2 x 2 merge) and :func:`vision_tokenizer`."""
     images_only_processors()
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen3VLProcessor
-    import warnings
+    import transformers
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+
+    from portarl.vision.compat import video_processing_available
 
     tokenizer = tokenizer or vision_tokenizer()
     patch = 16 if family == "qwen3_vl" else 14
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "falling back to the PIL image processor" without torchvision
-        image = Qwen2VLImageProcessor(patch_size=patch, merge_size=2, temporal_patch_size=2,
-                                      min_pixels=min_pixels, max_pixels=max_pixels)
+    # Without torchvision, the PIL image processor (what transformers falls back to, said here without its warning).
+    kind = "Qwen2VLImageProcessor" if video_processing_available() else "Qwen2VLImageProcessorPil"
+    image = getattr(transformers, kind)(patch_size=patch, merge_size=2, temporal_patch_size=2,
+                                        min_pixels=min_pixels, max_pixels=max_pixels)
     cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[family]
     return cls(image_processor=image, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
 

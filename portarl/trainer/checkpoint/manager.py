@@ -302,6 +302,12 @@ class CheckpointManager:
         if is_lora(model):  # the checkpoint holds the adapter; the base weights came from model.path
             return load_adapter(model, directory)
         path = directory / "model.safetensors"
+        from portarl.vision.models import is_vision_config
+
+        if is_vision_config(getattr(model, "config", None)):
+            # save_pretrained writes a Qwen-VL model under its checkpoint names (visual.*, model.layers.*),
+            # not its module names: transformers' loader maps them back.
+            return CheckpointManager._load_renamed(model, directory)
         try:
             missing, unexpected = load_model(model, str(path), strict=False)
         except Exception as err:  # safetensors' own error types for a bad header
@@ -316,6 +322,24 @@ class CheckpointManager:
             raise RuntimeError(
                 f"checkpoint {directory} does not match the model: missing {real_missing[:5]}, unexpected {unexpected[:5]}"
             )
+
+
+    @staticmethod
+    def _load_renamed(model, directory: Path) -> None:
+        """Weights whose saved names transformers renames on load (a vision-language
+        model): loaded by ``from_pretrained`` (on the CPU, the model's dtype) and copied in,
+        strictly: every parameter and buffer must be there."""
+        dtype = next(model.parameters()).dtype
+        try:
+            saved = type(model).from_pretrained(directory, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"checkpoint {directory}: model.safetensors cannot be read ({err})", directory,
+                                  "model.safetensors") from None
+        try:
+            model.load_state_dict(saved.state_dict(), strict=True)
+        except RuntimeError as err:
+            first = str(err).splitlines()[0]
+            raise RuntimeError(f"checkpoint {directory} does not match the model: {first}") from None
 
 
 __all__ = ["CheckpointManager", "CheckpointError", "step_of"]

@@ -214,18 +214,23 @@ class TrainConfig:
                 raise ConfigError(f"config file {path} must hold a mapping of sections")
             values = loaded or {}
         from_file = dict(values["data"]) if isinstance(values.get("data"), dict) else {}
+        eval_from_file = dict(values["eval"]) if isinstance(values.get("eval"), dict) else {}
         for item in overrides or []:
             apply_override(values, item)
         config = cls.from_dict(values)
         # Not a field (never saved): where `module:function` rewards are also looked for.
         config.source_dir = str(Path(path).resolve().parent) if path is not None else None
-        # A relative data.path (data.sft_path) written in the file means the file's directory (as
+        # A relative data.path (data.sft_path, eval.data) written in the file means the file's directory (as
         # for rewards), so a config runs from any working directory; one given by --set means the cwd.
         d = config.data
         for name in ("path", "sft_path"):
             value = getattr(d, name)
             if config.source_dir and value is not None and value == from_file.get(name) and not Path(value).is_absolute():
                 setattr(d, name, str(Path(config.source_dir) / value))
+        e = config.eval  # eval.data likewise
+        if config.source_dir and e.data is not None and e.data == eval_from_file.get("data") and \
+                not Path(e.data).is_absolute():
+            e.data = str(Path(config.source_dir) / e.data)
         return config
 
     def save(self, path: str | Path) -> None:

@@ -78,7 +78,9 @@ def evaluate(engine, model, codec, rewards, examples, prompt_ids, config, agent=
     step = EVAL_CHUNK * n
     for start in range(0, len(prompts), step):
         if agent is None:
-            batch = engine.generate(prompts[start : start + step], seeds[start : start + step], params)
+            batch_vision = getattr(codec, "batch_vision", None)  # a vision-language model: pixels and positions
+            media = {} if batch_vision is None else {"media": batch_vision(examples[start // n : (start + step) // n], n)}
+            batch = engine.generate(prompts[start : start + step], seeds[start : start + step], params, **media)
             texts += [codec.decode(c) for c in batch.completion_ids]
         else:
             from portarl.trainer.phases.episodes import play, reward_examples

@@ -55,15 +55,13 @@ def padded(rows: list[list], width: int, fill, dtype: torch.dtype) -> torch.Tens
 
 
 def build_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device,
-                model_mask: list[list[bool]] | None = None, vision: tuple | None = None) -> TokenBatch:
+                model_mask: list[list[bool]] | None = None, vision=None) -> TokenBatch:
     """The batch tensors, each built from padded lists in one call (:func:`padded`), not
     one small tensor per row: this runs every step on the host. ``model_mask`` (multi-turn
     episodes): per completion token, whether the model produced it; ``mask`` then covers
     those tokens only (tool and environment tokens are in the sequence, read as context,
     and out of the loss, the mismatch correction and the guards). ``vision`` (a
-    vision-language model): ``(prompts, pixels, image_token_id, merge_area)``, each row's
-    :class:`~portarl.vision.inputs.VisionPrompt` and pixel values
-    (:meth:`portarl.vision.codec.VisionCodec.batch_vision` makes it)."""
+    vision-language model): a :class:`portarl.vision.inputs.VisionBatch` of the rows."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     width_p = max(len(p) for p in prompts)
@@ -77,13 +75,8 @@ def build_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: 
     mask = labels != -100
     if model_mask is not None:
         mask &= padded(model_mask, width_c, False, torch.bool)
-    rows_vision = None
-    if vision is not None:
-        from portarl.vision.inputs import vision_rows
-
-        vps, pixels, image_token_id, merge_area = vision
-        rows_vision = vision_rows(vps, pixels, [len(p) for p in prompts], [len(c) for c in completions], width_p,
-                                  width_c, image_token_id, merge_area, device)
+    rows_vision = None if vision is None else vision.rows([len(p) for p in prompts], [len(c) for c in completions],
+                                                          width_p, width_c, device)
     return TokenBatch(ids.to(device), attn.to(device), positions.to(device), labels.to(device), mask.to(device), width_p,
                       vision=rows_vision)
 
