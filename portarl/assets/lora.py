@@ -59,8 +59,13 @@ def apply_lora(model, lora, seed: int = 0):
     name ``model.lora.*``."""
     peft = require_peft()
     targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    extra = {}
+    if getattr(getattr(model, "config", None), "vision_config", None) is not None:
+        # A vision-language model: adapters on the language model only (the vision tower's MLP
+        # has gate/up/down_proj too, and freeze_vision keeps the tower as it is).
+        extra["exclude_modules"] = r".*\bvisual\b.*"
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-                             bias="none")
+                             bias="none", **extra)
     head = model.get_output_embeddings()  # before wrapping: peft replaces it when it is a target
     with torch.random.fork_rng(devices=[]):  # the adapter init, seeded, leaves the run's RNG stream alone
         torch.manual_seed(seed)

@@ -74,8 +74,10 @@ def _without_autograd(model):
 def _cache_argument(model) -> str:
     """The forward's name for the KV cache: ``cache`` (transformers >= 5.2x models that
     deprecate ``past_key_values``, the Qwen-VL ones among them) or ``past_key_values``."""
+    get_base = getattr(model, "get_base_model", None)  # peft: its forward takes **kwargs
+    base = get_base() if callable(get_base) else model
     try:
-        names = inspect.signature(model.forward).parameters
+        names = inspect.signature(base.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - exotic wrappers
         return "past_key_values"
     return "cache" if "cache" in names and "past_key_values" not in names else "past_key_values"

@@ -66,3 +66,18 @@ def test_image_rows_for_a_text_model_are_refused_naming_the_row(tmp_path, capsys
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "vlm_colours.jsonl:1" in err and "vision-language" in err
+
+
+def test_lora_adapts_the_language_model_only_and_trains_from_the_command_line(tmp_path):
+    pytest.importorskip("peft")
+    from portarl.assets.lora import apply_lora, _lora_layers
+    from portarl.trainer.config.lora import lora_section
+
+    model, _ = build_tiny_vlm("tiny-qwen2.5-vl")
+    wrapped = apply_lora(model, lora_section({"r": 4}))
+    names = [name for name, _ in _lora_layers(wrapped)]
+    assert names and not any(".visual." in n for n in names)
+    assert any("mlp.down_proj" in n for n in names)  # the language model's MLP is adapted
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(EXAMPLE), "--output-dir", str(run), "--set", "model.lora.r=4", *SHORT]) == 0
+    assert [m["step"] for m in _metrics(run) if m.get("phase") == "grpo"] == [1, 2]
