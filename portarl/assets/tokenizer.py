@@ -270,17 +270,10 @@ class TextCodec:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def as_codec(tokenizer, model=None, **options) -> TextCodec:
+def as_codec(tokenizer, **options) -> TextCodec:
     """``options``: ``chat_template``, ``system_prompt`` (see :class:`TextCodec`). A
-    vision-language model's processor gives a :class:`portarl.vision.codec.VisionCodec`
-    (``model``: its M-RoPE positions come from the model)."""
-    if isinstance(tokenizer, TextCodec):
-        return tokenizer
-    if hasattr(tokenizer, "image_processor") and hasattr(tokenizer, "tokenizer"):
-        from portarl.vision.codec import VisionCodec
-
-        return VisionCodec(tokenizer, model, **options)
-    return TextCodec(tokenizer, **options)
+    vision-language model's processor: :func:`portarl.vision.codec.codec_for`."""
+    return tokenizer if isinstance(tokenizer, TextCodec) else TextCodec(tokenizer, **options)
 
 
 def load_tokenizer(directory: str | Path):

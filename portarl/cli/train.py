@@ -285,14 +285,14 @@ def cmd_sft(args) -> int:
     import shutil
 
     from portarl.assets.lora import apply_lora, save_merged
-    from portarl.assets.tokenizer import as_codec
     from portarl.trainer.run.progress import progress_bar
+    from portarl.vision.codec import codec_for
     from portarl.trainer.phases.sft import demonstrations, run_sft
 
     config = ready.config
     steps = args.steps or config.train.sft_warmup_steps or 100
     try:
-        codec = as_codec(ready.tokenizer)
+        codec = codec_for(ready.tokenizer, ready.model)
         examples = demonstrations(config, ready.examples)  # data.sft_path when set
         if config.model.lora is not None:  # the adapter is trained; sft-model/ gets it merged in
             ready.model = apply_lora(ready.model, config.model.lora, seed=config.model.init_seed)

@@ -42,7 +42,8 @@ from portarl.assets.lora import is_lora
 from portarl.assets.reward_runner import RewardError, RewardRunner
 from portarl.rollout import SamplingParams
 from portarl.multiturn.agent import make_agent
-from portarl.assets.tokenizer import as_codec, chat_template_option
+from portarl.assets.tokenizer import chat_template_option
+from portarl.vision.codec import codec_for
 from portarl.vision.models import vision_refusal
 from portarl.runtime.user_code import UserCodeGuard, agree_on_failure
 from portarl.trainer.checkpoint import CheckpointManager, seed_global_rngs
@@ -113,7 +114,7 @@ class GRPOTrainer:
         self.padding_free = resolve_padding_free(self.config, self.model)  # micro-batch layout (trainer/phases/packing.py)
         self.tokenizer = tokenizer
         d = self.config.data
-        self.codec = as_codec(tokenizer, self.model, chat_template=chat_template_option(d.chat_template),
+        self.codec = codec_for(tokenizer, self.model, chat_template=chat_template_option(d.chat_template),
                               system_prompt=d.system_prompt)
         if hasattr(self.codec, "encode_example") and (why := vision_refusal(self.config)) is not None:
             raise ConfigError(why)

@@ -118,3 +118,15 @@ class VisionCodec(TextCodec):
         rows = [ex for ex in examples for _ in range(group_size)]
         return VisionBatch([self.prompt_of(ex) for ex in rows], [self.pixel_values(ex) for ex in rows],
                            self.image_token_id, self.merge_area, self.unsampleable)
+
+
+def codec_for(tokenizer, model=None, **options) -> TextCodec:
+    """The codec of ``tokenizer``: a :class:`VisionCodec` for a vision-language model's
+    processor (``model``: its M-RoPE positions come from the model; None: token counts
+    only), else :func:`portarl.assets.tokenizer.as_codec`. ``options``: ``chat_template``,
+    ``system_prompt``."""
+    from portarl.assets.tokenizer import as_codec
+
+    if hasattr(tokenizer, "image_processor") and hasattr(tokenizer, "tokenizer"):
+        return VisionCodec(tokenizer, model, **options)
+    return as_codec(tokenizer, **options)

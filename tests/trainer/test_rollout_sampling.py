@@ -231,8 +231,8 @@ def test_decoding_n_tokens_takes_one_prefill_and_n_minus_1_forwards(lean):
     prefills, steps = [], []
     make = engine._decoder
 
-    def counting_decoder(*args):
-        step = make(*args)
+    def counting_decoder(*args, **kwargs):
+        step = make(*args, **kwargs)
         return lambda tokens, positions: steps.append(1) or step(tokens, positions)
 
     engine._decoder = counting_decoder

@@ -29,8 +29,8 @@ def _shared_start_model(config_path, overrides: list[str], path: Path, progress)
     """Every run starts from the same weights: the config's model after its supervised
     warm-up, done once in fp32 on the CPU (as GPU/NPU comparisons start from one checkpoint)."""
     from portarl.assets.models import save_local
-    from portarl.assets.tokenizer import as_codec
     from portarl.trainer import TrainConfig, build_from_config
+    from portarl.vision.codec import codec_for
     from portarl.trainer.phases.sft import run_sft
 
     config = TrainConfig.load(config_path, [*overrides, "device=cpu"])
@@ -38,7 +38,7 @@ def _shared_start_model(config_path, overrides: list[str], path: Path, progress)
     if config.train.sft_warmup_steps:
         if progress:
             progress(f"shared start: {config.train.sft_warmup_steps} supervised warm-up steps (fp32, cpu)")
-        run_sft(model, as_codec(tokenizer), examples, steps=config.train.sft_warmup_steps,
+        run_sft(model, codec_for(tokenizer, model), examples, steps=config.train.sft_warmup_steps,
                 batch_size=config.train.sft_batch_size, lr=config.train.sft_lr, device="cpu", seed=config.train.seed)
     save_local(model, tokenizer, path)
 

@@ -172,7 +172,8 @@ def eval_checkpoint(checkpoint, data: str, *, n: int | None = None, greedy: bool
     from portarl.trainer.checkpoint.export import load_checkpoint_model
     from portarl.assets.reward_runner import RewardRunner
     from portarl.rollout.hf import HFRollout
-    from portarl.assets.tokenizer import as_codec, chat_template_option
+    from portarl.assets.tokenizer import chat_template_option
+    from portarl.vision.codec import codec_for
 
     _, config, model, tokenizer = load_checkpoint_model(checkpoint)
     e = config.eval
@@ -185,7 +186,7 @@ def eval_checkpoint(checkpoint, data: str, *, n: int | None = None, greedy: bool
                                       max_prompts=e.max_prompts if max_prompts is None else max_prompts)
     config.eval.validate()
     model.to(resolve_device(device))
-    codec = as_codec(tokenizer, chat_template=chat_template_option(config.data.chat_template),
+    codec = codec_for(tokenizer, model, chat_template=chat_template_option(config.data.chat_template),
                      system_prompt=config.data.system_prompt)
     from portarl.multiturn.agent import make_agent
 
