@@ -306,9 +306,15 @@ def write_jsonl(examples: list[Example], path: str | Path) -> None:
             if ex.answer is not None:
                 row["answer"] = ex.answer
             if ex.images:
-                row["images"] = [os.path.abspath(im.path) if im.data is None
-                                 else {"bytes": base64.b64encode(im.data).decode("ascii")} for im in ex.images]
+                row["images"] = images_json(ex.images)
             f.write(json.dumps(row) + "\n")
+
+
+def images_json(images) -> list:
+    """``images`` (:class:`~portarl.vision.images.ImageSource`) as JSON values that
+    :func:`parse_images` reads back: each an absolute path, or its bytes as ``{"bytes": base64}``."""
+    return [os.path.abspath(im.path) if im.data is None else {"bytes": base64.b64encode(im.data).decode("ascii")}
+            for im in images]
 
 
 def arithmetic_examples(n: int, *, seed: int = 0, max_operand: int = 9, ops: str = "+") -> list[Example]:

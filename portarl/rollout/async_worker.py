@@ -55,6 +55,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from portarl.runtime import blackbox
 from portarl.runtime.lifeline import adopt_orphans, die_with_parent as _die_with_parent
@@ -105,6 +106,33 @@ def build_engine(cfg, model, tokenizer, codec, work_dir: str):
                      lean_decode=cfg.rollout.lean_decode, share_prefill=cfg.rollout.share_prefill)
 
 
+def _conversation(messages: list) -> tuple:
+    """A conversation from JSON: messages as dicts, a content of parts as a tuple (as the data loader keeps it)."""
+    return tuple({**m, "content": m["content"] if isinstance(m["content"], str) else tuple(m["content"])}
+                 for m in messages)
+
+
+def held_frozen(model, version) -> set[str]:
+    """The frozen parameters a version may leave out: none before the worker holds a whole
+    version (the first carries them; :func:`portarl.trainer.asynchronous.weights.frozen_names`)."""
+    if version is None:
+        return set()
+    from portarl.trainer.asynchronous.weights import frozen_names
+
+    return frozen_names(model)
+
+
+def check_version(model, missing, unexpected, version, path) -> None:
+    """A version file must hold every tensor of the worker's model but tied twins and, once
+    a whole version was loaded, the frozen parameters it then leaves out."""
+    from portarl.trainer.asynchronous.weights import tied_twins
+
+    absent = sorted(set(missing) - tied_twins(model) - held_frozen(model, version))
+    if absent or unexpected:
+        raise ValueError(f"weights file {path} does not match the worker's model: missing {absent[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]}")
+
+
 class Worker:
     """The worker's state: model, codec, engine, rewards, and the weight version loaded."""
 
@@ -115,7 +143,8 @@ class Worker:
         from portarl.multiturn.agent import make_agent
         from portarl.assets.reward_runner import RewardRunner
         from portarl.rollout import SamplingParams
-        from portarl.assets.tokenizer import as_codec, chat_template_option
+        from portarl.assets.tokenizer import chat_template_option
+        from portarl.vision.codec import codec_for
         from portarl.trainer.checkpoint import seed_global_rngs
         from portarl.trainer.config import TrainConfig
         from portarl.trainer.guards.precision import DTYPES
@@ -130,7 +159,7 @@ class Worker:
         # under inference_mode, and the log-probs then move in the last bits.
         self.model.train()
         d = cfg.data
-        self.codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template),
+        self.codec = codec_for(tokenizer, self.model, chat_template=chat_template_option(d.chat_template),
                               system_prompt=d.system_prompt)
         # tools / environment: the episodes, and so the tools, run here (portarl.multiturn)
         self.agent = make_agent(cfg, self.codec, spec["search_dirs"])
@@ -158,7 +187,8 @@ class Worker:
         if path is not None:
             from safetensors.torch import load_model
 
-            load_model(self.model, path, strict=True, device=str(self.device))
+            missing, unexpected = load_model(self.model, path, strict=False, device=str(self.device))
+            check_version(self.model, missing, unexpected, self.version, path)
         elif self.inbox is None:
             raise RuntimeError(f"weights version {version} came without a file, and this worker has no weight-sync group")
         else:
@@ -169,7 +199,7 @@ class Worker:
                 tensors = self.inbox.take(version)
             except Exception as err:
                 raise RuntimeError(f"{err}; the worker keeps weights version {self.version}") from None
-            load_version(self.model, tensors, tied_twins(self.model))
+            load_version(self.model, tensors, tied_twins(self.model) | held_frozen(self.model, self.version))
             del tensors
         self.engine.sync_weights(self.model)  # hf: a no-op (it samples self.model); vllm: into vLLM, in memory
         self.version = version
@@ -181,7 +211,7 @@ class Worker:
         return {"op": "loaded", "version": version}
 
     def generate(self, request: dict) -> dict:
-        from portarl.assets.data import Example
+        from portarl.assets.data import Example, parse_images
         from portarl.rollout import request_seeds
         from portarl.trainer.phases.episodes import play, reward_examples
 
@@ -199,11 +229,18 @@ class Worker:
         mode = "constant" if self.fault == "constant_seed" else cfg.rollout.seed_mode
         prompts = request["prompts"]
         seeds = request_seeds(cfg.train.seed, step, len(prompts), g, mode)
-        examples = [Example(e["prompt"] if isinstance(e["prompt"], str) else tuple(e["prompt"]), e["answer"],
-                            e["columns"], e["where"]) for e in request["examples"]]
+        examples = [Example(e["prompt"] if isinstance(e["prompt"], str) else _conversation(e["prompt"]), e["answer"],
+                            e["columns"], e["where"], parse_images(e.get("images"), e["where"], "images", Path("/")))
+                    for e in request["examples"]]
         started = time.perf_counter()
         if self.agent is None:
-            batch = self.engine.generate([p for p in prompts for _ in range(g)], seeds, self.sampling)
+            media = {}
+            if hasattr(self.codec, "batch_vision"):  # a vision-language model: its pixels and M-RoPE positions
+                for ex, ids in zip(examples, prompts):
+                    if self.codec.encode_example(ex) != list(ids):
+                        raise RuntimeError(f"{ex.where}: the worker encodes this prompt to other tokens than the trainer")
+                media = {"media": self.codec.batch_vision(examples, g)}
+            batch = self.engine.generate([p for p in prompts for _ in range(g)], seeds, self.sampling, **media)
             texts = [self.codec.decode(c) for c in batch.completion_ids]
             rows, episode = [examples[i // g] for i in range(len(texts))], {}
         else:  # multi-turn episodes: the tools and environments run in this process (or its tool process)

@@ -243,8 +243,6 @@ def vision_refusal(cfg) -> str | None:
     if r.engine != "hf":
         return (f"rollout.engine={r.engine!r} with a vision-language model: its multi-modal requests are not wired yet; "
                 "use rollout.engine=hf")
-    if r.mode == "async":
-        return "rollout.mode=async with a vision-language model is not supported yet; use rollout.mode=colocated"
     if getattr(cfg, "tools", None) or getattr(cfg, "environment", None):
         return "tools / environments (multi-turn episodes) with a vision-language model are not supported yet"
     if r.dynamic_sampling:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from portarl.cli import main
+from portarl.parity.tolerances import ROLLOUT_FP32_ATOL
 from portarl.vision.models import build_tiny_vlm, load_vlm, save_vlm
 
 pytest.importorskip("PIL.Image")
@@ -54,10 +55,43 @@ def test_a_saved_vlm_trains_resumes_and_exports_from_the_command_line(model_dir,
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
-def test_what_is_not_wired_yet_is_refused_at_start_naming_the_setting(tmp_path, capsys):
-    args = ["train", "--config", str(EXAMPLE), "--output-dir", str(tmp_path / "r"), *SHORT]
-    assert main([*args, "--set", "rollout.mode=async"]) == 2
-    assert "rollout.mode=async with a vision-language model" in capsys.readouterr().err
+@pytest.mark.parametrize("sync", ["collective", "file"])
+def test_async_rollout_sends_the_frozen_tower_once_and_matches_its_log_probs(tmp_path, monkeypatch, sync):
+    """rollout.mode=async: the worker process encodes the same prompts, samples with the
+    pixels, and loads the frozen vision tower with the first weights version only."""
+    from portarl.trainer.asynchronous import pipeline
+
+    sent = []
+    original = pipeline.rollout_tensors
+
+    def spy(*args, **kwargs):
+        names = []
+        sent.append(names)
+        for name, tensor in original(*args, **kwargs):
+            names.append(name)
+            yield name, tensor
+
+    def spy_state(*args, **kwargs):
+        state = original_state(*args, **kwargs)
+        sent.append(sorted(state or ()))
+        return state
+
+    original_state = pipeline.rollout_state_dict
+    monkeypatch.setattr(pipeline, "rollout_tensors", spy)
+    monkeypatch.setattr(pipeline, "rollout_state_dict", spy_state)
+    run = tmp_path / "run"
+    args = ["train", "--config", str(EXAMPLE), "--output-dir", str(run), "--set", "rollout.mode=async",
+            "--set", f"rollout.weight_sync={sync}", "--set", "train.old_logprobs=recompute", *SHORT, "--set", "train.steps=3"]
+    assert main(args) == 0
+    rows = [m for m in _metrics(run) if m.get("phase") == "grpo"]
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    tower = {n for n in sent[0] if n.startswith("model.visual.") and not n.startswith("model.visual.merger.")}
+    projector = {n for n in sent[0] if n.startswith("model.visual.merger.")}  # trains: train_projector in the example
+    assert tower and projector, "the first version carries the whole vision tower"
+    assert len(sent) >= 2 and all(projector <= set(names) and not tower & set(names) for names in sent[1:])
+    # the worker sampled what the trainer's policy scores (staleness 0 at step 1: the same weights)
+    first = rows[0]
+    assert first["mismatch/abs_diff_max"] <= ROLLOUT_FP32_ATOL, first
 
 
 def test_image_rows_for_a_text_model_are_refused_naming_the_row(tmp_path, capsys):

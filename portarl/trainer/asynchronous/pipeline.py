@@ -90,7 +90,7 @@ from portarl.trainer.asynchronous.resume import restore_in_flight
 from portarl.trainer.asynchronous.sync import CollectiveSync
 from portarl.trainer.run.logfiles import prepare_log
 from portarl.trainer.run.write_failure import WriteFailed
-from portarl.trainer.asynchronous.weights import WeightSlots, drain, rollout_state_dict, rollout_tensors
+from portarl.trainer.asynchronous.weights import WeightSlots, drain, frozen_names, rollout_state_dict, rollout_tensors
 
 BATCH_LOG = "rollout_batches.jsonl"
 
@@ -137,8 +137,11 @@ def share_timeout_s(cfg) -> float:
 
 
 def _example_json(ex) -> dict:
+    from portarl.assets.data import images_json
+
     prompt = ex.prompt if isinstance(ex.prompt, str) else list(ex.prompt)
-    return {"prompt": prompt, "answer": ex.answer, "columns": ex.columns, "where": ex.where}
+    return {"prompt": prompt, "answer": ex.answer, "columns": ex.columns, "where": ex.where,
+            "images": images_json(getattr(ex, "images", ()))}
 
 
 class AsyncRollout:
@@ -220,13 +223,16 @@ class AsyncRollout:
         if self.published == version:
             return 0.0
         started, model = time.perf_counter(), self.trainer.model
+        # The frozen parameters (a vision tower) go with the first version this trainer
+        # publishes, and never again: every worker loaded that version before any later one.
+        skip = frozen_names(model) if self.published is not None else set()
         if self.sync is not None:  # rank 0, collective: each tensor gathered, cast and sent in turn
-            items = rollout_tensors(model, self.dtype, True, device=self.sync.group.device)
+            items = rollout_tensors(model, self.dtype, True, device=self.sync.group.device, skip=skip)
             try:
                 self._send(version, items)
             finally:  # a send that failed midway: the other ranks still wait in the gathers that follow
                 drain(items)
-        elif (state := rollout_state_dict(model, self.dtype, self.dist.is_main)) is not None:  # collective (FSDP2)
+        elif (state := rollout_state_dict(model, self.dtype, self.dist.is_main, skip)) is not None:  # collective (FSDP2)
             occupant = self.slots.occupant(version)
             while occupant is not None and self.loaded < occupant:  # a worker still needs the slot's version
                 lagging = min(self.clients, key=lambda c: c.loaded)

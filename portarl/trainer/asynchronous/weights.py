@@ -60,14 +60,29 @@ def tied_twins(model: torch.nn.Module) -> set[str]:
     return twins
 
 
-def rollout_tensors(model: torch.nn.Module, dtype: torch.dtype, is_main: bool = True, device="cpu"):
+def frozen_names(model: torch.nn.Module) -> set[str]:
+    """Base-model names of the parameters no optimizer step changes (``requires_grad``
+    false: a vision-language model's frozen vision tower). After a worker has loaded one
+    whole version, later versions leave these out: the tower is sent once, not at every
+    step (:func:`portarl.rollout.weight_sync.inbox.load_version` and the worker's file
+    load accept exactly these as missing)."""
+    from portarl.assets.lora import is_lora
+
+    if is_lora(model):  # the base weights are frozen by LoRA itself and folded into every version
+        return set()
+    return {name for name, p in base_model(model).named_parameters() if not p.requires_grad}
+
+
+def rollout_tensors(model: torch.nn.Module, dtype: torch.dtype, is_main: bool = True, device="cpu",
+                    skip: frozenset | set = frozenset()):
     """Yield ``(name, tensor)`` (contiguous, on ``device``) for the worker's plain model, one
     tensor at a time, on the rank with ``is_main``; yield nothing elsewhere. Collective under
     FSDP2: every rank must run it to the end, in step (a rank that stops early leaves the
     others inside a gather: :func:`drain`). ``device``: where the receiving end wants the
     tensors (the host for a file or Gloo; the trainer's device for NCCL / HCCL, so a tensor
-    never makes the round trip through host memory)."""
-    for name, t in merged_tensors(model, skip=tied_twins(model)):  # each gathered whole (collective)
+    never makes the round trip through host memory). ``skip``: further names left out
+    (:func:`frozen_names`, once the worker holds them)."""
+    for name, t in merged_tensors(model, skip=tied_twins(model) | set(skip)):  # each gathered whole (collective)
         if not is_main:
             continue
         if t.is_floating_point() and t.dtype != dtype:
@@ -82,10 +97,11 @@ def drain(items) -> None:
         pass
 
 
-def rollout_state_dict(model: torch.nn.Module, dtype: torch.dtype, is_main: bool = True) -> dict | None:
+def rollout_state_dict(model: torch.nn.Module, dtype: torch.dtype, is_main: bool = True,
+                       skip: frozenset | set = frozenset()) -> dict | None:
     """``{name: tensor}`` (contiguous, on the CPU) for the worker's plain model, on the rank
     with ``is_main``; ``None`` elsewhere. Collective under FSDP2: every rank must call it."""
-    items = rollout_tensors(model, dtype, is_main)
+    items = rollout_tensors(model, dtype, is_main, skip=skip)
     if not is_main:
         drain(items)
         return None
@@ -180,4 +196,4 @@ class WeightSlots:
             self._close(slot)
 
 
-__all__ = ["WeightSlots", "drain", "rollout_state_dict", "rollout_tensors", "tied_twins", "write_rollout_weights"]
+__all__ = ["WeightSlots", "drain", "frozen_names", "rollout_state_dict", "rollout_tensors", "tied_twins", "write_rollout_weights"]
