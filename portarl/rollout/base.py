@@ -81,7 +81,12 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> RolloutBatch:
-        """Sample one completion per entry of ``prompts`` (repeat a prompt G times for a group)."""
+        """Sample one completion per entry of ``prompts`` (repeat a prompt G times for a group).
+
+        A vision-language model's prompts come with ``media=`` (a
+        :class:`portarl.vision.inputs.VisionBatch`, one entry per prompt): an engine that
+        takes it adds the keyword (the hf engine, the replay wrappers); the trainer refuses
+        the others at start (:func:`portarl.vision.models.vision_refusal`)."""
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Make the engine sample from ``model``'s current weights (a no-op when it shares them)."""

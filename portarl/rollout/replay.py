@@ -109,10 +109,13 @@ class RecordingRollout(RolloutEngine):
     def __init__(self, inner: RolloutEngine):
         self.inner = inner
         self.batches: list[RolloutBatch] = []
+        #: Per batch, the vision inputs it was generated with (a vision-language model), else None.
+        self.media: list = []
 
-    def generate(self, prompts, seeds, params: SamplingParams) -> RolloutBatch:
-        batch = self.inner.generate(prompts, seeds, params)
+    def generate(self, prompts, seeds, params: SamplingParams, media=None) -> RolloutBatch:
+        batch = self.inner.generate(prompts, seeds, params, **({} if media is None else {"media": media}))
         self.batches.append(batch)
+        self.media.append(media)
         return batch
 
     def sync_weights(self, model) -> None:
@@ -148,7 +151,8 @@ class ReplayRollout(RolloutEngine):
     def load(cls, path: str | Path) -> "ReplayRollout":
         return cls(load_rollouts(path)[0])
 
-    def generate(self, prompts, seeds, params: SamplingParams) -> RolloutBatch:
+    def generate(self, prompts, seeds, params: SamplingParams, media=None) -> RolloutBatch:
+        """``media`` (a vision-language model's pixels) is not needed: the tokens are the recording's."""
         if self.position >= len(self.batches):
             raise RuntimeError(f"replay exhausted after {len(self.batches)} recorded rollouts; record a longer run")
         batch = self.batches[self.position]

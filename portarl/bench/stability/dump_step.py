@@ -103,6 +103,10 @@ def dump_recorded_step(directory: str | Path, step: int, out: str | Path, *, run
     spec = parse_runs(run)[0] if run else parse_runs(label.removesuffix("#noise"))[0]
     check_run_devices([spec], "--run")  # npu:bf16 on a machine without torch_npu: refused here, not mid-replay
     recorder = load_run(source / "runs" / manifest["recording"]["slug"])
+    import sys
+
+    # The recording config's rewards (module:function) where that directory exists on this machine.
+    sys.path[:0] = [d for d in manifest.get("code_dirs", []) if Path(d).is_dir() and d not in sys.path]
     with tempfile.TemporaryDirectory(prefix="portarl-dump-") as scratch:
         overrides = [f"model.path={source / START_MODEL}", f"train.steps={step}", f"train.seed={manifest['seed']}",
                      *spec.overrides(), f"output_dir={scratch}", "train.old_logprobs=recompute",

@@ -86,6 +86,8 @@ def _run_stability(specs, *, steps, seed, config_path, overrides, out_dir, repla
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     overrides = list(overrides or [])
+    # The config's own directory: its module:function rewards live there (the runs read a copy of the config).
+    code_dirs = [str(Path(config_path).resolve().parent)] if config_path is not None else []
     source = None
     if replay_from is not None:
         source = Path(replay_from).resolve()
@@ -115,7 +117,7 @@ def _run_stability(specs, *, steps, seed, config_path, overrides, out_dir, repla
         for spec in specs:  # surface config errors before anything trains
             TrainConfig.load(config_path, [*run_overrides, *spec.overrides()])
     all_specs = list(specs) + ([specs[0].as_noise()] if noise_floor else [])
-    manifest = {"format": FORMAT, "steps": steps, "seed": seed, "threshold": threshold,
+    manifest = {"format": FORMAT, "steps": steps, "seed": seed, "threshold": threshold, "code_dirs": code_dirs,
                 "runs": [{"label": s.label, "slug": s.slug} for s in all_specs],
                 "recording": {"label": specs[0].label, "slug": specs[0].slug} if replay and source is None else None,
                 "replayed_from": origin if source else None}
@@ -127,7 +129,7 @@ def _run_stability(specs, *, steps, seed, config_path, overrides, out_dir, repla
                      + (" (noise floor: train.seed+1, own rollouts)" if spec.role == "noise" else ""))
         run_dir = out_dir / "runs" / spec.slug
         shutil.rmtree(run_dir, ignore_errors=True)
-        job = {"label": spec.label, "config": str(config_path), "run_dir": str(run_dir),
+        job = {"label": spec.label, "config": str(config_path), "run_dir": str(run_dir), "code_dirs": code_dirs,
                "overrides": [*run_overrides, f"train.seed={seed + 1}"] if spec.role == "noise" else run_overrides}
         if spec.role != "noise":
             if source is not None or (replay and i > 0):

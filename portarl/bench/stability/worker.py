@@ -40,7 +40,8 @@ def _token_tap(trainer, tap, store: dict, trainer_label: str):
 
     def hook(step: int, old_logp: torch.Tensor) -> torch.Tensor:
         rollout = tap.batches[-1]
-        batch = build_batch(rollout.prompt_ids, rollout.completion_ids, trainer.codec.pad_token_id, trainer.device)
+        batch = build_batch(rollout.prompt_ids, rollout.completion_ids, trainer.codec.pad_token_id, trainer.device,
+                            vision=tap.media[-1])  # a vision-language model: the step's pixels and positions
         mb = cfg.train.micro_batch_size
         with torch.no_grad():
             entropy = torch.cat([entropy_of(batch.rows(slice(i, i + mb))) for i in range(0, batch.labels.shape[0], mb)])
@@ -65,6 +66,7 @@ def run_job(job: dict) -> int:
     from portarl.trainer import GRPOTrainer, TrainConfig, TrainingStopped, build_from_config
 
     spec = RunSpec.from_label(job["label"])
+    sys.path[:0] = [d for d in job.get("code_dirs", []) if Path(d).is_dir()]  # the config's rewards (module:function)
     run_dir = Path(job["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     # train.old_logprobs=recompute: the token tap is an old_logp hook that reads the whole
