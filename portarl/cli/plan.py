@@ -1,7 +1,8 @@
 """``portarl plan``: whether a training config fits its devices, before any weights load.
 
-Reads the model's shape (``config.json`` or the GGUF header) and the data's longest prompt
-(tokenizer only), then prints the per-device peak by part from
+Reads the model's shape (``config.json`` or the GGUF header; a vision-language model's
+tower too) and the data's longest prompt (tokenizer only; a vision-language model's
+processor with the images, for their image tokens and pixels), then prints the per-device peak by part from
 :mod:`portarl.trainer.memory.plan`, whether it fits, and what to change. Exit 0: fits; 1:
 does not fit; 2: a usage or config error.
 """
@@ -42,7 +43,7 @@ def local_device_memory(device: str = "auto") -> tuple[int | None, bool]:
 
 
 def cmd_plan(args) -> int:
-    from portarl.trainer.memory.arch import arch_of, prompt_lengths
+    from portarl.trainer.memory.arch import arch_of, prompt_stats
     from portarl.trainer.memory.plan import estimate, parse_size, render
 
     try:
@@ -62,8 +63,8 @@ def cmd_plan(args) -> int:
         else:
             memory, accelerator = local_device_memory(config.device)
         arch = arch_of(config.model)
-        longest, examples, tokens = prompt_lengths(config)
-        prompt = args.prompt_tokens or longest
+        stats = prompt_stats(config)
+        prompt = args.prompt_tokens or stats.longest
     except UsageError as err:
         log(f"portarl plan: {err}")
         return 2
@@ -71,25 +72,27 @@ def cmd_plan(args) -> int:
         log(f"portarl plan: {err}")
         return 2
     plan = estimate(config, arch, prompt_tokens=prompt, devices=args.devices, device_memory=memory,
-                    accelerator=accelerator, examples=examples, data_tokens=tokens)
+                    accelerator=accelerator, examples=stats.examples, data_tokens=stats.tokens, images=stats.images)
     print(render(plan, config))
     return 0 if plan.fits is not False else 1
 
 
 def train_start_line(config, tokenizer, examples, device) -> str:
     """The one line ``portarl train`` logs at its start: estimated peak and device memory
-    (the prompts encoded as the trainer will; devices: torchrun's ``WORLD_SIZE``)."""
-    from portarl.assets.tokenizer import as_codec, chat_template_option
-    from portarl.trainer.memory.arch import arch_of
+    (the prompts encoded as the trainer will, a vision-language model's with their images;
+    devices: torchrun's ``WORLD_SIZE``)."""
+    from portarl.assets.tokenizer import chat_template_option
+    from portarl.trainer.memory.arch import arch_of, measure_prompts
     from portarl.trainer.memory.plan import estimate, one_line
+    from portarl.vision.codec import codec_for
 
     d = config.data
-    codec = as_codec(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)
-    lengths = [len(codec.encode_prompt(ex.prompt)) for ex in examples] or [1]
+    codec = codec_for(tokenizer, chat_template=chat_template_option(d.chat_template), system_prompt=d.system_prompt)
+    stats = measure_prompts(codec, examples)
     memory, accelerator = local_device_memory(device.type)
-    plan = estimate(config, arch_of(config.model), prompt_tokens=max(lengths),
+    plan = estimate(config, arch_of(config.model), prompt_tokens=stats.longest,
                     devices=int(os.environ.get("WORLD_SIZE", "1")), device_memory=memory, accelerator=accelerator,
-                    examples=len(lengths), data_tokens=sum(lengths))
+                    examples=stats.examples, data_tokens=stats.tokens, images=stats.images)
     return one_line(plan)
 
 

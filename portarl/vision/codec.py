@@ -82,6 +82,16 @@ class VisionCodec(TextCodec):
         self._remember(example, enc.get("pixel_values"))
         return [int(i) for i in ids.tolist()]
 
+    def prompt_size(self, example) -> tuple[int, int, int]:
+        """``(tokens, image tokens, pixel rows)`` of ``example``'s prompt as
+        :meth:`encode_example` encodes it (image placeholders expanded), from the processor
+        alone: no model (``portarl plan`` counts prompts before any weights load), nothing
+        remembered. Pixel rows: the patches its images make (``pixel_values`` rows)."""
+        enc = self._process(example)
+        ids = enc["input_ids"][0]
+        pixels = enc.get("pixel_values")
+        return int(ids.numel()), int((ids == self.image_token_id).sum()), 0 if pixels is None else int(pixels.shape[0])
+
     def encode_prompt(self, prompt) -> list[int]:
         if not isinstance(prompt, str) and any(not isinstance(m["content"], str) and
                                                any(part.get("type") == "image" for part in m["content"]) for m in prompt):

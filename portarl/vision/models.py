@@ -140,6 +140,13 @@ def tiny_processor(family: str, tokenizer=None, *, min_pixels: int = TINY_MIN_PI
     return cls(image_processor=image, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
 
 
+def builtin_vlm_config(name: str, tokenizer=None, **sizes):
+    """The config of the built-in ``name`` (:data:`BUILTIN_VLMS`) without its weights (what
+    ``portarl plan`` reads the model's shape from); ``sizes``: :func:`tiny_config`'s."""
+    tokenizer = tokenizer or vision_tokenizer()
+    return tiny_config(BUILTIN_VLMS[name], len(tokenizer), _token_ids(tokenizer), **sizes)
+
+
 def build_tiny_vlm(name: str, seed: int = 0, *, hidden_size: int = 32, layers: int = 2):
     """``(model, processor)`` for a built-in name of :data:`BUILTIN_VLMS`, fp32, weights
     drawn from ``seed``."""
@@ -149,17 +156,17 @@ def build_tiny_vlm(name: str, seed: int = 0, *, hidden_size: int = 32, layers: i
 
     family = BUILTIN_VLMS[name]
     tokenizer = vision_tokenizer()
-    config = tiny_config(family, len(tokenizer), _token_ids(tokenizer), hidden_size=hidden_size, layers=layers)
+    config = builtin_vlm_config(name, tokenizer, hidden_size=hidden_size, layers=layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     return model, tiny_processor(family, tokenizer)
 
 
-def load_vlm(directory: str | Path, dtype: torch.dtype | None = None):
-    """``(model, processor)`` from a local model directory holding a vision-language model
-    and its processor (``save_pretrained`` of both; no network)."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+def load_processor(directory: str | Path):
+    """The processor saved in a vision-language model's directory (no model loaded: what
+    ``portarl plan`` counts prompts with). Errors name ``model.path`` and the fix."""
+    from transformers import AutoProcessor
 
     images_only_processors()
     directory = Path(directory)
@@ -172,6 +179,16 @@ def load_vlm(directory: str | Path, dtype: torch.dtype | None = None):
     if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
         raise ValueError(f"model.path {directory}: {type(processor).__name__} is not an image-text processor "
                          "(it needs an image processor and a tokenizer)")
+    return processor
+
+
+def load_vlm(directory: str | Path, dtype: torch.dtype | None = None):
+    """``(model, processor)`` from a local model directory holding a vision-language model
+    and its processor (``save_pretrained`` of both; no network)."""
+    from transformers import AutoModelForImageTextToText
+
+    directory = Path(directory)
+    processor = load_processor(directory)
     kwargs = {"local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = dtype

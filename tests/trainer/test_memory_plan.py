@@ -39,6 +39,15 @@ def test_hf_directory_and_gguf_header_count_the_real_parameters(tmp_path):
     assert arch.params == _count(loaded) and arch.layers == gguf_tiny.LAYERS
 
 
+def test_a_qwen3_directory_counts_its_q_and_k_norms(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    model.save_pretrained(tmp_path)
+    assert arch_of(TrainConfig.load(None, [f"model.path={tmp_path}"]).model).params == _count(model)
+
+
 def test_parts_follow_the_settings():
     cfg = TrainConfig.load(None, ["model.path=tiny"])
     arch = arch_of(cfg.model)

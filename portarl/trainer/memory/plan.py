@@ -60,6 +60,13 @@ Rollout phase, added to the static part (no gradients; the decode is chunked by
 With ``rollout.engine: vllm``, or in async mode, the engine's share replaces these (held
 the whole run or in the rollout phase, by its sleep level): :mod:`portarl.trainer.memory.engine`.
 
+A vision-language model adds its vision tower's weights, gradients and optimizer state
+(only what trains: ``model.freeze_vision`` / ``model.train_projector``), the tower's
+activations and the pixel buffers of the micro-batch and of the rollout chunk, and, on CPU,
+the cache of prompts' pixels; its image tokens are in the prompt lengths
+(:mod:`portarl.trainer.memory.vision`). The optimizer step and the KL reference count the
+tower with the rest.
+
 Peak = static + max(update, optimizer step, rollout). The no-grad scoring forwards (old /
 reference log-probs) need one layer's working set of one micro-batch, less than the update's.
 
@@ -74,8 +81,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from portarl.trainer.memory.arch import Arch, arch_of, prompt_lengths
+from portarl.trainer.memory.arch import Arch, arch_of, prompt_stats
 from portarl.trainer.memory.engine import engine_memory, gib
+from portarl.trainer.memory.vision import ImageStats, vision_parts
 
 CPU_CHUNK_BYTES = 4 << 20
 #: Host memory of one loaded example (the Example object, its prompt and answer strings)
@@ -105,6 +113,8 @@ class Plan:
     activations_other: int  # saved activations with checkpointing flipped, for the table
     device_memory: int | None = None
     notes: list = dataclasses.field(default_factory=list)  # the rollout engine's share, explained
+    images: ImageStats | None = None  # a vision-language model's data
+    trainable: int = 0  # parameters the optimizer updates (the tower's trainable ones included)
 
     @property
     def phases(self) -> dict:
@@ -139,11 +149,13 @@ def layer_activation_elements(arch: Arch) -> int:
 
 
 def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_memory: int | None = None,
-             accelerator: bool = False, first_step: bool = False, examples: int = 0, data_tokens: int = 0) -> Plan:
+             accelerator: bool = False, first_step: bool = False, examples: int = 0, data_tokens: int = 0,
+             images: ImageStats | None = None) -> Plan:
     """The per-device plan for config ``cfg`` (a TrainConfig) on ``devices`` devices.
     ``first_step``: the run's first step, before which no optimizer state exists (what a
     one-step measurement sees); default the steady state. ``examples`` / ``data_tokens``:
-    the data set's size (counted on CPU only, where host memory is the device's)."""
+    the data set's size (counted on CPU only, where host memory is the device's).
+    ``images``: a vision-language model's data (:mod:`portarl.trainer.memory.vision`)."""
     from portarl.trainer.memory.checkpointing import wants_checkpointing
 
     b = _BYTES[cfg.precision.dtype]
@@ -154,18 +166,7 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     n_t = _lora_params(arch, lora) if lora is not None else n
     masters = cfg.precision.use_master and b < 4
     b_opt = 4 if masters or b == 4 else b  # the optimizer's parameters and state
-    parts: dict[str, int] = {}
-    if sharded:
-        parts["parameters"] = n * (4 if masters else b) // w + (arch.root_params + 2 * arch.layer_params) * b
-    else:
-        parts["parameters"] = n * b
-        parts["fp32 master weights"] = 4 * n_t if masters else 0
-    parts["KL reference"] = n * b // w if cfg.loss.kl_coef > 0 and lora is None else 0
-    state = 2 * n_t * b_opt // w
-    parts["optimizer state"] = state
-    parts["data set (host)"] = 0 if accelerator else examples * DATA_EXAMPLE_BYTES + data_tokens * DATA_TOKEN_BYTES
-    held = sum(parts.values()) - (state if first_step else 0)
-    # Update phase: forward / backward of the largest micro-batch.
+    # The largest micro-batch and the rollout's decode chunk.
     s = prompt_tokens + cfg.rollout.max_new_tokens
     per_device = cfg.train.prompts_per_step // w * cfg.rollout.group_size
     budget = cfg.train.max_tokens_per_micro_batch
@@ -175,21 +176,56 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     if packed:
         rows = min(cfg.train.micro_batch_size, per_device)
         m = min(rows * s, max(s, budget)) if budget else rows * s
-    a = layer_activation_elements(arch)
     ckpt = wants_checkpointing(cfg)
+    r = cfg.rollout
+    sequences = cfg.train.prompts_per_step * r.group_size if r.mode == "async" else per_device  # one worker: whole steps
+    c = min(r.max_batch_size or sequences, sequences)
+    # A vision-language model's tower, image tokens and pixels (none for a text model).
+    vision = {} if arch.vision is None else vision_parts(
+        arch.vision, cfg.model, images, b=b, devices=w, masters=masters, b_opt=b_opt, rows=rows, chunk=c,
+        checkpointing=ckpt, accelerator=accelerator)
+    nv, nv_t = arch.vision_params, 0 if arch.vision is None else arch.vision.trainable(cfg.model)
+    parts: dict[str, int] = {}
+
+    def beside(*names):  # the vision lines next to the text model's
+        parts.update({name: vision[name] for name in names if name in vision})
+
+    if sharded:
+        parts["parameters"] = n * (4 if masters else b) // w + (arch.root_params + 2 * arch.layer_params) * b
+        beside("vision tower weights")
+    else:
+        parts["parameters"] = n * b
+        beside("vision tower weights")
+        parts["fp32 master weights"] = 4 * (n_t + nv_t) if masters else 0
+    parts["KL reference"] = (n + nv) * b // w if cfg.loss.kl_coef > 0 and lora is None else 0
+    state = 2 * n_t * b_opt // w
+    parts["optimizer state"] = state
+    beside("vision tower optimizer state")
+    state += vision.get("vision tower optimizer state", 0)
+    parts["data set (host)"] = 0 if accelerator else examples * DATA_EXAMPLE_BYTES + data_tokens * DATA_TOKEN_BYTES
+    beside("pixel cache (host)")
+    held = sum(parts.values()) - (state if first_step else 0)
+    # Update phase: forward / backward of the largest micro-batch.
+    a = layer_activation_elements(arch)
     full, checkpointed = l * a * b * m, (l * arch.hidden + a) * b * m
     if sharded:
         grads = n_t * (4 if masters else b) // w + arch.layer_params * b
     else:
         grads = n_t * b + (4 * n_t if masters else 0)
     parts["gradients"] = grads
+    beside("vision tower gradients")
+    grads += vision.get("vision tower gradients", 0)
     parts["saved activations"] = checkpointed if ckpt else full
+    beside("vision tower activations")
     parts["backward working set"] = (6 * arch.hidden + 3 * arch.intermediate) * b * m
     chunk = ACCEL_CHUNK_BYTES if accelerator else CPU_CHUNK_BYTES
     parts["log-prob chunk buffers"] = 3 * min(chunk, m * arch.vocab * 4)
-    update = sum(parts[k] for k in ("gradients", "saved activations", "backward working set", "log-prob chunk buffers"))
+    beside("pixel buffers (micro-batch)")
+    update = grads + sum(parts.get(k, 0) for k in ("saved activations", "backward working set", "log-prob chunk buffers",
+                                                   "vision tower activations", "pixel buffers (micro-batch)"))
     # Optimizer step: gradients, the state it creates on the first step, the guard's
     # snapshot of what it writes, foreach temporaries (one per parameter: sqrt of v).
+    n_t += nv_t  # the optimizer's parameters: the tower's trainable ones too
     snapshot = cfg.guards.update_snapshot or (b < 4 and not masters)
     parts["update snapshot"] = (n_t * b_opt // w + (0 if first_step else state)) if snapshot else 0
     foreach = sharded or cfg.optim.implementation == "foreach"
@@ -197,17 +233,15 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     optimizer = grads + parts["update snapshot"] + parts["optimizer temporaries"] + (state if first_step else 0)
     # Rollout: the hf engine's tensors in the rollout phase, or vLLM's share of the device
     # (held or in the rollout phase by its sleep level); async workers hold theirs all along.
-    r = cfg.rollout
-    sequences = cfg.train.prompts_per_step * r.group_size if r.mode == "async" else per_device  # one worker: whole steps
-    c = min(r.max_batch_size or sequences, sequences)
     hf = _hf_rollout(arch, c, s, prompt_tokens, b) if r.engine == "hf" else {}
-    engine = engine_memory(cfg, n * b, hf, device_memory=device_memory, accelerator=accelerator)
+    hf.update({k: vision[k] for k in ("pixel buffers (rollout)", "rollout vision tower forward") if k in vision and hf})
+    engine = engine_memory(cfg, (n + nv) * b, hf, device_memory=device_memory, accelerator=accelerator)
     parts.update(engine.held)
     parts.update(engine.rollout)
     held += sum(engine.held.values())
     rollout = sum(engine.rollout.values())
     return Plan(arch, w, parts, held, update, rollout, optimizer, rows, s, ckpt, m, packed,
-                full if ckpt else checkpointed, device_memory, engine.notes)
+                full if ckpt else checkpointed, device_memory, engine.notes, images, n_t)
 
 
 def _hf_rollout(arch: Arch, c: int, s: int, prompt_tokens: int, b: int) -> dict:
@@ -230,9 +264,10 @@ def plans_padding_free(cfg) -> bool:
 def estimate_for_config(cfg, *, devices: int = 1, device_memory: int | None = None, accelerator: bool = False,
                         first_step: bool = False) -> Plan:
     """:func:`estimate` with the model's shape and the longest prompt read from ``cfg``."""
-    longest, examples, tokens = prompt_lengths(cfg)
-    return estimate(cfg, arch_of(cfg.model), prompt_tokens=longest, devices=devices, device_memory=device_memory,
-                    accelerator=accelerator, first_step=first_step, examples=examples, data_tokens=tokens)
+    stats = prompt_stats(cfg)
+    return estimate(cfg, arch_of(cfg.model), prompt_tokens=stats.longest, devices=devices, device_memory=device_memory,
+                    accelerator=accelerator, first_step=first_step, examples=stats.examples, data_tokens=stats.tokens,
+                    images=stats.images)
 
 
 def parse_size(text: str) -> int:
@@ -283,9 +318,11 @@ def _micro_batch(plan: Plan) -> str:
 
 def render(plan: Plan, cfg) -> str:
     a = plan.arch
-    lines = [f"model: {a.name}: {a.params / 1e6:.1f}M parameters, {a.layers} layers, hidden {a.hidden}, "
+    what = "parameters" if a.vision is None else "language-model parameters"
+    lines = [f"model: {a.name}: {a.params / 1e6:.1f}M {what}, {a.layers} layers, hidden {a.hidden}, "
              f"vocab {a.vocab}; {cfg.precision.dtype}; {plan.devices} device(s)"
              + (" (FSDP2)" if plan.devices > 1 else ""),
+             *_vision_lines(plan, cfg),
              f"largest micro-batch: {_micro_batch(plan)}; activation checkpointing "
              f"{'on' if plan.checkpointing else 'off'}", "",
              "peak memory per device, by part:"]
@@ -303,6 +340,25 @@ def render(plan: Plan, cfg) -> str:
         lines.append(f"device memory {gib(plan.device_memory)}: {verdict}")
         lines += [f"  change: {tip}" for tip in advice(plan, cfg)]
     return "\n".join(lines)
+
+
+def _vision_lines(plan: Plan, cfg) -> list[str]:
+    """A vision-language model's tower (its parameters, how many train and why) and its
+    images (the most image tokens and patches one prompt has); none for a text model."""
+    v, m = plan.arch.vision, cfg.model
+    if v is None:
+        return []
+    trainable = v.trainable(m)
+    why = ("model.lora: the language model's adapters only" if m.lora is not None else
+           "model.freeze_vision=false" if not m.freeze_vision else
+           "model.train_projector: the projector" if m.train_projector else "model.freeze_vision")
+    lines = [f"vision tower: {v.params:,} parameters, depth {v.depth}, width {v.hidden}; {trainable:,} trainable ({why})"]
+    if plan.images is not None and plan.images.pixel_rows:
+        i = plan.images
+        lines.append(f"images: up to {i.image_tokens:,} image tokens per prompt (in the prompt lengths), from "
+                     f"{i.pixel_rows:,} patches of {v.patch_features:,} fp32 values (pixel buffers: "
+                     f"{gib(i.pixel_rows * v.patch_features * 4)} per row)")
+    return lines
 
 
 def one_line(plan: Plan) -> str:
