@@ -202,12 +202,12 @@ def set_pixel_range(processor, min_pixels: int | None, max_pixels: int | None) -
     processor's own."""
     image = processor.image_processor
     size = dict(getattr(image, "size", None) or {})
+    # transformers >= 5.2x reads the range from ``size`` alone (the min_pixels / max_pixels
+    # attributes are deprecated and, once set, passed to every call with a warning).
     if min_pixels is not None:
         size["shortest_edge"] = int(min_pixels)
-        image.min_pixels = int(min_pixels)
     if max_pixels is not None:
         size["longest_edge"] = int(max_pixels)
-        image.max_pixels = int(max_pixels)
     lo, hi = size.get("shortest_edge"), size.get("longest_edge")
     if lo is not None and hi is not None and lo > hi:
         raise ValueError(f"data.min_pixels {lo} is above data.max_pixels {hi}")
