@@ -25,6 +25,7 @@ FULL_ENV = "PORTARL_TEST_FULL"
 _LINEAR = "parity/test_linear_logprobs.py::test_linear_logprobs_matches_float64"
 _ASYNC2 = "distributed/test_async_torchrun.py::"
 _RESUME = "trainer/test_async_resume.py::test_async_resume_reproduces_the_uninterrupted_run_bitwise"
+_VLM2 = "distributed/test_vlm_fsdp.py::"
 
 #: node id (below tests/) -> (covers in make test, what the cover keeps)
 FULL_ONLY: dict[str, tuple[list[str], str]] = {
@@ -75,6 +76,23 @@ FULL_ONLY: dict[str, tuple[list[str], str]] = {
     "trainer/test_async_rollout.py::test_kill_9_then_resume_trains_every_step_and_prompt_once": (
         [f"{_RESUME}[hang@4-_kill_between_checkpoints]"],
         "SIGKILL mid-run, then --resume trains every step and prompt once (bitwise)"),
+    # Vision-language on two ranks: Qwen2.5-VL padding-free stays; the padded layout and Qwen3-VL
+    # are held on one process (their layouts, their CLI runs) and by the same 2-rank code path.
+    f"{_VLM2}test_one_vlm_step_on_two_ranks_matches_one_process[qwen2.5-vl-padded]": (
+        [f"{_VLM2}test_one_vlm_step_on_two_ranks_matches_one_process[qwen2.5-vl-padding-free]",
+         "vision/test_vlm_numerics.py::test_packed_layouts_match_the_padded_one_and_1d_positions_would_not"],
+        "2 ranks = 1 process for a VLM on padding-free rows; the padding-free layouts equal the padded one"),
+    f"{_VLM2}test_a_two_rank_vlm_checkpoint_resumes_on_one_process[qwen2.5-vl-padded]": (
+        [f"{_VLM2}test_a_two_rank_vlm_checkpoint_resumes_on_one_process[qwen2.5-vl-padding-free]"],
+        "a 2-rank VLM checkpoint (DCP) resumes on one process"),
+    f"{_VLM2}test_one_vlm_step_on_two_ranks_matches_one_process[qwen3-vl-padding-free]": (
+        [f"{_VLM2}test_one_vlm_step_on_two_ranks_matches_one_process[qwen2.5-vl-padding-free]",
+         "vision/test_vlm_train_cli.py::test_a_saved_vlm_trains_resumes_and_exports_from_the_command_line"],
+        "2 ranks = 1 process on Qwen2.5-VL; Qwen3-VL trains, resumes and exports on one process"),
+    f"{_VLM2}test_a_two_rank_vlm_checkpoint_resumes_on_one_process[qwen3-vl-padding-free]": (
+        [f"{_VLM2}test_a_two_rank_vlm_checkpoint_resumes_on_one_process[qwen2.5-vl-padding-free]",
+         "vision/test_vlm_train_cli.py::test_a_saved_vlm_trains_resumes_and_exports_from_the_command_line"],
+        "a 2-rank Qwen2.5-VL checkpoint resumes on one process; Qwen3-VL resumes on one process"),
     # One signal of the two on two ranks; SIGINT is held on one process.
     "distributed/test_fsdp_gloo.py::test_signal_on_one_rank_stops_both_with_one_checkpoint[2]": (
         ["distributed/test_fsdp_gloo.py::test_signal_on_one_rank_stops_both_with_one_checkpoint[15]",

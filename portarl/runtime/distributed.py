@@ -196,7 +196,17 @@ def has_sharded_params(params) -> bool:
 
 def shard(model: torch.nn.Module, *, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """FSDP2: ``fully_shard`` every decoder layer, then the root. ``param_dtype`` (mixed
-    precision) computes in that dtype over fp32 parameters, gradients reduced in fp32."""
+    precision) computes in that dtype over fp32 parameters, gradients reduced in fp32.
+
+    A vision-language model: its decoder layers are the language model's; the vision tower
+    stays in the root unit, gathered once per forward with the embeddings and the head.
+    Its blocks as units of their own would all-gather only on a rank whose micro-batch or
+    prompts have images, so a rank with text-only rows would leave its peer waiting in a
+    collective (the rollout prefills each rank's own prompts). A micro-batch without images
+    still gives the tower's trainable parameters a zero gradient
+    (:class:`portarl.trainer.phases.sequences._VisionGradsEverywhere`), so the root's
+    reduce-scatter is the same size on every rank. Frozen parameters (the tower, by
+    default) are sharded beside trainable ones; FSDP2 reduces only what has gradients."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

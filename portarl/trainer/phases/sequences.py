@@ -148,11 +148,50 @@ def hidden_states(model, batch: TokenBatch) -> torch.Tensor:
     return model.get_decoder()(**_forward_kwargs(batch)).last_hidden_state
 
 
+class _VisionGradsEverywhere:
+    """A vision-language micro-batch without images, under FSDP2: its forward never runs
+    the vision tower, so the tower's trainable parameters (the projector; all of it with
+    ``model.freeze_vision: false``) get no gradient on this rank, while a rank whose
+    micro-batch has images gets one. FSDP2 reduce-scatters only the gradients that exist,
+    so the ranks' collectives would differ in size (Gloo aborts: "Received data size
+    doesn't match expected size"; NCCL would hang or mix buffers). Inside the forward this
+    adds ``0 * sum(p)`` of those parameters, as FSDP2 has gathered them, to the input
+    embeddings: every rank then has their gradients (zeros here) and the values are
+    unchanged (``x + 0.0 == x``)."""
+
+    def __init__(self, model):
+        from portarl.vision.models import vision_parts
+
+        self.tower, _ = vision_parts(model)
+        self.embed = model.get_input_embeddings()
+        self.handle = None
+
+    def __enter__(self):
+        def add_zero(module, args, output):
+            params = [p for p in self.tower.parameters() if p.requires_grad]  # the unsharded ones, in the forward
+            return output + sum(p.sum() for p in params) * 0.0 if params else output
+
+        self.handle = self.embed.register_forward_hook(add_zero)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+        return False
+
+
 def _sharded_forward(model, batch: TokenBatch):
     """The FSDP2 model's own forward; its output's ``logits`` at the scoring positions
-    (padded: the last T + 1 positions, ``logits_to_keep``; packed: every position)."""
+    (padded: the last T + 1 positions, ``logits_to_keep``; packed: every position). A
+    vision-language micro-batch passes its pixels and M-RoPE positions (``_forward_kwargs``);
+    one without images still gives the tower's trainable parameters a gradient
+    (:class:`_VisionGradsEverywhere`)."""
     keep = 0 if batch.packed is not None else batch.labels.shape[1] + 1
-    logits = model(**_forward_kwargs(batch), logits_to_keep=keep).logits
+    kwargs = _forward_kwargs(batch)
+    if batch.vision is not None and "pixel_values" not in kwargs and torch.is_grad_enabled():
+        with _VisionGradsEverywhere(model):
+            logits = model(**kwargs, logits_to_keep=keep).logits
+    else:
+        logits = model(**kwargs, logits_to_keep=keep).logits
     return scored_hidden(batch, logits) if batch.packed is not None else logits[:, :-1]
 
 
