@@ -310,6 +310,24 @@ def write_jsonl(examples: list[Example], path: str | Path) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def example_json(ex: Example) -> dict:
+    """``ex`` as JSON (what the trainer sends an asynchronous rollout worker); :func:`example_from_json` reads it back."""
+    prompt = ex.prompt if isinstance(ex.prompt, str) else list(ex.prompt)
+    return {"prompt": prompt, "answer": ex.answer, "columns": ex.columns, "where": ex.where,
+            "images": images_json(ex.images)}
+
+
+def example_from_json(row: dict) -> Example:
+    """The :class:`Example` of :func:`example_json`'s output: a conversation as a tuple of
+    messages, a content of parts as a tuple (as :func:`load_examples` keeps them)."""
+    prompt = row["prompt"]
+    if not isinstance(prompt, str):
+        prompt = tuple({**m, "content": m["content"] if isinstance(m["content"], str) else tuple(m["content"])}
+                       for m in prompt)
+    return Example(prompt, row["answer"], row["columns"], row["where"],
+                   parse_images(row.get("images"), row["where"], "images", Path("/")))
+
+
 def images_json(images) -> list:
     """``images`` (:class:`~portarl.vision.images.ImageSource`) as JSON values that
     :func:`parse_images` reads back: each an absolute path, or its bytes as ``{"bytes": base64}``."""

@@ -55,7 +55,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 from portarl.runtime import blackbox
 from portarl.runtime.lifeline import adopt_orphans, die_with_parent as _die_with_parent
@@ -104,12 +103,6 @@ def build_engine(cfg, model, tokenizer, codec, work_dir: str):
 
     return HFRollout(model, codec.eos_token_id, codec.pad_token_id, stop_token_ids=codec.stop_token_ids,
                      lean_decode=cfg.rollout.lean_decode, share_prefill=cfg.rollout.share_prefill)
-
-
-def _conversation(messages: list) -> tuple:
-    """A conversation from JSON: messages as dicts, a content of parts as a tuple (as the data loader keeps it)."""
-    return tuple({**m, "content": m["content"] if isinstance(m["content"], str) else tuple(m["content"])}
-                 for m in messages)
 
 
 def held_frozen(model, version) -> set[str]:
@@ -211,7 +204,7 @@ class Worker:
         return {"op": "loaded", "version": version}
 
     def generate(self, request: dict) -> dict:
-        from portarl.assets.data import Example, parse_images
+        from portarl.assets.data import example_from_json
         from portarl.rollout import request_seeds
         from portarl.trainer.phases.episodes import play, reward_examples
 
@@ -229,9 +222,7 @@ class Worker:
         mode = "constant" if self.fault == "constant_seed" else cfg.rollout.seed_mode
         prompts = request["prompts"]
         seeds = request_seeds(cfg.train.seed, step, len(prompts), g, mode)
-        examples = [Example(e["prompt"] if isinstance(e["prompt"], str) else _conversation(e["prompt"]), e["answer"],
-                            e["columns"], e["where"], parse_images(e.get("images"), e["where"], "images", Path("/")))
-                    for e in request["examples"]]
+        examples = [example_from_json(e) for e in request["examples"]]
         started = time.perf_counter()
         if self.agent is None:
             media = {}

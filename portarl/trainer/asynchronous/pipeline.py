@@ -90,6 +90,7 @@ from portarl.trainer.asynchronous.resume import restore_in_flight
 from portarl.trainer.asynchronous.sync import CollectiveSync
 from portarl.trainer.run.logfiles import prepare_log
 from portarl.trainer.run.write_failure import WriteFailed
+from portarl.assets.data import example_json
 from portarl.trainer.asynchronous.weights import WeightSlots, drain, frozen_names, rollout_state_dict, rollout_tensors
 
 BATCH_LOG = "rollout_batches.jsonl"
@@ -134,14 +135,6 @@ def share_timeout_s(cfg) -> float:
     that dies ends the job through torchrun and the heartbeat."""
     r = cfg.rollout
     return 2 * (max(r.timeout_s, STARTUP_MIN_S) + (2 * r.max_staleness + 3) * r.timeout_s + cfg.distributed.timeout_s)
-
-
-def _example_json(ex) -> dict:
-    from portarl.assets.data import images_json
-
-    prompt = ex.prompt if isinstance(ex.prompt, str) else list(ex.prompt)
-    return {"prompt": prompt, "answer": ex.answer, "columns": ex.columns, "where": ex.where,
-            "images": images_json(getattr(ex, "images", ()))}
 
 
 class AsyncRollout:
@@ -284,7 +277,7 @@ class AsyncRollout:
         examples = self.trainer_prompts(step)
         self.worker_of(step).send({"op": "generate", "step": step,
                                    "prompts": [self.trainer.encoded_prompt(ex) for ex in examples],
-                          "examples": [_example_json(ex) for ex in examples]})
+                          "examples": [example_json(ex) for ex in examples]})
 
     def trainer_prompts(self, step: int):
         from portarl.trainer.phases.rollout import prompts_for_step
