@@ -217,6 +217,12 @@ class GRPOTrainer:
         batch_vision = getattr(self.codec, "batch_vision", None)
         return None if batch_vision is None else batch_vision(examples, group_size)
 
+    def media_for(self, examples: list, group_size: int) -> dict:
+        """The rollout engine's extra keywords for ``examples`` sampled ``group_size`` times
+        each: ``{"media": VisionBatch}`` for a vision-language model, else none."""
+        vision = self.vision_inputs(examples, group_size)
+        return {} if vision is None else {"media": vision}
+
     def uses_reference(self) -> bool:
         """Whether the loss needs a reference model (``loss.kl_coef > 0``)."""
         return self.config.loss.kl_coef > 0

@@ -262,6 +262,4 @@ def vision_refusal(cfg) -> str | None:
                 "use rollout.engine=hf")
     if getattr(cfg, "tools", None) or getattr(cfg, "environment", None):
         return "tools / environments (multi-turn episodes) with a vision-language model are not supported yet"
-    if r.dynamic_sampling:
-        return "rollout.dynamic_sampling with a vision-language model is not supported yet"
     return None

@@ -94,6 +94,20 @@ def test_async_rollout_sends_the_frozen_tower_once_and_matches_its_log_probs(tmp
     assert first["mismatch/abs_diff_max"] <= ROLLOUT_FP32_ATOL, first
 
 
+def test_dynamic_sampling_rounds_carry_the_pixels(tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(EXAMPLE), "--output-dir", str(run), *SHORT,
+                 "--set", "rollout.dynamic_sampling=true", "--set", "rollout.max_generation_rounds=2",
+                 "--set", "train.sft_warmup_steps=40"]) == 0
+    assert [m["step"] for m in _metrics(run) if m.get("phase") == "grpo"] == [1, 2]
+
+
+def test_what_is_not_wired_yet_is_refused_at_start_naming_the_setting(tmp_path, capsys):
+    args = ["train", "--config", str(EXAMPLE), "--output-dir", str(tmp_path / "r"), *SHORT]
+    assert main([*args, "--set", "tools=[calculator:multiply]"]) == 2
+    assert "with a vision-language model" in capsys.readouterr().err
+
+
 def test_image_rows_for_a_text_model_are_refused_naming_the_row(tmp_path, capsys):
     args = ["train", "--config", str(EXAMPLE), "--output-dir", str(tmp_path / "r"), "--set", "model.path=tiny-chat",
             *SHORT]

@@ -80,7 +80,7 @@ def _generate_round(trainer, step: int, round_index: int) -> list[_Group]:
     examples = round_prompts(trainer, step, round_index)
     seeds = round_seeds(cfg.train.seed, step, round_index, len(examples), g, cfg.rollout.seed_mode)
     prompts = [trainer.encoded_prompt(ex) for ex in examples for _ in range(g)]
-    rollout = trainer.rollout.generate(prompts, seeds, trainer.sampling)
+    rollout = trainer.rollout.generate(prompts, seeds, trainer.sampling, **trainer.media_for(examples, g))
     texts = [trainer.codec.decode(c) for c in rollout.completion_ids]
     scores = trainer.score_rewards(examples, texts)
     rewards = shape_rewards(cfg, scores.total, rollout.completion_ids, {})

@@ -65,9 +65,8 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
         rollout, texts, episode_metrics, episode_events = play(trainer.agent, trainer.rollout, trainer.sampling,
                                                                examples, prompts, seeds, g, trainer.dist)
     else:
-        vision = trainer.vision_inputs(examples, g)  # a vision-language model: each prompt's pixels and positions
-        media = {} if vision is None else {"media": vision}
-        rollout = trainer.rollout.generate(prompts, seeds, trainer.sampling, **media)
+        # a vision-language model: each prompt's pixels and positions
+        rollout = trainer.rollout.generate(prompts, seeds, trainer.sampling, **trainer.media_for(examples, g))
         texts = [trainer.codec.decode(c) for c in rollout.completion_ids]
     trainer.rollout.sleep()  # the trainer computes now: the engine frees what it can (vLLM: KV cache)
     metrics, events = rollout_metrics(trainer, step, rollout, seeds)
