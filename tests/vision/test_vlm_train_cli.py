@@ -129,3 +129,17 @@ def test_lora_adapts_the_language_model_only_and_trains_from_the_command_line(tm
     run = tmp_path / "run"
     assert main(["train", "--config", str(EXAMPLE), "--output-dir", str(run), "--set", "model.lora.r=4", *SHORT]) == 0
     assert [m["step"] for m in _metrics(run) if m.get("phase") == "grpo"] == [1, 2]
+
+
+def test_on_policy_the_sequence_mean_loss_is_zero_with_a_gradient(tmp_path):
+    """On-policy (one optimizer step per rollout: the old log-probs are the training forward's),
+    each sequence's clipped ratio is 1 and group-normalised advantages sum to zero per group,
+    so seq-mean-token-mean's policy loss is 0 while its gradient is not: as for text, with the
+    vision tower's features in every forward."""
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(EXAMPLE), "--output-dir", str(run), "--set", "train.steps=1",
+                 "--set", "train.sft_warmup_steps=70", "--set", "eval.data=null",
+                 "--set", "loss.loss_agg_mode=seq-mean-token-mean"]) == 0
+    step = next(m for m in _metrics(run) if m.get("phase") == "grpo")
+    assert 0.0 < step["reward/mean"] < 1.0, step  # rewards differ inside groups: advantages are not all zero
+    assert abs(step["pg/loss"]) < 1e-6 and step["grad_norm"] > 1e-3, step
