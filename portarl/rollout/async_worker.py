@@ -89,7 +89,7 @@ def build_engine(cfg, model, tokenizer, codec, work_dir: str):
     the same for both engines: only this function and that one call know which runs.
     """
     if cfg.rollout.engine == "vllm":
-        from portarl.rollout.vllm import engine_from_config, model_dir_for
+        from portarl.rollout.vllm_build import engine_from_config, model_dir_for
 
         # Forced, not defaulted: an engine-core child process would outlive the SIGKILL that
         # stops this worker, and weight sync would copy every tensor across processes.

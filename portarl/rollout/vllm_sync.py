@@ -133,3 +133,31 @@ def sync(llm, path: str, weights: list) -> None:
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
     else:
         llm.collective_rpc(load_and_process, kwargs={"weights": weights})
+
+
+class _SkippedLayers(logging.Filter):
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        return "Failed to load weights" not in message and "weights were not loaded from checkpoint" not in message
+
+
+@contextlib.contextmanager
+def partial_reload(partial: bool):
+    """A sync that leaves layers out on purpose (a frozen vision tower, sent once): vLLM's
+    layerwise reload puts such a layer's tensors back and warns "Failed to load weights" for
+    each (``model_loader/reload/layerwise.py``, vLLM 0.32), and lists them as "not loaded
+    from checkpoint" (``reload/inplace.py``); those warnings are expected here and filtered
+    while it runs."""
+    if not partial:
+        yield
+        return
+    targets = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}")
+               for name in ("layerwise", "inplace")]
+    quiet = _SkippedLayers()
+    for target in targets:
+        target.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for target in targets:
+            target.removeFilter(quiet)

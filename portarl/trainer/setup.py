@@ -165,7 +165,7 @@ def check_demonstrations(examples: list, codec, cfg: TrainConfig) -> None:
 
 def make_rollout_engine(trainer):
     if trainer.config.rollout.engine == "vllm":
-        from portarl.rollout.vllm import engine_from_trainer
+        from portarl.rollout.vllm_build import engine_from_trainer
 
         return engine_from_trainer(trainer, DTYPES[trainer.config.precision.dtype])
     engine = ENGINES["hf"](trainer.model, trainer.codec.eos_token_id, trainer.codec.pad_token_id,

