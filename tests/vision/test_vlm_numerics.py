@@ -22,6 +22,7 @@ from portarl.parity.errors import assert_close
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL, fp32_result, low_precision_forward
 from portarl.rollout.base import SamplingParams
 from portarl.rollout.hf import HFRollout
+from portarl.trainer.memory.checkpointing import checkpointing_enabled, enable_checkpointing
 from portarl.trainer.phases.packing import layout_of, pack_micro_batch
 from portarl.trainer.phases.sequences import build_batch, completion_logprobs
 from portarl.vision.codec import VisionCodec
@@ -214,3 +215,27 @@ def test_freezing_the_vision_tower_keeps_the_projector_when_asked(projector):
     assert all((id(p) in trainable) == projector for p in merger.parameters())
     assert not any(id(p) in trainable for n, p in tower.named_parameters()
                    if not n.startswith(("merger", "deepstack_merger_list")))
+
+
+def test_activation_checkpointing_gives_the_same_gradients(images):
+    """``train.gradient_checkpointing`` (on by default for a model directory) recomputes the
+    language model's layers in the backward, with the same M-RoPE positions and image
+    features: the gradients equal those without it within the fp32 tolerance."""
+    grads = []
+    for checkpointing in (False, True):
+        model, processor = build_tiny_vlm("tiny-qwen2.5-vl", seed=1)
+        freeze_vision(model, train_projector=True)
+        if checkpointing:
+            enable_checkpointing(model)  # what the trainer does
+            assert checkpointing_enabled(model) and model.model.language_model.gradient_checkpointing
+        model.train()
+        codec = VisionCodec(processor, model)
+        examples = _examples(images)
+        prompts = [codec.encode_example(ex) for ex in examples]
+        batch = _batch(codec, examples, prompts, _completions(len(examples) * GROUP))
+        logp = completion_logprobs(model, _packed(model, batch, False), temperature=1.0)
+        (-(logp * batch.mask).sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("merger" in n for n in grads[0])
+    for name, g in grads[0].items():
+        assert_close(grads[1][name], g, fp32_result(float(g.abs().max())), what=f"checkpointed gradient of {name}")

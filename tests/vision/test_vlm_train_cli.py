@@ -143,3 +143,11 @@ def test_on_policy_the_sequence_mean_loss_is_zero_with_a_gradient(tmp_path):
     step = next(m for m in _metrics(run) if m.get("phase") == "grpo")
     assert 0.0 < step["reward/mean"] < 1.0, step  # rewards differ inside groups: advantages are not all zero
     assert abs(step["pg/loss"]) < 1e-6 and step["grad_norm"] > 1e-3, step
+
+
+def test_a_saved_vlm_trains_in_async_mode(model_dir, tmp_path):
+    """Both families from their saved directories, the rollout in a worker process."""
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(EXAMPLE), "--output-dir", str(run), "--set", f"model.path={model_dir}",
+                 "--set", "rollout.mode=async", *SHORT]) == 0
+    assert [m["step"] for m in _metrics(run) if m.get("phase") == "grpo"] == [1, 2]
