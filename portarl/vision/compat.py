@@ -46,10 +46,30 @@ def images_only_processors() -> bool:
 
 
 class NoVideoProcessor:
-    """The video processor of an images-only processor under vLLM: no keyword arguments, and
-    a one-line error if a video ever reaches it."""
+    """The video processor of an images-only processor under vLLM: no keyword arguments, a
+    one-line error if a video ever reaches it, and the geometry vLLM reads to size a video
+    budget it never uses (videos are limited to 0 per prompt): the owning processor's image
+    processor's ``size`` / patch sizes, and Qwen3-VL's frame defaults. A descriptor on
+    ``ProcessorMixin``, so each processor's stand-in reads its own image processor."""
 
     valid_kwargs = typing.TypedDict("NoVideoKwargs", {}, total=False)  # what vLLM and transformers read
+    #: transformers' Qwen3-VL video processor defaults (sampling rate and frame bounds).
+    FRAME_DEFAULTS = {"fps": 2.0, "min_frames": 4, "max_frames": 768}
+    GEOMETRY = ("size", "patch_size", "temporal_patch_size", "merge_size")
+
+    def __init__(self, image_processor=None):
+        self._image = image_processor
+
+    def __get__(self, owner, kind=None):
+        return self if owner is None else NoVideoProcessor(getattr(owner, "image_processor", None))
+
+    def __getattr__(self, name):
+        image = self.__dict__.get("_image")
+        if name in self.GEOMETRY and image is not None:
+            return getattr(image, name)
+        if name in self.FRAME_DEFAULTS:
+            return self.FRAME_DEFAULTS[name]
+        raise AttributeError(f"the images-only video stand-in has no {name!r}")
 
     def __bool__(self) -> bool:
         return False
