@@ -47,9 +47,16 @@ def build_model(m, dtype: torch.dtype | None = None):
     from ``init_seed``) or a local directory / .gguf file loaded in ``dtype``, with
     ``model.attn_implementation`` when set. Without ``model.lora`` (applied later, by the
     trainer or ``portarl export``)."""
+    from portarl.moe.models import BUILTIN_MOES
     from portarl.vision.models import BUILTIN_VLMS
 
-    if m.path in BUILTIN_VLMS:
+    if m.path in BUILTIN_MOES:
+        from portarl.moe.models import build_tiny_moe
+
+        model, tokenizer = build_tiny_moe(m.path, seed=m.init_seed)
+        if dtype is not None:
+            model = model.to(dtype)
+    elif m.path in BUILTIN_VLMS:
         from portarl.vision.models import build_tiny_vlm
 
         model, tokenizer = build_tiny_vlm(m.path, seed=m.init_seed)

@@ -20,7 +20,8 @@ DEFAULT_CHARS = "0123456789+-*=?., ()abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQ
 
 #: ``model.path`` values that name a model built in code (see :func:`builtin_tokenizer`).
 #: The tiny vision-language models (:mod:`portarl.vision.models`) build their processor themselves.
-BUILTIN_MODELS = ("tiny", "tiny-chat", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl")
+BUILTIN_MODELS = ("tiny", "tiny-chat", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-moe",
+                  "tiny-qwen2-moe")
 
 #: The chat template of the built-in ``tiny-chat`` model: ChatML (SmolLM2's and Qwen2's turn
 #: format, no default system message) that declares tools compactly, since every byte is a
@@ -150,7 +151,7 @@ def no_template_fix(tokenizer) -> str:
 
 def builtin_tokenizer(path: str):
     """The tokenizer of the built-in model ``model.path`` names, or None for any other path."""
-    if path == "tiny":
+    if path in ("tiny", "tiny-qwen3-moe", "tiny-qwen2-moe"):
         return CharTokenizer()
     if path == "tiny-chat":
         return byte_chat_tokenizer()

@@ -55,6 +55,10 @@ class RolloutBatch:
     finished: list[bool]
     model_mask: list[list[bool]] | None = None
     episodes: list[dict] | None = None
+    #: A mixture-of-experts model with routing replay (``rollout.routing_replay: rollout``):
+    #: per sample, the experts its tokens were routed to, [MoE layers, fed tokens, k] int16
+    #: (the prompt, then the completion but its last token, which the engine never fed).
+    routed_experts: list | None = None
 
 
 def seed_of(key: str) -> int:

@@ -51,6 +51,24 @@ def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
     return ids.to(device), mask.to(device)
 
 
+def _per_sample_experts(calls: list, batch: RolloutBatch) -> list:
+    """Each sample's recorded experts [layers, fed tokens, k] (int16) from the routers'
+    calls (:func:`portarl.moe.routing.recording`): the prefill's rows (prompts left-padded
+    to a common width), then one decode call per completion token fed (all but the last)."""
+    n = len(batch.prompt_ids)
+    width = max(len(p) for p in batch.prompt_ids)
+    out = []
+    for i, (prompt, completion) in enumerate(zip(batch.prompt_ids, batch.completion_ids)):
+        fed = max(len(completion) - 1, 0)
+        layers = []
+        for per_call in calls:
+            prefill = per_call[0].view(n, width, -1)[i, width - len(prompt):]
+            steps = [per_call[1 + t][i : i + 1] for t in range(fed)]
+            layers.append(torch.cat([prefill, *steps]) if steps else prefill)
+        out.append(torch.stack(layers).cpu())
+    return out
+
+
 def _rows_of(media, rows: list[int]):
     """The vision inputs of ``rows`` (None without)."""
     return None if media is None else media.take(rows)
@@ -132,6 +150,10 @@ class HFRollout(RolloutEngine):
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"rollout.max_batch_size must be >= 1 or None, got {max_batch_size}")
         self.max_batch_size = max_batch_size
+        #: Record the experts each token was routed to (``rollout.routing_replay: rollout``;
+        #: a mixture-of-experts model): ``RolloutBatch.routed_experts``. The prefill then
+        #: runs every row (``share_prefill`` would prefill a group's prompt once).
+        self.record_routing = False
 
     def samples_policy_of(self, model: torch.nn.Module) -> bool:
         """It samples from the module it was given: the trainer's own model, always current."""
@@ -157,10 +179,23 @@ class HFRollout(RolloutEngine):
                 parts.append(self._generate(prompts[start:start + size], seeds[start:start + size], params, chunk))
         if len(parts) == 1:
             return parts[0]
-        return RolloutBatch(*(sum((getattr(p, f) for p in parts), []) for f in
-                              ("prompt_ids", "completion_ids", "logprobs", "finished")))
+        merged = RolloutBatch(*(sum((getattr(p, f) for p in parts), []) for f in
+                                ("prompt_ids", "completion_ids", "logprobs", "finished")))
+        if self.record_routing:
+            merged.routed_experts = sum((p.routed_experts for p in parts), [])
+        return merged
 
     def _generate(self, prompts, seeds, params: SamplingParams, media=None) -> RolloutBatch:
+        if self.record_routing:  # a mixture-of-experts model: the experts of every token fed (routing replay)
+            from portarl.moe.routing import recording
+
+            with recording(self.model) as calls:
+                batch = self._sample(prompts, seeds, params, media)
+            batch.routed_experts = _per_sample_experts(calls, batch)
+            return batch
+        return self._sample(prompts, seeds, params, media)
+
+    def _sample(self, prompts, seeds, params: SamplingParams, media=None) -> RolloutBatch:
         model = self.model
         was_training = model.training
         model.eval()
@@ -247,7 +282,7 @@ class HFRollout(RolloutEngine):
         last bits between, say, one process and two ranks of the same run; AdamW's first
         step amplifies that for near-zero gradients beyond what
         ``tests/distributed/test_fsdp_gloo.py`` allows."""
-        if self.share_prefill:
+        if self.share_prefill and not self.record_routing:
             # A vision prompt is its tokens and its images: equal tokens with other images are not equal.
             keys = prompts if media is None else [list(p) + [("vision", id(vp))] for p, vp in zip(prompts, media.prompts)]
             distinct, row_of = _distinct_rows(keys)

@@ -309,6 +309,12 @@ class GRPOTrainer:
             else:
                 record_clean(self)
         finish_metrics(self, metrics, events, skipped, overflow)
+        if self.config.rollout.routing_replay != "off":  # MoE: how often the trainer would have routed as recorded
+            from portarl.moe.routing import take_agreement
+
+            agree, counted = take_agreement(self.model)
+            if counted:
+                metrics["rollout/routing_agreement"] = agree / counted
         metrics["time/step_s"] = time.perf_counter() - started
         metrics["time/step_cpu_s"] = time.process_time() - cpu_started  # this process's threads (bench async)
         if self.dist.enabled:

@@ -175,6 +175,7 @@ def make_rollout_engine(trainer):
                            max_batch_size=trainer.config.rollout.max_batch_size)
     if trainer.dist.enabled:  # FSDP forwards are collective: every rank decodes until all are done
         engine.finished_everywhere = lambda flag: not pdist.any_rank(trainer.dist, not flag)
+    engine.record_routing = trainer.config.rollout.routing_replay == "rollout"  # an MoE model's experts, per token
     return engine
 
 

@@ -44,6 +44,11 @@ class RolloutConfig:
     #: the rollout log-probs may then differ in the last bits with the number of ranks
     #: (see ``HFRollout._prefill``).
     share_prefill: bool = False
+    #: Mixture-of-experts models: routing replay. "off"; "rollout" (R3: the engine records
+    #: the experts each token was routed to and the trainer's forwards use them, the gate
+    #: weights recomputed by the current router on those experts; verl
+    #: ``router_replay.mode: R3``, slime ``--use-rollout-routing-replay``). See docs/moe.md.
+    routing_replay: str = "off"
     #: engine "hf": generate at most this many sequences at once (chunks run one after the
     #: other, each one's KV cache freed before the next); the samples are the same as in one
     #: batch (per-sample seeds). Bounds the rollout's KV cache to this many sequences. None:
@@ -188,6 +193,8 @@ class RolloutConfig:
                self.tool_format)
         _check(self.engine in ("hf", "vllm"), "rollout.engine", "must be 'hf' or 'vllm'", self.engine)
         _check(self.mode in ("colocated", "async"), "rollout.mode", "must be 'colocated' or 'async'", self.mode)
+        _check(self.routing_replay in ("off", "rollout"), "rollout.routing_replay",
+               "must be 'off' or 'rollout' (R3: the engine's experts replayed in the trainer)", self.routing_replay)
         _positive_int(self, "rollout", "max_staleness", allow_zero=True)
         _number(self, "rollout", "timeout_s", low=0.0)
         _check(self.weight_sync in ("collective", "file"), "rollout.weight_sync", "must be 'collective' or 'file'",

@@ -131,9 +131,10 @@ def trimmed(batch: TokenBatch, rows: torch.Tensor, width_p: int, width_c: int) -
     ``width_c`` completion columns (the rest is padding for every one of these rows)."""
     start, end = batch.prompt_width - width_p, batch.prompt_width + width_c
     vision = None if batch.vision is None else batch.vision.rows(rows).columns(start, end)
+    routing = None if batch.routing is None else batch.routing.rows(rows).columns(start, end)
     return TokenBatch(batch.input_ids[rows, start:end], batch.attention_mask[rows, start:end],
                       batch.position_ids[rows, start:end], batch.labels[rows, :width_c], batch.mask[rows, :width_c],
-                      width_p, vision=vision)
+                      width_p, vision=vision, routing=routing)
 
 
 def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice, TokenBatch]]:
@@ -170,6 +171,8 @@ def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice
         keys = [tuple(row[p_width - p:]) for row, p in zip(prompts, prompt_lens)]
         if batch.vision is not None:  # equal tokens with other images are other prompts
             keys = [key + (("vision", k),) for key, k in zip(keys, batch.vision.prompt_keys)]
+        if batch.routing is not None:  # routing replay: equal tokens the engine routed otherwise are other prompts
+            keys = [key + (("experts", k),) for key, k in zip(keys, batch.routing.prompt_keys(p_width, prompt_lens))]
     out = []
     for part in parts:
         rows = torch.tensor(part, dtype=torch.long, device=batch.labels.device)

@@ -136,7 +136,8 @@ def score(trainer, phase, metrics: dict) -> Scored:
     guard.check("reward", rewards)
     batch = build_batch(rollout.prompt_ids, rollout.completion_ids, trainer.codec.pad_token_id, trainer.device,
                         model_mask=getattr(rollout, "model_mask", None),  # multi-turn: the model's tokens only
-                        vision=trainer.vision_inputs(examples, g))  # a vision-language model's pixels and positions
+                        vision=trainer.vision_inputs(examples, g),  # a vision-language model's pixels and positions
+                        routing=getattr(rollout, "routed_experts", None))  # MoE routing replay: the engine's experts
     rollout_logp = padded(rollout.logprobs, batch.labels.shape[1], 0.0, torch.float32).to(trainer.device)
     old_logp = None
     if old_logprobs_recompute_reason(trainer) is not None:

@@ -38,12 +38,16 @@ class TokenBatch:
     #: A vision-language model's inputs for these rows (pixels, M-RoPE positions:
     #: :class:`portarl.vision.inputs.VisionRows`), else None.
     vision: object = None
+    #: A mixture-of-experts model with routing replay: the experts the rollout engine chose
+    #: per token (:class:`portarl.moe.routing.RoutingRows`), else None.
+    routing: object = None
 
     def rows(self, index: slice) -> "TokenBatch":
         """These rows, padded (a packed layout belongs to the rows it was built for)."""
         return TokenBatch(self.input_ids[index], self.attention_mask[index], self.position_ids[index],
                           self.labels[index], self.mask[index], self.prompt_width,
-                          vision=None if self.vision is None else self.vision.rows(index))
+                          vision=None if self.vision is None else self.vision.rows(index),
+                          routing=None if self.routing is None else self.routing.rows(index))
 
 
 def padded(rows: list[list], width: int, fill, dtype: torch.dtype) -> torch.Tensor:
@@ -55,13 +59,14 @@ def padded(rows: list[list], width: int, fill, dtype: torch.dtype) -> torch.Tens
 
 
 def build_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device,
-                model_mask: list[list[bool]] | None = None, vision=None) -> TokenBatch:
+                model_mask: list[list[bool]] | None = None, vision=None, routing: list | None = None) -> TokenBatch:
     """The batch tensors, each built from padded lists in one call (:func:`padded`), not
     one small tensor per row: this runs every step on the host. ``model_mask`` (multi-turn
     episodes): per completion token, whether the model produced it; ``mask`` then covers
     those tokens only (tool and environment tokens are in the sequence, read as context,
     and out of the loss, the mismatch correction and the guards). ``vision`` (a
-    vision-language model): a :class:`portarl.vision.inputs.VisionBatch` of the rows."""
+    vision-language model): a :class:`portarl.vision.inputs.VisionBatch` of the rows.
+    ``routing`` (routing replay): each row's recorded experts (``RolloutBatch.routed_experts``)."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     width_p = max(len(p) for p in prompts)
@@ -77,8 +82,14 @@ def build_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: 
         mask &= padded(model_mask, width_c, False, torch.bool)
     rows_vision = None if vision is None else vision.rows([len(p) for p in prompts], [len(c) for c in completions],
                                                           width_p, width_c, device)
+    rows_routing = None
+    if routing is not None:
+        from portarl.moe.routing import routing_rows
+
+        rows_routing = routing_rows(routing, [len(p) for p in prompts], [len(c) for c in completions], width_p,
+                                    width_c, device)
     return TokenBatch(ids.to(device), attn.to(device), positions.to(device), labels.to(device), mask.to(device), width_p,
-                      vision=rows_vision)
+                      vision=rows_vision, routing=rows_routing)
 
 
 def _is_sharded(model) -> bool:
@@ -137,10 +148,24 @@ def _forward_kwargs(batch: TokenBatch) -> dict:
     return kwargs
 
 
+def _route(model, batch: TokenBatch) -> None:
+    """Routing replay: the recorded experts of ``batch`` for the next forwards of ``model``
+    (:func:`portarl.moe.routing.set_replay`), or the routers' own choice when it has none."""
+    if batch.routing is not None:
+        from portarl.moe.routing import set_replay
+
+        set_replay(model, *batch.routing.flat(batch.packed))
+    elif getattr(model, "_portarl_replays", False):
+        from portarl.moe.routing import set_replay
+
+        set_replay(model, None)
+
+
 def hidden_states(model, batch: TokenBatch) -> torch.Tensor:
     """The decoder's last hidden states of ``batch``'s forward. A vision-language model
     runs its ``model.model`` (vision tower, image features into the placeholders, the
     language model with M-RoPE positions); a text model its decoder."""
+    _route(model, batch)
     if batch.vision is not None:
         from portarl.assets.lora import base_model
 
@@ -186,6 +211,7 @@ def _sharded_forward(model, batch: TokenBatch):
     one without images still gives the tower's trainable parameters a gradient
     (:class:`_VisionGradsEverywhere`)."""
     keep = 0 if batch.packed is not None else batch.labels.shape[1] + 1
+    _route(model, batch)
     kwargs = _forward_kwargs(batch)
     if batch.vision is not None and "pixel_values" not in kwargs and torch.is_grad_enabled():
         with _VisionGradsEverywhere(model):
