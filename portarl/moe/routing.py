@@ -184,3 +184,30 @@ def routing_rows(recorded: list, prompt_lens: list[int], completion_lens: list[i
         experts[:, i, width_p - p : width_p - p + n] = r[:, :n].long()
         known[i, width_p - p : width_p - p + n] = True
     return RoutingRows(experts.to(device), known.to(device))
+
+
+def experts_json(recorded: list) -> list[dict]:
+    """Recorded experts (per sample [layers, tokens, k] int16) as JSON values: shape and
+    base64 bytes (2 bytes per token, layer and k), for the asynchronous worker's replies
+    and the checkpoints of batches in flight."""
+    import base64
+
+    return [{"shape": list(r.shape), "int16": base64.b64encode(r.to(torch.int16).contiguous().numpy().tobytes()).decode()}
+            for r in recorded]
+
+
+def experts_from_json(values: list) -> list[torch.Tensor]:
+    """:func:`experts_json`'s output back as int16 tensors; a malformed entry raises ValueError."""
+    import base64
+
+    import numpy as np
+
+    out = []
+    for i, v in enumerate(values):
+        try:
+            shape = [int(n) for n in v["shape"]]
+            data = np.frombuffer(base64.b64decode(v["int16"], validate=True), dtype=np.int16)
+            out.append(torch.from_numpy(data.copy()).view(*shape))
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"routed experts of sample {i} are malformed ({type(err).__name__}: {err})") from None
+    return out

@@ -101,8 +101,10 @@ def build_engine(cfg, model, tokenizer, codec, work_dir: str):
         return engine_from_config(cfg, model_dir, codec.stop_token_ids, next(model.parameters()).dtype)
     from portarl.rollout.hf import HFRollout
 
-    return HFRollout(model, codec.eos_token_id, codec.pad_token_id, stop_token_ids=codec.stop_token_ids,
-                     lean_decode=cfg.rollout.lean_decode, share_prefill=cfg.rollout.share_prefill)
+    engine = HFRollout(model, codec.eos_token_id, codec.pad_token_id, stop_token_ids=codec.stop_token_ids,
+                       lean_decode=cfg.rollout.lean_decode, share_prefill=cfg.rollout.share_prefill)
+    engine.record_routing = cfg.rollout.routing_replay == "rollout"  # an MoE model's experts, per token
+    return engine
 
 
 def held_frozen(model, version) -> set[str]:
@@ -250,6 +252,10 @@ class Worker:
                  "gen_s": gen_s, "score_s": time.perf_counter() - started - gen_s, "idle_s": idle,
                  "cpu_s": time.process_time() - self.cpu_mark}
         self.cpu_mark = time.process_time()
+        if batch.routed_experts is not None:  # MoE routing replay: the experts of every token fed, compactly
+            from portarl.moe.routing import experts_json
+
+            reply["routed_experts"] = experts_json(batch.routed_experts)
         if self.fault_step == step and self.fault == "garbage":
             reply["completion_ids"] = reply["completion_ids"][:-1]
         if self.fault_step == step and self.fault == "stale":

@@ -111,6 +111,12 @@ class GRPOTrainer:
             raise ConfigError(why)
         self.model, self._initial_reference = place_model(model, self.config, self.dist, self.device)
         self.model.train()
+        if self.config.rollout.routing_replay != "off":
+            from portarl.moe.routing import install
+
+            if not install(self.model):  # the routers' replayable forward
+                raise ConfigError(f"rollout.routing_replay={self.config.rollout.routing_replay}: the model has no "
+                                  "mixture-of-experts routers to replay; set rollout.routing_replay=off")
         self.padding_free = resolve_padding_free(self.config, self.model)  # micro-batch layout (trainer/phases/packing.py)
         self.tokenizer = tokenizer
         d = self.config.data

@@ -91,9 +91,14 @@ def test_the_router_still_learns_under_replay(tmp_path):
     assert any(not torch.equal(b, r.weight) for b, r in zip(before, routing.routers(trainer.model)))
 
 
-def test_a_dense_model_has_no_routers_and_refuses_nothing(tmp_path):
-    cfg = fast_config(tmp_path, "rollout.routing_replay=rollout", "train.steps=1")
+def test_replay_on_a_dense_model_or_the_vllm_engine_is_refused_naming_the_setting(tmp_path):
     from portarl.trainer import build_from_config
+    from portarl.trainer.config.fields import ConfigError
 
+    cfg = fast_config(tmp_path, "rollout.routing_replay=rollout", "train.steps=1")
     model, tokenizer, examples = build_from_config(cfg)
     assert routing.routers(model) == []
+    with pytest.raises(ConfigError, match="no mixture-of-experts routers"):
+        GRPOTrainer(model, tokenizer, [varied_reward], examples, cfg, device="cpu")
+    with pytest.raises(ValueError, match="rollout.routing_replay"):
+        fast_config(tmp_path, "rollout.routing_replay=rollout", "rollout.engine=vllm").validate()

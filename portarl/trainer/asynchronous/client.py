@@ -171,7 +171,7 @@ class WorkerClient:
 #: The reply's per-sample fields, in sample order (a rank's share is a slice of each).
 SAMPLE_FIELDS = ("prompt_ids", "completion_ids", "logprobs", "finished", "texts", "seeds", "total")
 #: Per-sample fields of multi-turn episodes (tools / environment), present only then.
-EPISODE_FIELDS = ("model_mask", "episodes")
+EPISODE_FIELDS = ("model_mask", "episodes", "routed_experts")  # routed_experts: MoE routing replay
 
 
 def _rows(reply: dict, key: str, n: int, name: str, step: int) -> list:
@@ -219,6 +219,10 @@ def as_batch(reply: dict) -> tuple[RolloutBatch, RewardScores]:
     """A reply :func:`check_batch` passed (or a slice of one) as a RolloutBatch and RewardScores."""
     rollout = RolloutBatch(reply["prompt_ids"], reply["completion_ids"], reply["logprobs"],
                            [bool(f) for f in reply["finished"]], reply.get("model_mask"), reply.get("episodes"))
+    if reply.get("routed_experts") is not None:  # MoE routing replay: the worker's recorded experts
+        from portarl.moe.routing import experts_from_json
+
+        rollout.routed_experts = experts_from_json(reply["routed_experts"])
     return rollout, RewardScores(torch.tensor(reply["total"], dtype=torch.float32), reply["per_function"],
                                  reply["reward_metrics"])
 

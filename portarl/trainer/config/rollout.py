@@ -195,6 +195,9 @@ class RolloutConfig:
         _check(self.mode in ("colocated", "async"), "rollout.mode", "must be 'colocated' or 'async'", self.mode)
         _check(self.routing_replay in ("off", "rollout"), "rollout.routing_replay",
                "must be 'off' or 'rollout' (R3: the engine's experts replayed in the trainer)", self.routing_replay)
+        _check(self.routing_replay == "off" or self.engine == "hf", "rollout.routing_replay",
+               "'rollout' records the experts in the hf engine only (the vllm engine's routed experts are not wired "
+               "yet): set rollout.engine=hf or rollout.routing_replay=off", self.routing_replay)
         _positive_int(self, "rollout", "max_staleness", allow_zero=True)
         _number(self, "rollout", "timeout_s", low=0.0)
         _check(self.weight_sync in ("collective", "file"), "rollout.weight_sync", "must be 'collective' or 'file'",
