@@ -102,3 +102,24 @@ def test_replay_on_a_dense_model_or_the_vllm_engine_is_refused_naming_the_settin
         GRPOTrainer(model, tokenizer, [varied_reward], examples, cfg, device="cpu")
     with pytest.raises(ValueError, match="rollout.routing_replay"):
         fast_config(tmp_path, "rollout.routing_replay=rollout", "rollout.engine=vllm").validate()
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_on_policy_the_corrected_loss_is_zero_only_with_replay(tmp_path, monkeypatch, replay):
+    """seq-mean-token-mean on-policy: each sequence's ratio is 1 and group-normalised
+    advantages sum to zero, so the policy loss is 0, but the mismatch correction weighs
+    each token by exp(old - rollout). With replay those weights are 1 (the engine's and the
+    trainer's log-probs agree); with the recorded experts ignored they are not, and the
+    loss moves off zero, on an engine made to route otherwise."""
+    trainer = _trainer(tmp_path, "tiny-qwen3-moe", "loss.loss_agg_mode=seq-mean-token-mean")
+    if not replay:
+        monkeypatch.setattr(routing, "set_replay", lambda *args, **kwargs: None)
+    try:
+        metrics = trainer.train_step()
+    finally:
+        trainer.close()
+    assert metrics["grad_norm"] > 1e-3
+    if replay:
+        assert abs(metrics["pg/loss"]) < 1e-6, metrics["pg/loss"]
+    else:
+        assert abs(metrics["pg/loss"]) > 1e-5, metrics["pg/loss"]
