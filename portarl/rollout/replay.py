@@ -52,6 +52,9 @@ def save_rollouts(batches: list[RolloutBatch], path: str | Path, metadata: dict 
         # float64: the engine's log-probs are Python floats; float64 round-trips them exactly.
         tensors[f"{i}.logprobs"], tensors[f"{i}.logprob_lens"] = _flat(b.logprobs, torch.float64)
         tensors[f"{i}.finished"] = torch.tensor([bool(f) for f in b.finished], dtype=torch.bool)
+        if b.routed_experts is not None:  # MoE routing replay: [layers, tokens, k] per sample, along the tokens
+            tensors[f"{i}.routed_experts"] = torch.cat([r.to(torch.int16) for r in b.routed_experts], dim=1)
+            tensors[f"{i}.routed_lens"] = torch.tensor([r.shape[1] for r in b.routed_experts], dtype=torch.int64)
     meta = {"format": FORMAT, "batches": str(len(batches)), "metadata": json.dumps(metadata or {})}
     save_file(tensors, str(path), metadata=meta)
     return file_sha256(path)
@@ -96,6 +99,9 @@ def load_rollouts(path: str | Path) -> tuple[list[RolloutBatch], dict]:
                 logprobs=_split(tensors[f"{i}.logprobs"], tensors[f"{i}.logprob_lens"]),
                 finished=tensors[f"{i}.finished"].tolist(),
             ))
+            if f"{i}.routed_experts" in tensors:
+                batches[-1].routed_experts = list(tensors[f"{i}.routed_experts"].split(
+                    tensors[f"{i}.routed_lens"].tolist(), dim=1))
     except KeyError as err:
         raise RolloutFileError(f"{path} is damaged: missing tensor {err}") from None
     return batches, json.loads(meta.get("metadata", "{}"))

@@ -48,3 +48,15 @@ def test_recorded_experts_round_trip_through_json_and_refuse_damage():
 def test_a_bad_routing_replay_value_is_refused(capsys):
     assert main(["train", "--set", "rollout.routing_replay=R3"]) == 2
     assert "rollout.routing_replay" in capsys.readouterr().err
+
+
+def test_recorded_experts_travel_in_replay_files(tmp_path):
+    from portarl.rollout.base import RolloutBatch
+    from portarl.rollout.replay import load_rollouts, save_rollouts
+
+    experts = [torch.randint(0, 4, (2, n, 2), dtype=torch.int16) for n in (5, 3)]
+    batch = RolloutBatch([[1, 2, 3], [1, 2]], [[4, 5, 6], [7, 8]], [[-0.1] * 3, [-0.2] * 2], [True, False],
+                         routed_experts=experts)
+    save_rollouts([batch], tmp_path / "r.safetensors")
+    back = load_rollouts(tmp_path / "r.safetensors")[0][0]
+    assert all(torch.equal(a, b) for a, b in zip(experts, back.routed_experts))
