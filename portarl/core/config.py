@@ -77,6 +77,13 @@ class GRPOConfig:
     #: top q of a micro-batch's valid tokens by entropy get policy gradient (1.0: all).
     top_entropy_quantile: float = 1.0
 
+    # --- mixture of experts ---
+    #: Weight of the router load-balancing loss (transformers' ``load_balancing_loss_func``,
+    #: Switch Transformer eq. 4-6, over each training forward's real tokens) added to the
+    #: loss of a mixture-of-experts model; logged as ``moe/aux_loss``. 0: off, as in
+    #: verl's / slime's RL recipes (the router still learns through the policy loss).
+    router_aux_coef: float = 0.0
+
     # --- aggregation (aggregate_loss), shared by every term ---
     #: "token-mean", "seq-mean-token-mean", "seq-mean-token-sum" or "seq-mean-token-sum-norm"
     #: (portarl.core.aggregation.aggregate_loss).
@@ -148,6 +155,7 @@ class GRPOConfig:
         number("kl_log_ratio_clamp", low=0.0, allow_none=True)
         number("kl_max_value", low=0.0, allow_none=True)
         number("entropy_coef", low=0.0, strict=False)
+        number("router_aux_coef", low=0.0, strict=False)
         number("mismatch_truncate_c", low=1.0, strict=False)
         number("mismatch_mask_low", low=0.0, high=1.0)
         number("mismatch_mask_high", low=1.0)

@@ -47,6 +47,7 @@ from portarl.vision.codec import codec_for
 from portarl.vision.models import vision_refusal
 from portarl.runtime.user_code import UserCodeGuard, agree_on_failure
 from portarl.trainer.checkpoint import CheckpointManager, seed_global_rngs
+from portarl.moe.load import router_aux_refusal
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
 from portarl.trainer.guards.detectors import DegenerateDetector, GuardTripped, SpikeDetector
@@ -110,6 +111,8 @@ class GRPOTrainer:
         if (why := refuse_reference_sync(self.config, model, self.dist.enabled)) is not None:
             raise ConfigError(why)
         self.model, self._initial_reference = place_model(model, self.config, self.dist, self.device)
+        if (why := router_aux_refusal(self.config, self.model)) is not None:
+            raise ConfigError(why)
         self.model.train()
         from portarl.moe.routing import install, is_moe
 

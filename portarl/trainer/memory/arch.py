@@ -11,13 +11,16 @@ import dataclasses
 import json
 from pathlib import Path
 
+from portarl.trainer.memory.moe import MoeShape, moe_shape_of
 from portarl.trainer.memory.vision import ImageStats, VisionTower
 
 
 @dataclasses.dataclass(frozen=True)
 class Arch:
     """A decoder-only transformer of the Llama / Qwen2 family (what portarl trains); a
-    vision-language model's language model, with its ``vision`` tower beside it."""
+    vision-language model's language model, with its ``vision`` tower beside it; a
+    mixture-of-experts model's MLPs in ``moe`` (:mod:`portarl.trainer.memory.moe`), its
+    ``intermediate`` then the width a token goes through (k experts and the shared one)."""
 
     name: str
     vocab: int
@@ -31,12 +34,21 @@ class Arch:
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm of head_dim on q and on k
     vision: VisionTower | None = None
+    moe: MoeShape | None = None
+
+    @property
+    def attention_params(self) -> int:
+        """One layer's attention and its two norms (everything but the MLP)."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        return attn + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
 
     @property
     def layer_params(self) -> int:
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
-        return attn + 3 * h * self.intermediate + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        """One decoder layer's parameters (an MoE model's largest: what FSDP2 gathers whole)."""
+        if self.moe is not None:
+            return self.attention_params + self.moe.largest_mlp(self.hidden, self.layers)
+        return self.attention_params + 3 * self.hidden * self.intermediate
 
     @property
     def root_params(self) -> int:
@@ -46,7 +58,14 @@ class Arch:
     @property
     def params(self) -> int:
         """The decoder's (a vision-language model's language model's) parameters."""
+        if self.moe is not None:
+            return self.layers * self.attention_params + self.moe.mlp_params(self.hidden, self.layers) + self.root_params
         return self.layers * self.layer_params + self.root_params
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token goes through: all but the routed experts it skips."""
+        return self.params - (0 if self.moe is None else self.moe.inactive_params(self.hidden))
 
     @property
     def vision_params(self) -> int:
@@ -55,17 +74,20 @@ class Arch:
 
 #: model_types with biased q, k, v projections when the config does not say; with q / k norms.
 _QKV_BIAS = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
-_QK_NORM = ("qwen3", "qwen3_vl_text")
+_QK_NORM = ("qwen3", "qwen3_vl_text", "qwen3_moe")
 
 
 def _from_hf_config(data: dict, name: str, tied: bool | None = None) -> Arch:
     hidden, heads = int(data["hidden_size"]), int(data["num_attention_heads"])
     kind = data.get("model_type")
+    moe = moe_shape_of(data)
     return Arch(name=name, vocab=int(data["vocab_size"]), hidden=hidden, layers=int(data["num_hidden_layers"]),
                 heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads),
-                head_dim=int(data.get("head_dim") or hidden // heads), intermediate=int(data["intermediate_size"]),
+                head_dim=int(data.get("head_dim") or hidden // heads),
+                intermediate=int(data["intermediate_size"]) if moe is None else moe.active_intermediate,
                 tied=bool(data.get("tie_word_embeddings", False)) if tied is None else tied,
-                qkv_bias=bool(data.get("attention_bias", kind in _QKV_BIAS)), qk_norm=kind in _QK_NORM)
+                qkv_bias=bool(data.get("attention_bias", data.get("qkv_bias", kind in _QKV_BIAS))),
+                qk_norm=kind in _QK_NORM, moe=moe)
 
 
 def _from_vlm_config(config, name: str) -> Arch:
@@ -105,11 +127,15 @@ def _from_gguf(path: Path) -> Arch:
 def arch_of(model_cfg) -> Arch:
     """The shape of the model a ``ModelConfig`` names (no weights read)."""
     from portarl.assets.tokenizer import builtin_tokenizer
+    from portarl.moe.models import BUILTIN_MOES, tiny_moe_config
     from portarl.trainer.memory.vision import vlm_config
     from portarl.vision.models import BUILTIN_VLMS
 
     if model_cfg.path in BUILTIN_VLMS:
         return _from_vlm_config(vlm_config(model_cfg), f"{model_cfg.path} {BUILTIN_VLMS[model_cfg.path]} (built in)")
+    if model_cfg.path in BUILTIN_MOES:  # its fixed config (portarl.moe.models), not the model section's sizes
+        config = tiny_moe_config(BUILTIN_MOES[model_cfg.path], len(builtin_tokenizer(model_cfg.path)))
+        return _from_hf_config(config.to_dict(), f"{model_cfg.path} {BUILTIN_MOES[model_cfg.path]} (built in)")
     tokenizer = builtin_tokenizer(model_cfg.path)
     if tokenizer is not None:
         m = model_cfg

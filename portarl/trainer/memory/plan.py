@@ -64,7 +64,9 @@ A vision-language model adds its vision tower's weights, gradients and optimizer
 (only what trains: ``model.freeze_vision`` / ``model.train_projector``), the tower's
 activations and the pixel buffers of the micro-batch and of the rollout chunk, and, on CPU,
 the cache of prompts' pixels; its image tokens are in the prompt lengths
-(:mod:`portarl.trainer.memory.vision`). The optimizer step and the KL reference count the
+(:mod:`portarl.trainer.memory.vision`). A mixture-of-experts model counts all its experts'
+weights, its activations by the width a token goes through, and with routing replay the
+recorded experts (:mod:`portarl.trainer.memory.moe`; added to the update phase). The optimizer step and the KL reference count the
 tower with the rest.
 
 Peak = static + max(update, optimizer step, rollout). The no-grad scoring forwards (old /
@@ -83,6 +85,7 @@ import re
 
 from portarl.trainer.memory.arch import Arch, arch_of, prompt_stats
 from portarl.trainer.memory.engine import engine_memory, gib
+from portarl.trainer.memory.moe import moe_lines, moe_parts
 from portarl.trainer.memory.vision import ImageStats, vision_parts
 
 CPU_CHUNK_BYTES = 4 << 20
@@ -115,6 +118,7 @@ class Plan:
     notes: list = dataclasses.field(default_factory=list)  # the rollout engine's share, explained
     images: ImageStats | None = None  # a vision-language model's data
     trainable: int = 0  # parameters the optimizer updates (the tower's trainable ones included)
+    model_lines: list = dataclasses.field(default_factory=list)  # a mixture-of-experts model's counts
 
     @property
     def phases(self) -> dict:
@@ -221,8 +225,11 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     chunk = ACCEL_CHUNK_BYTES if accelerator else CPU_CHUNK_BYTES
     parts["log-prob chunk buffers"] = 3 * min(chunk, m * arch.vocab * 4)
     beside("pixel buffers (micro-batch)")
+    replay = {} if arch.moe is None else moe_parts(arch.moe, cfg, samples=sequences, rows=per_device, width=s,
+                                                   accelerator=accelerator)
+    parts.update(replay)
     update = grads + sum(parts.get(k, 0) for k in ("saved activations", "backward working set", "log-prob chunk buffers",
-                                                   "vision tower activations", "pixel buffers (micro-batch)"))
+                                                   "vision tower activations", "pixel buffers (micro-batch)", *replay))
     # Optimizer step: gradients, the state it creates on the first step, the guard's
     # snapshot of what it writes, foreach temporaries (one per parameter: sqrt of v).
     n_t += nv_t  # the optimizer's parameters: the tower's trainable ones too
@@ -241,7 +248,8 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     held += sum(engine.held.values())
     rollout = sum(engine.rollout.values())
     return Plan(arch, w, parts, held, update, rollout, optimizer, rows, s, ckpt, m, packed,
-                full if ckpt else checkpointed, device_memory, engine.notes, images, n_t)
+                full if ckpt else checkpointed, device_memory, engine.notes, images, n_t,
+                moe_lines(arch, cfg, samples=sequences, rows=per_device, width=s))
 
 
 def _hf_rollout(arch: Arch, c: int, s: int, prompt_tokens: int, b: int) -> dict:
@@ -323,6 +331,7 @@ def render(plan: Plan, cfg) -> str:
              f"vocab {a.vocab}; {cfg.precision.dtype}; {plan.devices} device(s)"
              + (" (FSDP2)" if plan.devices > 1 else ""),
              *_vision_lines(plan, cfg),
+             *plan.model_lines,
              f"largest micro-batch: {_micro_batch(plan)}; activation checkpointing "
              f"{'on' if plan.checkpointing else 'off'}", "",
              "peak memory per device, by part:"]

@@ -91,6 +91,16 @@ class Packed:
     #: [rows x width]: each packed token's flat index in the padded micro-batch (what
     #: :mod:`portarl.vision.inputs` gathers a vision prompt's M-RoPE positions by)
     source: torch.Tensor | None = None
+    #: Per packed row, its real tokens (a prefix; the rest is the row's unused tail)
+    row_tokens: list | None = None
+
+    def real(self) -> torch.Tensor:
+        """bool [rows x width]: the packed tokens that are sequences' tokens, not a row's tail."""
+        rows, width = self.input_ids.shape
+        if self.row_tokens is None:
+            return torch.ones(rows * width, dtype=torch.bool, device=self.input_ids.device)
+        counts = torch.tensor(self.row_tokens, device=self.input_ids.device)
+        return (torch.arange(width, device=counts.device)[None, :] < counts[:, None]).reshape(-1)
 
     def forward_kwargs(self) -> dict:
         kwargs = {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
@@ -217,12 +227,13 @@ def pack_micro_batch(part, prompt_lens: list[int], completion_lens: list[int], l
     if layout.share_prompt and keys is not None:
         shared = pack_shared(part, prompt_lens, completion_lens, keys, layout, (len(groups), row_width))
         if shared is not None:
-            ids, positions, scored, where, mask, source = shared
-            return Packed(ids, positions, scored, where, attention_mask=mask, source=source)
+            ids, positions, scored, where, mask, source, real = shared
+            return Packed(ids, positions, scored, where, attention_mask=mask, source=source, row_tokens=real)
     src: list[int] = []
     pos: list[int] = []
     scored: list[int] = []
     where: list[int] = []
+    real: list[int] = []
     for r, group in enumerate(groups):
         offset = r * row_width
         for i in group:
@@ -233,6 +244,7 @@ def pack_micro_batch(part, prompt_lens: list[int], completion_lens: list[int], l
             scored.extend(range(offset + p - 1, offset + n - 1))
             where.extend(range(i * t, i * t + n - p))
             offset += n
+        real.append(offset - r * row_width)
         tail = (r + 1) * row_width - offset  # the row's unused tail: a segment of its own
         src.extend([0] * tail)
         pos.extend(range(tail))
@@ -241,7 +253,7 @@ def pack_micro_batch(part, prompt_lens: list[int], completion_lens: list[int], l
     host = torch.tensor(src + pos + scored + where, dtype=torch.long).to(device, non_blocking=True)
     src_t, pos_t, scored_t, where_t = host.split([len(src), len(pos), len(scored), len(where)])
     ids = part.input_ids.reshape(-1)[src_t].view(len(groups), row_width)
-    packed = Packed(ids, pos_t.view(len(groups), row_width), scored_t, where_t, source=src_t)
+    packed = Packed(ids, pos_t.view(len(groups), row_width), scored_t, where_t, source=src_t, row_tokens=real)
     if layout.kind == "varlen":
         cu = [0]
         for i in groups[0]:

@@ -118,7 +118,7 @@ def pack_shared(part, prompt_lens: list[int], completion_lens: list[int], keys: 
     :func:`portarl.trainer.phases.packing.pack_micro_batch` for the arguments; ``keys``:
     each row's prompt tokens, equal for rows of a group), or None where it would compute
     more tokens or cost more than the unshared rows ``bound`` = (rows, width). Returned as
-    the Packed fields ``(input_ids, position_ids, scored, where, attention_mask, source)``."""
+    the Packed fields ``(input_ids, position_ids, scored, where, attention_mask, source, row_tokens)``."""
     units = _units(prompt_lens, completion_lens, keys, layout)
     lengths = [unit_length(u, prompt_lens, completion_lens) for u in units]
     rows = choose_rows(lengths, layout)
@@ -133,6 +133,7 @@ def pack_shared(part, prompt_lens: list[int], completion_lens: list[int], keys: 
     sub: list[int] = []
     scored: list[int] = []
     where: list[int] = []
+    real: list[int] = []
     unit_id = 0
     for r, row in enumerate(rows):
         offset = r * row_width
@@ -161,6 +162,7 @@ def pack_shared(part, prompt_lens: list[int], completion_lens: list[int], keys: 
                 sub.extend([k] * n)
                 offset += n
             unit_id += 1
+        real.append(offset - r * row_width)
         tail = (r + 1) * row_width - offset  # the row's unused tail: a unit of its own
         src.extend([0] * tail)
         pos.extend(range(tail))
@@ -174,7 +176,7 @@ def pack_shared(part, prompt_lens: list[int], completion_lens: list[int], keys: 
     shape = (len(rows), row_width)
     ids = part.input_ids.reshape(-1)[src_t].view(shape)
     mask = shared_mask(seg_t.view(shape), sub_t.view(shape), layout.mask_dtype)
-    return ids, pos_t.view(shape), scored_t, where_t, mask, src_t
+    return ids, pos_t.view(shape), scored_t, where_t, mask, src_t, real
 
 
 __all__ = ["SHARE_ATTENTION", "pack_shared", "resolve_share_prompt", "shared_mask", "unit_length"]

@@ -14,6 +14,7 @@ event says exactly that. The LR schedule advances once per applied optimizer ste
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -162,6 +163,36 @@ def _refuse_old_logp(trainer, on_policy: list, bad: int) -> None:
     raise NonFiniteError("old_logp", f"{bad} of {total} values")
 
 
+def router_tap(trainer, coef: float):
+    """The trainer's :class:`portarl.moe.load.RouterTap` on its MoE model's routers, made
+    once, its counts reset for this optimizer step (the aux loss's logits kept only with
+    ``loss.router_aux_coef`` > 0); None for a dense model."""
+    from portarl.moe.load import RouterTap
+
+    tap = getattr(trainer, "router_tap", False)
+    if tap is False:
+        tap = RouterTap(trainer.model)
+        tap = trainer.router_tap = tap.open() if tap.routers else None
+    if tap is not None:
+        tap.reset(aux=coef > 0)
+    return tap
+
+
+def _router_terms(tap, part, loss: torch.Tensor, metrics: dict, scale: float) -> torch.Tensor:
+    """Count the micro-batch's expert load; with ``scale`` > 0 (``router_aux_coef`` x its
+    share of the mini-batch's rows / the world size, as FSDP2 averages over ranks what each
+    scales by it) add the load-balancing loss and log it (``moe/aux_loss``)."""
+    from portarl.moe.load import real_tokens
+
+    real = real_tokens(part)
+    tap.count(real)
+    if not tap.aux:
+        return loss
+    aux = tap.aux_loss(real)
+    metrics["moe/aux_loss"] = aux.detach()
+    return loss + scale * aux
+
+
 def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages) -> tuple[dict, bool]:
     """One optimizer step over ``batch`` (micro-batched). Returns (metrics, overflow).
     ``old_logp`` None: each micro-batch's training forward, detached, is its old log-probs
@@ -188,8 +219,10 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
     loss_ok = torch.ones((), dtype=torch.bool, device=batch.labels.device)
     old_bad = torch.zeros((), dtype=torch.int64, device=batch.labels.device)
     on_policy: list = []  # (micro-batch, old log-probs from its training forward)
+    tap = router_tap(trainer, loss_cfg.router_aux_coef)  # an MoE model's expert load (and aux loss)
     for rows, part in micro_batches(trainer, batch):  # fixed slices, or a token budget (micro_batches.py)
-        out = logprobs(trainer, trainer.model, part, with_entropy=want_entropy)
+        with tap.forward() if tap is not None else contextlib.nullcontext():
+            out = logprobs(trainer, trainer.model, part, with_entropy=want_entropy)
         logp, entropy = out if want_entropy else (out, None)
         if old_logp is None:  # the current policy is the old (proximal) one: scoring.old_logprobs_recompute_reason
             old = trainer.run_hooks("old_logp", logp.detach())
@@ -202,17 +235,21 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
             ref_logp=rows_of(ref_logp, rows, part), rollout_logp=rows_of(rollout_logp, rows, part),
             entropy=entropy, **norms,
         )
+        share = part.labels.shape[0] / n
+        if tap is not None:
+            loss = _router_terms(tap, part, loss, metrics, loss_cfg.router_aux_coef * share / dist.world_size)
         loss = trainer.run_hooks("loss", loss)
         loss_ok = loss_ok & torch.isfinite(loss.detach())
         # FSDP2 averages gradients over ranks; each rank's loss is its share of the global
         # loss, so scale by the world size to reduce to the global batch's gradient.
         precision.scale_loss(loss * dist.world_size if dist.enabled else loss).backward()
         release_freed_memory()  # this micro-batch's activations, before the next one's forward
-        share = part.labels.shape[0] / n
         for k, v in metrics.items():
             v = torch.as_tensor(v, dtype=torch.float32).detach()
             v = v if k == "loss" or k.endswith("/loss") else v * share  # a loss is already a share of the batch's
             sums[k] = sums[k] + v if k in sums else v
+    if tap is not None and tap.counts is not None:  # the step's real tokens per expert, over every rank
+        sums["moe/load_imbalance"] = tap.imbalance(pdist.all_reduce(dist, tap.counts))
     grads.drop_untouched()
     params = precision.params
     if trainer.hooks["grad"] and params[0].grad is not None:
