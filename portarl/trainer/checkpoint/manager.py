@@ -302,11 +302,13 @@ class CheckpointManager:
         if is_lora(model):  # the checkpoint holds the adapter; the base weights came from model.path
             return load_adapter(model, directory)
         path = directory / "model.safetensors"
+        from portarl.moe.routing import is_moe
         from portarl.vision.models import is_vision_config
 
-        if is_vision_config(getattr(model, "config", None)):
+        if is_vision_config(getattr(model, "config", None)) or is_moe(model):
             # save_pretrained writes a Qwen-VL model under its checkpoint names (visual.*, model.layers.*),
-            # not its module names: transformers' loader maps them back.
+            # and an MoE model's fused experts (experts.gate_up_proj [E, 2I, H]) as one tensor per
+            # expert (experts.0.gate_proj.weight, ...), not its module names: transformers' loader maps them back.
             return CheckpointManager._load_renamed(model, directory)
         try:
             missing, unexpected = load_model(model, str(path), strict=False)
@@ -327,7 +329,7 @@ class CheckpointManager:
     @staticmethod
     def _load_renamed(model, directory: Path) -> None:
         """Weights whose saved names transformers renames on load (a vision-language
-        model): loaded by ``from_pretrained`` (on the CPU, the model's dtype) and copied in,
+        model, a mixture-of-experts model's experts): loaded by ``from_pretrained`` (on the CPU, the model's dtype) and copied in,
         strictly: every parameter and buffer must be there."""
         dtype = next(model.parameters()).dtype
         try:
