@@ -20,8 +20,8 @@ The layers, top to bottom (a module may import its own layer and any layer below
    episodes (``multiturn/``), the parity harness (``parity/``) and the device-free
    algorithms (``core/``);
 5. ``assets``: what a run is built from (``portarl/assets/``): models and tokenizers, LoRA,
-   data, rewards and their runner; and the images of vision-language prompts
-   (``portarl/vision/``);
+   data, rewards and their runner; vision-language models and the images of their prompts
+   (``portarl/vision/``); mixture-of-experts models and their routing (``portarl/moe/``);
 6. ``runtime``: process-level plumbing (``portarl/runtime/``): the supervising parent and
    what it reads, signals, lifelines, process trees, the user-code guard, the distributed
    set-up and heartbeat, file modes, the errors raised across layers;
@@ -60,6 +60,7 @@ LAYER_OF_PREFIX = [
     ("portarl.core", "engines"),
     ("portarl.assets", "assets"),
     ("portarl.vision", "assets"),
+    ("portarl.moe", "assets"),
     ("portarl.runtime", "runtime"),
     ("portarl.ops", "ops"),
     ("portarl.backends", "backends"),
@@ -202,9 +203,9 @@ def test_every_module_has_a_layer():
         assert layer_of(module) in LAYERS
 
 
-#: ``portarl/`` by role: one package per layer (the engines' four, the assets' two), and the two files Python needs.
+#: ``portarl/`` by role: one package per layer (the engines' four, the assets' three), and the two files Python needs.
 TOP_LEVEL = {"__init__.py", "__main__.py", "cli", "bench", "trainer", "rollout", "multiturn", "parity", "core",
-             "assets", "vision", "runtime", "ops", "backends", "kernels"}
+             "assets", "vision", "moe", "runtime", "ops", "backends", "kernels"}
 
 
 def test_the_top_level_holds_only_the_packages_by_role():
