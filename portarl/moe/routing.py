@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +88,9 @@ def install(model) -> int:
     for router in found:
         if not hasattr(router, "_portarl_routing"):
             router._portarl_routing = _State()
-            router.forward = lambda hidden, _r=router: _route(_r, hidden)
+            # A bound method, not a closure: a deep copy of the model (the KL reference) then
+            # routes with its own router's weights and state (copy rebinds methods).
+            router.forward = types.MethodType(_route, router)
     if found:
         model._portarl_replays = True  # the trainer's forwards clear a replay their batch does not carry
     return len(found)

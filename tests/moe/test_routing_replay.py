@@ -132,3 +132,20 @@ def test_the_vllm_engine_with_an_moe_model_is_refused_with_what_was_measured(tmp
     cfg = fast_config(tmp_path, "rollout.engine=vllm", "train.steps=1")
     with pytest.raises(ConfigError, match="rollout.engine=vllm with a mixture-of-experts model"):
         GRPOTrainer(model, tokenizer, [varied_reward], arithmetic_examples(8), cfg, device="cpu")
+
+
+def test_a_deep_copy_routes_with_its_own_router(tmp_path):
+    """The KL reference is a deep copy of the policy: its routers must use their own
+    (frozen) weights, not the policy's, once the policy's have moved."""
+    import copy
+
+    model, _ = build_tiny_moe("tiny-qwen3-moe", seed=1)
+    routing.install(model)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for r in routing.routers(model):
+            r.weight.mul_(-1.0)  # the policy's routers move; the reference's must not follow
+    hidden = torch.randn(5, model.config.hidden_size)
+    for mine, theirs in zip(routing.routers(model), routing.routers(ref)):
+        assert torch.equal(theirs(hidden)[0], torch.nn.functional.linear(hidden, theirs.weight))
+        assert not torch.equal(mine(hidden)[0], theirs(hidden)[0])
