@@ -50,9 +50,12 @@ def _yaml_error(path, err) -> str:
 
 
 def load_config(args, command: str):
-    import yaml
+    from portarl.runtime.startup_signals import deferred
 
-    from portarl.trainer.config import ConfigError, TrainConfig
+    with deferred():  # torch's native modules initialise here: a signal waits for the import's end
+        import yaml
+
+        from portarl.trainer.config import ConfigError, TrainConfig
 
     overrides = list(args.set or [])
     if args.steps is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import signal
 
 _received: list[int] = []  # start-up signals, in order
+_deferring: list[bool] = []  # inside deferred(): record only
 
 
 class RunInterrupt(KeyboardInterrupt):
@@ -25,9 +26,29 @@ class RunInterrupt(KeyboardInterrupt):
 
 
 def startup_handler(signum, frame):
-    """SIGINT / SIGTERM before training starts: record it, then interrupt."""
+    """SIGINT / SIGTERM before training starts: record it, then interrupt (inside
+    :func:`deferred`: record only; the block raises when it ends)."""
     _received.append(signum)
+    if _deferring:
+        return
     raise _interrupt(signum)
+
+
+class deferred:
+    """A block during which a start-up signal is recorded, not raised, and raised when the
+    block ends: importing torch (its native modules initialise in Python frames), where an
+    interrupt raised mid-import has aborted the process (SIGABRT, exit 134) instead of
+    exiting 130 / 143. Keep such blocks short (imports, not model loads)."""
+
+    def __enter__(self):
+        _deferring.append(True)
+        return self
+
+    def __exit__(self, kind, err, tb):
+        _deferring.pop()
+        if kind is None and _received and not _deferring:
+            raise _interrupt(_received[0])
+        return False
 
 
 def clear_startup_signals() -> None:

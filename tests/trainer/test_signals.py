@@ -217,3 +217,23 @@ def test_a_signal_during_the_stop_agreement_is_kept_for_the_next_step(monkeypatc
     assert trainer.stop_requested  # not lost
     assert GRPOTrainer.stop_requested_anywhere(trainer) is True
     assert calls == [False, True]
+
+
+def test_a_start_up_signal_inside_an_import_block_waits_for_its_end():
+    """CI under load once aborted (SIGABRT, exit 134) when the interrupt was raised while torch's
+    native modules initialised: inside ``deferred`` the handler records the signal and the
+    block raises it when it ends."""
+    from portarl.runtime import startup_signals
+
+    startup_signals.clear_startup_signals()
+    reached = False
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            with startup_signals.deferred():
+                startup_signals.startup_handler(signal.SIGTERM, None)  # recorded, not raised
+                reached = True
+        assert reached and caught.value.signum == signal.SIGTERM
+    finally:
+        startup_signals.clear_startup_signals()
+    with startup_signals.deferred():  # nothing pending: the block ends quietly
+        pass
