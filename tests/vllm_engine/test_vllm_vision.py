@@ -168,11 +168,8 @@ def test_the_frozen_tower_is_sent_once(engine, vlm, monkeypatch):
         engine.sync_weights(model)
 
 
-def test_portarl_train_with_the_vllm_engine_and_images(vlm, tmp_path):
-    path = vlm[0]
-    sets = [f"model.path={path}", "rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=0.1",
-            "train.steps=2", "train.sft_warmup_steps=2", "train.prompts_per_step=2", "rollout.group_size=2",
-            "eval.every=2", "eval.max_prompts=2", "logging.tensorboard=false", "logging.progress=false"]
+def _train_grpo_rows(tmp_path, sets: list[str]) -> list[dict]:
+    """``portarl train`` on the colours example with ``sets``, in a subprocess; its GRPO metric rows."""
     cmd = [sys.executable, "-m", "portarl", "train", "--config", str(EXAMPLE), "--device", "cpu",
            "--output-dir", str(tmp_path / "run")]
     for item in sets:
@@ -180,7 +177,15 @@ def test_portarl_train_with_the_vllm_engine_and_images(vlm, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    grpo = [r for r in rows if r.get("phase") == "grpo"]
+    return [r for r in rows if r.get("phase") == "grpo"]
+
+
+def test_portarl_train_with_the_vllm_engine_and_images(vlm, tmp_path):
+    path = vlm[0]
+    sets = [f"model.path={path}", "rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=0.1",
+            "train.steps=2", "train.sft_warmup_steps=2", "train.prompts_per_step=2", "rollout.group_size=2",
+            "eval.every=2", "eval.max_prompts=2", "logging.tensorboard=false", "logging.progress=false"]
+    grpo = _train_grpo_rows(tmp_path, sets)
     assert [r["step"] for r in grpo] == [1, 2]
     for r in grpo:
         assert r["mismatch/abs_diff_max"] <= ROLLOUT_FP32_ATOL, r["mismatch/abs_diff_max"]
@@ -199,14 +204,7 @@ def test_each_family_trains_with_the_vllm_engine_colocated_and_async(name, mode,
             "rollout.group_size=2", "eval.data=null", "logging.tensorboard=false", "logging.progress=false"]
     if mode == "async":
         sets.append("train.old_logprobs=recompute")  # the mismatch metrics then compare with the trainer's own forward
-    cmd = [sys.executable, "-m", "portarl", "train", "--config", str(EXAMPLE), "--device", "cpu",
-           "--output-dir", str(tmp_path / "run")]
-    for item in sets:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    grpo = [r for r in rows if r.get("phase") == "grpo"]
+    grpo = _train_grpo_rows(tmp_path, sets)
     assert [r["step"] for r in grpo] == [1, 2]
     first = grpo[0]  # staleness 0: the engine sampled the weights the trainer scores with
     assert first["mismatch/abs_diff_max"] <= ROLLOUT_FP32_ATOL, first["mismatch/abs_diff_max"]
