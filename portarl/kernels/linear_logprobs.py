@@ -34,14 +34,71 @@ import triton.language as tl
 
 from portarl.kernels._rowmath import row_grad_inputs, row_lse_entropy, softmax_grad, store_row
 
-#: Tiles of linear_tile_kernel: constants (batch invariance), small enough not to spill.
-BLOCK_M = 32
-BLOCK_N = 64
-BLOCK_K = 32
-TILE_WARPS = 8
-TILE_STAGES = 2
+#: How linear_tile_kernel feeds its tile product to ``tl.dot`` (see :func:`tile_config`).
+DOT_IEEE = tl.constexpr(0)  # fp32 x fp32: fp32 operands, input_precision="ieee" (FMA, no tensor cores)
+DOT_NATIVE = tl.constexpr(1)  # bf16 x bf16 or fp16 x fp16: the operands as they are, on the tensor cores
+DOT_SPLIT_BF16 = tl.constexpr(2)  # fp32 x bf16: A as three bf16 pieces (exact), three bf16 tensor-core products
+DOT_SPLIT_TF32 = tl.constexpr(3)  # fp32 x fp16: A as three tf32 pieces (exact), B (exact in tf32), three tf32 products
 #: Row kernels: columns per step; a function of V alone.
 MAX_BLOCK_V = 2048
+
+
+@triton.jit
+def _tf32_part(x):
+    """``x`` rounded to tf32 (10 mantissa bits), as fp32: round half away on the bit pattern."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split3(a, DOT: tl.constexpr):
+    """fp32 ``a`` = hi + mid + lo exactly, each piece exact in the MMA input type.
+
+    hi keeps a's top 8 (bf16) or 11 (tf32) significant bits; ``a - hi`` is exact in fp32
+    (at most 16 / 13 bits left), mid takes its top bits and ``r - mid`` is exact and fits the
+    type: 3 x 8 >= 24 and 3 x 11 >= 24 bits. (Finite values below bf16's overflow; a
+    subnormal remainder may flush, below any tolerance.)
+    """
+    if DOT == DOT_SPLIT_BF16:
+        hi = a.to(tl.bfloat16)
+        r = a - hi.to(tl.float32)
+        mid = r.to(tl.bfloat16)
+        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    else:
+        hi = _tf32_part(a)
+        r = a - hi
+        mid = _tf32_part(r)
+        lo = r - mid
+    return hi, mid, lo
+
+
+@triton.jit
+def _tile_product(a, b, acc, DOT: tl.constexpr, BROADCAST_DOT: tl.constexpr):
+    """acc += a @ b for one K step, the products exact and the sums fp32 (see the module doc)."""
+    if DOT == DOT_IEEE or DOT == DOT_NATIVE:
+        if BROADCAST_DOT:
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        elif DOT == DOT_IEEE:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    else:
+        hi, mid, lo = _split3(a.to(tl.float32), DOT)
+        if BROADCAST_DOT:
+            b32 = b.to(tl.float32)
+            acc += tl.sum(hi.to(tl.float32)[:, :, None] * b32[None, :, :], axis=1)
+            acc += tl.sum(mid.to(tl.float32)[:, :, None] * b32[None, :, :], axis=1)
+            acc += tl.sum(lo.to(tl.float32)[:, :, None] * b32[None, :, :], axis=1)
+        elif DOT == DOT_SPLIT_BF16:
+            acc = tl.dot(hi, b, acc)
+            acc = tl.dot(mid, b, acc)
+            acc = tl.dot(lo, b, acc)
+        else:
+            b32 = b.to(tl.float32)
+            acc = tl.dot(hi, b32, acc, input_precision="tf32")
+            acc = tl.dot(mid, b32, acc, input_precision="tf32")
+            acc = tl.dot(lo, b32, acc, input_precision="tf32")
+    return acc
 
 
 @triton.jit
@@ -50,15 +107,16 @@ def linear_tile_kernel(
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, BROADCAST_DOT: tl.constexpr,
 ):
-    """fp32 C[M, N] (+)= (A[M, K] @ B[K, N] + bias[N]) * scale, inputs of any float dtype.
+    """fp32 C[M, N] (+)= (A[M, K] @ B[K, N] + bias[N]) * scale; ``DOT`` from :func:`tile_config`.
 
     ``BROADCAST_DOT`` (set by the host only under the Triton interpreter): the tile product
     as a broadcast multiply + sum over K, because the interpreter's ``tl.dot`` is a numpy
     (BLAS) matmul whose rounding can depend on a row's position in the tile; compiled
     kernels use ``tl.dot``, where each output element's k-order is fixed by the MMA shape.
+    The split modes split A the same way in both.
 
     Tiles (m, n) in the order of the former 2-D grid (m fastest), ``pid, pid + programs,
     ...`` per program.
@@ -74,13 +132,10 @@ def linear_tile_kernel(
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
-                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0).to(tl.float32)
+                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
             b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                        mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0).to(tl.float32)
-            if BROADCAST_DOT:
-                acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
-            else:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
+                        mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+            acc = _tile_product(a, b, acc, DOT, BROADCAST_DOT)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         acc = acc * scale
@@ -89,6 +144,44 @@ def linear_tile_kernel(
         if ACCUMULATE:
             acc += tl.load(c_ptrs, mask=c_mask, other=0.0)
         tl.store(c_ptrs, acc, mask=c_mask)
+
+
+#: (a dtype, b dtype) -> tile of linear_tile_kernel when H and V are multiples of 16 (every
+#: real model): 16-byte aligned rows, so the JIT's divisibility specialization gives
+#: vectorized async copies (cp.async) into shared memory. Constants per dtype pair, never
+#: per row count (batch invariance). fp32 x fp32 keeps the FMA tile.
+_TILES = {
+    ("fp32", "fp32"): dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, DOT=DOT_IEEE.value, num_warps=8, num_stages=2),
+    ("bf16", "bf16"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, DOT=DOT_NATIVE.value, num_warps=8, num_stages=3),
+    ("fp16", "fp16"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, DOT=DOT_NATIVE.value, num_warps=8, num_stages=3),
+    ("fp32", "bf16"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, DOT=DOT_SPLIT_BF16.value, num_warps=8, num_stages=3),
+    ("fp32", "fp16"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, DOT=DOT_SPLIT_TF32.value, num_warps=8, num_stages=3),
+}
+#: The same modes on a smaller tile for H or V not a multiple of 16 (element-wise loads
+#: through registers: the big tile would spill); the fp32 FMA tile on 4 warps there (8
+#: leave 8 bytes of stack on sm_80).
+_SMALL = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
+
+
+def tile_config(a_dtype: str, b_dtype: str, aligned: bool = True) -> dict:
+    """Block sizes, ``DOT`` mode, ``num_warps``, ``num_stages`` of :func:`linear_tile_kernel`
+    for triton dtype names (``"fp32"``, ``"bf16"``, ``"fp16"``) of A and B, and whether H and
+    V are multiples of 16 (:func:`aligned_shape`); shared by the host
+    (:mod:`portarl.backends.cuda.linear_logprobs`) and :data:`AOT_VARIANTS`."""
+    try:
+        config = dict(_TILES[(a_dtype, b_dtype)])
+    except KeyError:
+        raise TypeError(f"linear_tile_kernel: no tile for A {a_dtype} x B {b_dtype}; "
+                        "A is the model dtype or fp32, B the model dtype") from None
+    if not aligned:
+        config.update(_SMALL if config["DOT"] != DOT_IEEE.value else {"num_warps": 4})
+    return config
+
+
+def aligned_shape(hidden_size: int, vocab: int) -> bool:
+    """Whether the big tiles apply: a function of H and V only, so every chunk of a pass (and
+    every batch) gets the same tile."""
+    return hidden_size % 16 == 0 and vocab % 16 == 0
 
 
 @triton.jit
@@ -156,25 +249,49 @@ def row_config(n_cols: int) -> dict:
     return {"BLOCK_V": block, "num_warps": 8 if block >= 2048 else 4, "num_stages": ROW_STAGES}
 
 
+#: (role, A dtype, B dtype, HAS_BIAS, ACCUMULATE) of every matmul_into launch.
+_TILE_LAUNCHES = [launch for d in ("fp32", "bf16", "fp16") for launch in (
+    ("logits", d, d, False, False), ("logits", d, d, True, False),  # hidden @ W.T (+ bias)
+    ("grad_hidden", "fp32", d, False, False),  # grad_z @ W
+    ("grad_weight", "fp32", d, False, True),  # grad_W += grad_z.T @ h
+)]
+#: The strides that are 1 in each role's launch (contiguous hidden, weight, buffers; the
+#: JIT turns an int argument equal to 1 into a constant, so every launch has them).
+_UNIT_STRIDES = {"logits": ("stride_ak", "stride_bk", "stride_cn"),
+                 "grad_hidden": ("stride_ak", "stride_bn", "stride_cn"),
+                 "grad_weight": ("stride_am", "stride_bn", "stride_cn")}
+#: The row count of each role (any number): never assumed divisible by 16.
+_ROWS = {"logits": "M", "grad_hidden": "M", "grad_weight": "K"}
+_INTS = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn")
+
+
+def _tile_signature(role, a_t, b_t, aligned):
+    """The JIT's specialization of one launch: unit strides as constants, and (``aligned``:
+    H and V multiples of 16, as every real model's) 16-divisible pointers and ints, the
+    ``tt.divisibility`` attribute the JIT sets; unaligned: none (V 17, H 8 in the tests)."""
+    unit = {k: 1 for k in _UNIT_STRIDES[role]}
+    # Python ints below 2**31 launch as i32 (triton's mangle_type): every size or stride here.
+    sig = {"a_ptr": f"*{a_t}", "b_ptr": f"*{b_t}", "bias_ptr": f"*{b_t}", "c_ptr": "*fp32",
+           **{k: "constexpr" if k in unit else "i32" for k in _INTS}, "scale": "fp32",
+           **{k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "DOT", "HAS_BIAS", "ACCUMULATE",
+                                       "BROADCAST_DOT")}}
+    attrs = {}
+    if aligned:
+        attrs = {k: "D" for k in ("a_ptr", "b_ptr", "bias_ptr", "c_ptr", *_INTS) if k not in unit and k != _ROWS[role]}
+    return sig, unit, attrs
+
+
 def _variants():
     out = []
-    dtypes = ("*fp32", "*bf16", "*fp16")
-    # Python ints below 2**31 launch as i32 (triton's mangle_type), and every size or stride
-    # here is one (V, H, rows per chunk); the AOT build compiles what the JIT would.
-    ints = {k: "i32" for k in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm",
-                              "stride_cn")}
-    combos = []  # (a, b, HAS_BIAS, ACCUMULATE) as launched by the host
-    for d in dtypes:
-        combos += [(d, d, False, False), (d, d, True, False)]  # logits tile = hidden @ W.T (+ bias)
-        combos += [("*fp32", d, False, False), ("*fp32", d, False, True)]  # grad_z @ W, grad_W += grad_z.T @ h
-    for a_t, b_t, has_bias, acc in dict.fromkeys(combos):
-        sig = {"a_ptr": a_t, "b_ptr": b_t, "bias_ptr": b_t, "c_ptr": "*fp32", **ints, "scale": "fp32",
-               "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-               "HAS_BIAS": "constexpr", "ACCUMULATE": "constexpr", "BROADCAST_DOT": "constexpr"}
-        out.append({"kernel": linear_tile_kernel, "signature": sig,
-                    "constexprs": {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K,
-                                   "HAS_BIAS": has_bias, "ACCUMULATE": acc, "BROADCAST_DOT": False},
-                    "num_warps": TILE_WARPS, "num_stages": TILE_STAGES})
+    for role, a_t, b_t, has_bias, acc in _TILE_LAUNCHES:
+        for aligned in (True, False):
+            config = tile_config(a_t, b_t, aligned)
+            warps, stages = config.pop("num_warps"), config.pop("num_stages")
+            sig, unit, attrs = _tile_signature(role, a_t, b_t, aligned)
+            out.append({"kernel": linear_tile_kernel, "signature": sig, "attrs": attrs,
+                        "constexprs": {**unit, **config, "HAS_BIAS": has_bias, "ACCUMULATE": acc,
+                                       "BROADCAST_DOT": False},
+                        "num_warps": warps, "num_stages": stages})
     for block in ROW_BLOCKS:
         config = row_config(block)
         for ent in (False, True):

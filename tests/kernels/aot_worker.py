@@ -66,11 +66,15 @@ def main(capability: int) -> dict:
         for variant in getattr(module, "AOT_VARIANTS", []):
             kernel = variant["kernel"]
             entry = {"module": module.__name__, "kernel": kernel.__name__, "constexprs": variant["constexprs"],
+                     "attrs": sorted(variant.get("attrs", {})),
                      "signature": variant["signature"], "num_warps": variant["num_warps"],
                      "num_stages": variant["num_stages"]}
             start = time.perf_counter()
             try:
-                src = ASTSource(fn=kernel, signature=variant["signature"], constexprs=variant["constexprs"])
+                # "attrs": {argument: "D"}, the JIT's 16-divisibility specialization of that argument
+                attrs = {(kernel.arg_names.index(k),): [["tt.divisibility", 16]] for k in variant.get("attrs", {})}
+                src = ASTSource(fn=kernel, signature=variant["signature"], constexprs=variant["constexprs"],
+                                attrs=attrs)
                 compiled = triton.compile(src, target=target, options={"num_warps": variant["num_warps"],
                                                                        "num_stages": variant["num_stages"]})
                 entry.update(resource_usage(compiled.asm["cubin"]))

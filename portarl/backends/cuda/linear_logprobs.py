@@ -18,29 +18,33 @@ from portarl.backends._linear_chunks import ChunkMath, backward_chunks, forward_
 from portarl.backends.cuda import grid
 from portarl.kernels import INTERPRETED
 from portarl.kernels.linear_logprobs import (
-    BLOCK_K,
-    BLOCK_M,
-    BLOCK_N,
-    TILE_STAGES,
-    TILE_WARPS,
+    aligned_shape,
     linear_tile_kernel,
     row_config,
+    tile_config,
     tile_logprobs_backward_kernel,
     tile_logprobs_forward_kernel,
 )
 
+_TRITON_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-def matmul_into(c, a, b, *, bias=None, scale=1.0, accumulate=False):
-    """fp32 ``c`` [M, N] (+)= (a [M, K] @ b [K, N] + bias) * scale; any strides."""
+
+def matmul_into(c, a, b, *, aligned, bias=None, scale=1.0, accumulate=False):
+    """fp32 ``c`` [M, N] (+)= (a [M, K] @ b [K, N] + bias) * scale; any strides.
+
+    The tile (and whether the tensor cores run it) is :func:`tile_config` of the two dtypes
+    and ``aligned`` (:func:`aligned_shape` of H and V: the same for every chunk).
+    """
     m, k = a.shape
     n = b.shape[1]
-    linear_tile_kernel[grid.programs(triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N))](
+    config = tile_config(_TRITON_DTYPE[a.dtype], _TRITON_DTYPE[b.dtype], aligned)
+    tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+    linear_tile_kernel[grid.programs(tiles)](
         a, b, bias if bias is not None else b, c,
         m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         scale,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, BROADCAST_DOT=INTERPRETED, num_warps=TILE_WARPS, num_stages=TILE_STAGES,
+        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, BROADCAST_DOT=INTERPRETED, **config,
     )
     return c
 
@@ -54,15 +58,17 @@ class TritonChunkMath(ChunkMath):
         self.gh32 = None
 
     def logits(self, rows, weight, bias, inv_t):
-        return matmul_into(self.buf[: rows.shape[0]], rows, weight.T, bias=bias, scale=inv_t)
+        return matmul_into(self.buf[: rows.shape[0]], rows, weight.T, bias=bias, scale=inv_t,
+                           aligned=aligned_shape(weight.shape[1], weight.shape[0]))
 
     def grad_hidden(self, grad_z, weight):
         if self.gh32 is None:
             self.gh32 = torch.empty(self.step, weight.shape[1], dtype=torch.float32, device=self.device)
-        return matmul_into(self.gh32[: grad_z.shape[0]], grad_z, weight)
+        return matmul_into(self.gh32[: grad_z.shape[0]], grad_z, weight,
+                           aligned=aligned_shape(weight.shape[1], weight.shape[0]))
 
     def accumulate_grad_weight(self, gw32, grad_z, rows):
-        matmul_into(gw32, grad_z.T, rows, accumulate=True)
+        matmul_into(gw32, grad_z.T, rows, accumulate=True, aligned=aligned_shape(gw32.shape[1], gw32.shape[0]))
 
 
 class TritonLinearLogprobs(torch.autograd.Function):
