@@ -4,9 +4,9 @@ Design (Liger-Kernel's fused linear cross-entropy, flash-attention's Triton cros
 the host walks the rows in chunks whose fp32 logits tile [n, V] fits the
 ``PORTARL_CHUNK_ELEMENTS`` budget;
 
-- :func:`linear_tile_kernel` computes C (+)= (A @ B + bias) * scale with fp32 loads and an
-  fp32 ``tl.dot`` (``input_precision="ieee"``: no TF32), for the logits tile and for the
-  two backward contractions (grad_hidden = grad_z @ W, grad_W += grad_z.T @ h);
+- :func:`linear_tile_kernel` computes C (+)= (A @ B + bias) * scale in fp32 for the logits
+  tile and for the two backward contractions (grad_hidden = grad_z @ W, grad_W += grad_z.T
+  @ h), with a tile and a ``DOT`` mode per dtype pair (:func:`tile_config`);
 - :func:`tile_logprobs_forward_kernel` reduces each tile row with the online logsumexp and
   max-relative entropy of :func:`portarl.kernels._rowmath.row_lse_entropy`, the same code
   the ``logprobs`` kernels run;
@@ -25,8 +25,43 @@ not depend on how many rows share its chunk or which; the row kernels walk a row
 that depend on V only. So a row's logp and entropy are bitwise the same whatever the other
 rows and the chunking.
 
+Numerics of the tile product (the op's contract: fp32 sums of exact products of the
+inputs' values, whatever the input dtype):
+
+- bf16 x bf16, fp16 x fp16 (the logits tile of a 16-bit model): the operands go to the
+  tensor cores as they are (``DOT_NATIVE``: wgmma / HGMMA on sm_90, HMMA on sm_80), with an
+  fp32 accumulator. The product of two bf16 (8-bit significands) or two fp16 (11-bit) values
+  is exact in fp32, so nothing changes against the former fp32 FMA tile but the order of the
+  fp32 additions (the tensor cores add a k-group's products before rounding, an fp32-sized
+  error within ``FP32_ACCUM_ATOL``).
+- fp32 grad_z x bf16 / fp16 weight or hidden (the backward contractions): grad_z is split
+  in the kernel into three pieces, hi + mid + lo == grad_z exactly (:func:`_split3`: 3 x 8
+  bf16 bits, or 3 x 11 tf32 bits, cover fp32's 24), each product of a piece with a bf16
+  value (bf16 MMA) or with an fp16 value (exact in tf32; tf32 MMA) is exact in fp32, and
+  the three products are summed in the fp32 accumulator. So the contract holds unchanged,
+  for three tensor-core MMAs per step instead of FMA work. Rejected: casting grad_z to the
+  weight dtype, as Liger and eager bf16 autograd do (one MMA): it rounds every term to
+  2**-9 relative, against ``FP32_ACCUM_ATOL`` = 1e-5 of the tolerances, i.e. another
+  contract; ``input_precision="tf32x3"`` (triton 3.6 and 3.9 have it): near-fp32 but not
+  exact (it drops the small x small term and truncates), and the interpreter ignores
+  ``input_precision`` so CI could not check it, while the split is checked under the
+  interpreter piece for piece; the fp32 FMA tile: registers and FMA throughput bound it to
+  a few TFLOP/s (the H200 measured 6 of 777).
+- fp32 x fp32 (an fp32 model): fp32 operands and ``input_precision="ieee"`` on the FMA
+  units, the 32 x 64 x 32 tile; no tensor-core path yet (it would take nine tf32 products
+  to stay exact).
+
+Tiles: 128 x 128 x 64 (16-bit operands) and 128 x 128 x 32 (split fp32 x 16-bit), 8 warps,
+3 stages, 64-96 KiB of shared memory (under the A100's 164 KiB and the H100's 228 KiB), when
+H and V are multiples of 16 (:func:`aligned_shape`, true of every real model: 16-byte
+rows give vectorized async copies); 64 x 64 x 32, 4 warps, otherwise (element-wise loads:
+the big tile would spill). Compiled for sm_90 (HGMMA) and sm_80 (HMMA) without spills
+(tests/kernels/test_aot_compile.py); not yet timed on a GPU.
+
 ``AOT_VARIANTS`` lists every (signature, constexpr) combination the host code launches,
-for ahead-of-time compilation checks (sm_80 / sm_90, no spills).
+for ahead-of-time compilation checks (sm_80 / sm_90, no spills, tensor-core SASS), with
+the specialization the JIT gives each launch (unit strides as constants; 16-divisible
+pointers and sizes where H and V are multiples of 16).
 """
 
 import triton

@@ -50,6 +50,22 @@ def resource_usage(cubin: bytes) -> dict:
     return usage
 
 
+#: SASS instructions counted per variant: tensor-core MMAs (Hopper's warpgroup HGMMA, the
+#: warp-level HMMA of sm_80 and up) and the fp32 FMA the non-tensor-core path runs on.
+SASS_OPS = ("HGMMA", "HMMA", "FFMA")
+
+
+def sass_counts(cubin: bytes) -> dict:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return {op: len(re.findall(rf"\b{op}\b", text)) for op in SASS_OPS}
+
+
 def main(capability: int) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -78,6 +94,7 @@ def main(capability: int) -> dict:
                 compiled = triton.compile(src, target=target, options={"num_warps": variant["num_warps"],
                                                                        "num_stages": variant["num_stages"]})
                 entry.update(resource_usage(compiled.asm["cubin"]))
+                entry["sass"] = sass_counts(compiled.asm["cubin"])
             except Exception as err:  # reported, and failed, by the test
                 entry["error"] = f"{type(err).__name__}: {err}"[:2000]
             entry["seconds"] = round(time.perf_counter() - start, 3)

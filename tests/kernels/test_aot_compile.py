@@ -104,3 +104,24 @@ def test_variants_compile_without_spills(reports, cap):
               and known.get(_spill_key(cap, v)) != (v["LOCAL"], v["STACK"])]
     assert not spills, f"sm_{cap}: local memory (spills): {spills}"
     assert all(0 < v["REG"] <= 255 for v in variants)
+
+
+#: linear_tile_kernel dtype pairs (A, B) that must run on the tensor cores: the model dtype's
+#: logits tile, and the fp32 gradient tile against a bf16 / fp16 weight (split exactly).
+_TENSOR_CORE_PAIRS = {("*bf16", "*bf16"), ("*fp16", "*fp16"), ("*fp32", "*bf16"), ("*fp32", "*fp16")}
+#: The instruction each target's tensor-core path compiles to: warpgroup MMA on Hopper, HMMA on Ampere.
+_MMA = {90: "HGMMA", 80: "HMMA"}
+
+
+@pytest.mark.parametrize("cap", TARGETS)
+def test_linear_tile_runs_on_tensor_cores(reports, cap):
+    """The 16-bit linear tiles' SASS holds tensor-core MMAs (HGMMA for sm_90), so a regression
+    to fp32 operands on the FMA path (194 ms instead of eager's 6 ms on an H200) fails here."""
+    tiles = [v for v in reports[cap]["variants"] if v["kernel"] == "linear_tile_kernel"
+             and (v["signature"]["a_ptr"], v["signature"]["b_ptr"]) in _TENSOR_CORE_PAIRS]
+    assert len(tiles) == 16, len(tiles)  # 8 launches (bf16, fp16: 2 logits + 2 gradients) x aligned or not
+    slow = [(v["signature"]["a_ptr"], v["signature"]["b_ptr"], v["constexprs"], v["sass"]) for v in tiles
+            if v["sass"][_MMA[cap]] == 0]
+    assert not slow, f"sm_{cap}: linear tiles without {_MMA[cap]}: {slow}"
+    forward = [v for v in tiles if v["signature"]["a_ptr"] == "*bf16" and v["attrs"]]
+    assert forward and all(v["sass"][_MMA[cap]] > 0 for v in forward)
