@@ -35,21 +35,24 @@ inputs' values, whatever the input dtype):
   fp32 additions (the tensor cores add a k-group's products before rounding, an fp32-sized
   error within ``FP32_ACCUM_ATOL``).
 - fp32 grad_z x bf16 / fp16 weight or hidden (the backward contractions): grad_z is split
-  in the kernel into three pieces, hi + mid + lo == grad_z exactly (:func:`_split3`: 3 x 8
-  bf16 bits, or 3 x 11 tf32 bits, cover fp32's 24), each product of a piece with a bf16
-  value (bf16 MMA) or with an fp16 value (exact in tf32; tf32 MMA) is exact in fp32, and
-  the three products are summed in the fp32 accumulator. So the contract holds unchanged,
-  for three tensor-core MMAs per step instead of FMA work. Rejected: casting grad_z to the
+  in the kernel into three bf16 pieces, hi + mid + lo == grad_z exactly (:func:`_split3`:
+  3 x 8 bits cover fp32's 24), and an fp16 operand into two (8 + 8 >= 11 bits); each product
+  of two bf16 pieces is exact in fp32, and the three (bf16) or six (fp16) tensor-core
+  products are summed in the fp32 accumulator. So the contract holds unchanged, on the
+  tensor cores instead of the FMA units. Only bf16 MMAs: tf32 is not an input precision of
+  triton-ascend (its ``tl.dot`` takes ``ieee`` and ``hf32``), and the kernels are shared with
+  the Ascend ``triton`` backend. Rejected: casting grad_z to the
   weight dtype, as Liger and eager bf16 autograd do (one MMA): it rounds every term to
   2**-9 relative, against ``FP32_ACCUM_ATOL`` = 1e-5 of the tolerances, i.e. another
   contract; ``input_precision="tf32x3"`` (triton 3.6 and 3.9 have it): near-fp32 but not
-  exact (it drops the small x small term and truncates), and the interpreter ignores
-  ``input_precision`` so CI could not check it, while the split is checked under the
-  interpreter piece for piece; the fp32 FMA tile: registers and FMA throughput bound it to
-  a few TFLOP/s (the H200 measured 6 of 777).
+  exact (it drops the small x small term and truncates), the interpreter ignores
+  ``input_precision`` so CI could not check it (the split is checked under the interpreter
+  piece for piece), and triton-ascend lacks it; the fp32 FMA tile, bigger: compiled for sm_90 (fp32 x bf16,
+  ``ieee``) it spills at every size tried, 128x128x32 / 8 warps 1776 bytes of stack,
+  64x128x32 408, 64x64x32 / 4 warps 432 (the 32x64x32 tile did 6 TFLOP/s of 777 on the H200).
 - fp32 x fp32 (an fp32 model): fp32 operands and ``input_precision="ieee"`` on the FMA
-  units, the 32 x 64 x 32 tile; no tensor-core path yet (it would take nine tf32 products
-  to stay exact).
+  units, the 32 x 64 x 32 tile; no tensor-core path yet (staying exact would take nine
+  bf16 products per step, three x three pieces).
 
 Tiles: 128 x 128 x 64 (16-bit operands) and 128 x 128 x 32 (split fp32 x 16-bit), 8 warps,
 3 stages, 64-96 KiB of shared memory (under the A100's 164 KiB and the H100's 228 KiB), when
@@ -73,38 +76,31 @@ from portarl.kernels._rowmath import row_grad_inputs, row_lse_entropy, softmax_g
 DOT_IEEE = tl.constexpr(0)  # fp32 x fp32: fp32 operands, input_precision="ieee" (FMA, no tensor cores)
 DOT_NATIVE = tl.constexpr(1)  # bf16 x bf16 or fp16 x fp16: the operands as they are, on the tensor cores
 DOT_SPLIT_BF16 = tl.constexpr(2)  # fp32 x bf16: A as three bf16 pieces (exact), three bf16 tensor-core products
-DOT_SPLIT_TF32 = tl.constexpr(3)  # fp32 x fp16: A as three tf32 pieces (exact), B (exact in tf32), three tf32 products
+DOT_SPLIT_BF16_2 = tl.constexpr(3)  # fp32 x fp16: A in three bf16 pieces, B in two (exact), six bf16 products
 #: Row kernels: columns per step; a function of V alone.
 MAX_BLOCK_V = 2048
 
 
 @triton.jit
-def _tf32_part(x):
-    """``x`` rounded to tf32 (10 mantissa bits), as fp32: round half away on the bit pattern."""
-    bits = x.to(tl.uint32, bitcast=True)
-    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+def _split3(a):
+    """fp32 ``a`` = hi + mid + lo exactly, three bf16 pieces.
+
+    hi keeps a's top 8 significant bits (rounded: compiled; truncated: the interpreter,
+    exact either way); ``r = a - hi`` is exact in fp32 (at most 16 bits left), mid takes
+    its top 8 and ``r - mid`` is exact and fits bf16's 8: 3 x 8 >= 24. bf16 has fp32's
+    exponent range, so nothing overflows or flushes but subnormals, far below any tolerance.
+    """
+    hi = a.to(tl.bfloat16)
+    r = a - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
 
 
 @triton.jit
-def _split3(a, DOT: tl.constexpr):
-    """fp32 ``a`` = hi + mid + lo exactly, each piece exact in the MMA input type.
-
-    hi keeps a's top 8 (bf16) or 11 (tf32) significant bits; ``a - hi`` is exact in fp32
-    (at most 16 / 13 bits left), mid takes its top bits and ``r - mid`` is exact and fits the
-    type: 3 x 8 >= 24 and 3 x 11 >= 24 bits. (Finite values below bf16's overflow; a
-    subnormal remainder may flush, below any tolerance.)
-    """
-    if DOT == DOT_SPLIT_BF16:
-        hi = a.to(tl.bfloat16)
-        r = a - hi.to(tl.float32)
-        mid = r.to(tl.bfloat16)
-        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
-    else:
-        hi = _tf32_part(a)
-        r = a - hi
-        mid = _tf32_part(r)
-        lo = r - mid
-    return hi, mid, lo
+def _broadcast_dot(a, b):
+    """a @ b as fp32 products summed over K in fp32 (the interpreter's tile product)."""
+    return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
 
 
 @triton.jit
@@ -112,27 +108,34 @@ def _tile_product(a, b, acc, DOT: tl.constexpr, BROADCAST_DOT: tl.constexpr):
     """acc += a @ b for one K step, the products exact and the sums fp32 (see the module doc)."""
     if DOT == DOT_IEEE or DOT == DOT_NATIVE:
         if BROADCAST_DOT:
-            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+            acc += _broadcast_dot(a, b)
         elif DOT == DOT_IEEE:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
     else:
-        hi, mid, lo = _split3(a.to(tl.float32), DOT)
+        hi, mid, lo = _split3(a.to(tl.float32))
+        if DOT == DOT_SPLIT_BF16:
+            b_hi = b
+        else:  # fp16 b = b_hi + b_lo exactly: 11 significant bits in two bf16 pieces
+            b_hi = b.to(tl.float32).to(tl.bfloat16)
+            b_lo = (b.to(tl.float32) - b_hi.to(tl.float32)).to(tl.bfloat16)
         if BROADCAST_DOT:
-            b32 = b.to(tl.float32)
-            acc += tl.sum(hi.to(tl.float32)[:, :, None] * b32[None, :, :], axis=1)
-            acc += tl.sum(mid.to(tl.float32)[:, :, None] * b32[None, :, :], axis=1)
-            acc += tl.sum(lo.to(tl.float32)[:, :, None] * b32[None, :, :], axis=1)
-        elif DOT == DOT_SPLIT_BF16:
-            acc = tl.dot(hi, b, acc)
-            acc = tl.dot(mid, b, acc)
-            acc = tl.dot(lo, b, acc)
+            acc += _broadcast_dot(hi, b_hi)
+            acc += _broadcast_dot(mid, b_hi)
+            acc += _broadcast_dot(lo, b_hi)
+            if DOT == DOT_SPLIT_BF16_2:
+                acc += _broadcast_dot(hi, b_lo)
+                acc += _broadcast_dot(mid, b_lo)
+                acc += _broadcast_dot(lo, b_lo)
         else:
-            b32 = b.to(tl.float32)
-            acc = tl.dot(hi, b32, acc, input_precision="tf32")
-            acc = tl.dot(mid, b32, acc, input_precision="tf32")
-            acc = tl.dot(lo, b32, acc, input_precision="tf32")
+            acc = tl.dot(hi, b_hi, acc)
+            acc = tl.dot(mid, b_hi, acc)
+            acc = tl.dot(lo, b_hi, acc)
+            if DOT == DOT_SPLIT_BF16_2:
+                acc = tl.dot(hi, b_lo, acc)
+                acc = tl.dot(mid, b_lo, acc)
+                acc = tl.dot(lo, b_lo, acc)
     return acc
 
 
@@ -190,7 +193,7 @@ _TILES = {
     ("bf16", "bf16"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, DOT=DOT_NATIVE.value, num_warps=8, num_stages=3),
     ("fp16", "fp16"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, DOT=DOT_NATIVE.value, num_warps=8, num_stages=3),
     ("fp32", "bf16"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, DOT=DOT_SPLIT_BF16.value, num_warps=8, num_stages=3),
-    ("fp32", "fp16"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, DOT=DOT_SPLIT_TF32.value, num_warps=8, num_stages=3),
+    ("fp32", "fp16"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, DOT=DOT_SPLIT_BF16_2.value, num_warps=8, num_stages=3),
 }
 #: The same modes on a smaller tile for H or V not a multiple of 16 (element-wise loads
 #: through registers: the big tile would spill); the fp32 FMA tile on 4 warps there (8

@@ -108,16 +108,24 @@ def markdown(reports: list) -> str:
              "Command: `env -u TRITON_INTERPRET python tests/kernels/aot_worker.py --markdown "
              + " ".join(t[3:] for t in targets) + " > bench/results/aot-kernels.md`", "",
              "Registers per thread, and local memory / stack bytes (spills; 0 required by "
-             "tests/kernels/test_aot_compile.py), from `cuobjdump --dump-resource-usage`.", "",
-             "| kernel | constexprs | signature (first pointer) | warps | stages | "
-             + " | ".join(f"REG {t} | LOCAL+STACK {t}" for t in targets) + " |",
-             "|---|---|---|---|---|" + "---|---|" * len(targets)]
+             "tests/kernels/test_aot_compile.py), from `cuobjdump --dump-resource-usage`; MMA: the "
+             "tensor-core instructions in the SASS (`cuobjdump -sass`: HGMMA on sm_90, HMMA), 0 for "
+             "kernels without a matrix product or on the FMA path. Specialized: the arguments the JIT "
+             "makes constants (a stride of 1) or marks 16-divisible.", "",
+             "| kernel | constexprs | signature (pointers) | specialized | warps | stages | "
+             + " | ".join(f"REG {t} | LOCAL+STACK {t} | MMA {t}" for t in targets) + " |",
+             "|---|---|---|---|---|---|" + "---|---|---|" * len(targets)]
     for rows in zip(*(r["variants"] for r in reports)):
         v = rows[0]
-        flags = ", ".join(f"{k}={x}" for k, x in v["constexprs"].items())
-        first = next(iter(v["signature"].values()))
-        cells = " | ".join(f"{r.get('REG', 'error')} | {r.get('LOCAL', 0) + r.get('STACK', 0)}" for r in rows)
-        lines.append(f"| {v['kernel']} | {flags} | {first} | {v['num_warps']} | {v['num_stages']} | {cells} |")
+        flags = ", ".join(f"{k}={x}" for k, x in v["constexprs"].items() if v["signature"].get(k) == "constexpr"
+                          and not k.startswith("stride_"))
+        pointers = ",".join(t for t in v["signature"].values() if t.startswith("*"))
+        units = [f"{k}=1" for k in v["constexprs"] if k.startswith("stride_")]
+        special = ", ".join(units + (["16-divisible"] if v.get("attrs") else [])) or "-"
+        cells = " | ".join(f"{r.get('REG', 'error')} | {r.get('LOCAL', 0) + r.get('STACK', 0)} | "
+                           f"{max(r.get('sass', {}).get('HGMMA', 0), r.get('sass', {}).get('HMMA', 0))}" for r in rows)
+        lines.append(f"| {v['kernel']} | {flags} | {pointers} | {special} | {v['num_warps']} | {v['num_stages']} | "
+                     f"{cells} |")
     regs = [r.get("REG", 0) for rep in reports for r in rep["variants"]]
     lines += ["", f"{len(reports[0]['variants'])} variants per target; registers {min(regs)}-{max(regs)}."]
     return "\n".join(lines) + "\n"
