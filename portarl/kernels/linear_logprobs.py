@@ -193,11 +193,11 @@ _TILES = {
     ("bf16", "bf16"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, DOT=DOT_NATIVE.value, num_warps=8, num_stages=3),
     ("fp16", "fp16"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, DOT=DOT_NATIVE.value, num_warps=8, num_stages=3),
     ("fp32", "bf16"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, DOT=DOT_SPLIT_BF16.value, num_warps=8, num_stages=3),
-    ("fp32", "fp16"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, DOT=DOT_SPLIT_BF16_2.value, num_warps=8, num_stages=3),
+    ("fp32", "fp16"): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, DOT=DOT_SPLIT_BF16_2.value, num_warps=8, num_stages=3),
 }
 #: The same modes on a smaller tile for H or V not a multiple of 16 (element-wise loads
-#: through registers: the big tile would spill); the fp32 FMA tile on 4 warps there (8
-#: leave 8 bytes of stack on sm_80).
+#: through registers: the big tile would spill); the fp32 FMA tile without software
+#: pipelining there (two stages leave 8 bytes of stack on sm_80, and on 4 warps on sm_90).
 _SMALL = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
 
 
@@ -212,7 +212,7 @@ def tile_config(a_dtype: str, b_dtype: str, aligned: bool = True) -> dict:
         raise TypeError(f"linear_tile_kernel: no tile for A {a_dtype} x B {b_dtype}; "
                         "A is the model dtype or fp32, B the model dtype") from None
     if not aligned:
-        config.update(_SMALL if config["DOT"] != DOT_IEEE.value else {"num_warps": 4})
+        config.update(_SMALL if config["DOT"] != DOT_IEEE.value else {"num_stages": 1})
     return config
 
 
