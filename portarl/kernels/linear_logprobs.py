@@ -47,19 +47,23 @@ inputs' values, whatever the input dtype):
   contract; ``input_precision="tf32x3"`` (triton 3.6 and 3.9 have it): near-fp32 but not
   exact (it drops the small x small term and truncates), the interpreter ignores
   ``input_precision`` so CI could not check it (the split is checked under the interpreter
-  piece for piece), and triton-ascend lacks it; the fp32 FMA tile, bigger: compiled for sm_90 (fp32 x bf16,
-  ``ieee``) it spills at every size tried, 128x128x32 / 8 warps 1776 bytes of stack,
-  64x128x32 408, 64x64x32 / 4 warps 432 (the 32x64x32 tile did 6 TFLOP/s of 777 on the H200).
+  piece for piece), and triton-ascend lacks it; the fp32 FMA tile, bigger: compiled for
+  sm_90 (fp32 x bf16, ``ieee``) it spills at every size tried, 128x128x32 / 8 warps 1776
+  bytes of stack, 64x128x32 408, 64x64x32 / 4 warps 432 (the 32x64x32 tile did 6 TFLOP/s
+  of 777 on the H200).
 - fp32 x fp32 (an fp32 model): fp32 operands and ``input_precision="ieee"`` on the FMA
   units, the 32 x 64 x 32 tile; no tensor-core path yet (staying exact would take nine
   bf16 products per step, three x three pieces).
 
-Tiles: 128 x 128 x 64 (16-bit operands) and 128 x 128 x 32 (split fp32 x 16-bit), 8 warps,
-3 stages, 64-96 KiB of shared memory (under the A100's 164 KiB and the H100's 228 KiB), when
-H and V are multiples of 16 (:func:`aligned_shape`, true of every real model: 16-byte
-rows give vectorized async copies); 64 x 64 x 32, 4 warps, otherwise (element-wise loads:
-the big tile would spill). Compiled for sm_90 (HGMMA) and sm_80 (HMMA) without spills
-(tests/kernels/test_aot_compile.py); not yet timed on a GPU.
+Tiles (:data:`_TILES`): 128 x 128 x 64 (16-bit operands), 128 x 128 x 32 (fp32 x bf16) and
+128 x 64 x 32 (fp32 x fp16: 128 x 128 spilled on sm_80), 8 warps, 3 stages, 64-96 KiB of
+shared memory (under the A100's 164 KiB and the H100's 228 KiB), when H and V are
+multiples of 16 (:func:`aligned_shape`, true of every real model: 16-byte rows give
+vectorized async copies); 64 x 64 x 32, 4 warps, otherwise (element-wise loads: the big
+tile would spill). Compiled for sm_90 (HGMMA) and sm_80 (HMMA) without spills, with
+triton 3.9 and 3.6 (tests/kernels/test_aot_compile.py); not yet timed on a GPU. A tensor
+not 16-byte aligned in memory (a view at an odd offset) gets the same tile, compiled by
+the JIT without the divisibility hints: the same numbers, a variant not checked here.
 
 ``AOT_VARIANTS`` lists every (signature, constexpr) combination the host code launches,
 for ahead-of-time compilation checks (sm_80 / sm_90, no spills, tensor-core SASS), with
