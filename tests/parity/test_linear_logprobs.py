@@ -1,8 +1,9 @@
 """ops.linear_logprobs forward and every gradient against float64, every target x dtype x shape.
 
-Shapes: V in {1, 17, 4099, 32000}, H in {8, 64, 896}, leading batch dims, non-contiguous
+Shapes: V in {1, 17, 2048, 4099, 32000}, H in {8, 64, 896}, leading batch dims, non-contiguous
 hidden, all rows ignored, bias, temperature; a tied weight used twice in one graph. The
-big shapes (V 32000, H 896) use few rows: the Triton interpreter is slow.
+big shapes (V 32000, H 896) use few rows: the Triton interpreter is slow. V 2048 x H 64
+runs the Triton backend's big tiles (H and V multiples of 16).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ CASES = [
     Case("v32000_h8", (2, 2), 32000, 8, bias=True, seed=7),
     Case("v32000_h896", (3,), 32000, 896, ignore="none", seed=5),
     Case("v4099_h896_strided_t13", (1, 2), 4099, 896, strided=True, temperature=1.3, seed=6),
+    # H and V multiples of 16: the Triton backend's big (tensor-core) tiles
+    Case("v2048_h64_aligned_bias", (3, 7), 2048, 64, bias=True, temperature=0.9, seed=8),
 ]
 
 

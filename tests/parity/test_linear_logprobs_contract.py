@@ -57,10 +57,12 @@ def test_extra_memory_does_not_grow_with_rows(target, monkeypatch):
     assert peaks[0] <= CHUNK and peaks[1] <= CHUNK, peaks
 
 
+# (300, 40): the small tile; (320, 48): H and V multiples of 16, the big (tensor-core) tile.
+@pytest.mark.parametrize("shape", [(300, 40), (320, 48)], ids=["small-tile", "big-tile"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_row_is_bitwise_identical_in_any_batch_and_chunking(triton_target, monkeypatch, dtype):
+def test_row_is_bitwise_identical_in_any_batch_and_chunking(triton_target, monkeypatch, dtype, shape):
     device = triton_target.device
-    vocab, width = 300, 40
+    vocab, width = shape
     gen = torch.Generator().manual_seed(3)
     w = (0.5 * torch.randn(vocab, width, generator=gen)).to(dtype).to(device)
     probe = torch.randn(1, width, generator=gen).to(dtype)
