@@ -107,12 +107,14 @@ def test_linear_logprob_launches_are_covered(monkeypatch):
     for name in ("linear_tile_kernel", "tile_logprobs_forward_kernel", "tile_logprobs_backward_kernel"):
         monkeypatch.setattr(host_lin, name, Recorder(getattr(kernels_lin, name), log))
     monkeypatch.setenv("PORTARL_CHUNK_ELEMENTS", "4096")
-    for v in (1, 17, 33, 65, 129, 257, 513, 1025, 2049):  # row tiles 16 .. 2048
+    # row tiles 16 .. 2048; H and V multiples of 16 (the big matmul tiles) or not (the small ones)
+    shapes = [(8, v) for v in (1, 17, 33, 65, 129, 257, 513, 1025, 2049)] + [(16, 16), (16, 2048)]
+    for width, v in shapes:
         for dtype in DTYPES:
             for entropy in (False, True):
                 for with_bias in (False, True):
-                    hidden = torch.zeros(3, 8, dtype=dtype, requires_grad=True)
-                    weight = torch.zeros(v, 8, dtype=dtype, requires_grad=True)
+                    hidden = torch.zeros(3, width, dtype=dtype, requires_grad=True)
+                    weight = torch.zeros(v, width, dtype=dtype, requires_grad=True)
                     bias = torch.zeros(v, dtype=dtype, requires_grad=True) if with_bias else None
                     logp, ent = host_lin.TritonLinearLogprobs.apply(hidden, weight, bias, torch.zeros(3, dtype=torch.int64),
                                                                   1.0, -100, entropy)
@@ -120,3 +122,5 @@ def test_linear_logprob_launches_are_covered(monkeypatch):
     assert {e[0] for e in log} == {"linear_tile_kernel", "tile_logprobs_forward_kernel", "tile_logprobs_backward_kernel"}
     assert len({e[:4] for e in log if e[0] != "linear_tile_kernel"}) == 8 * 2 * 2  # 8 row tiles x entropy x fwd/bwd
     _check(log, kernels_lin.AOT_VARIANTS)
+    tiles = {_key(v) for v in kernels_lin.AOT_VARIANTS if v["kernel"].__name__ == "linear_tile_kernel"}
+    assert {e[:4] for e in log if e[0] == "linear_tile_kernel"} == tiles  # both tile sizes launched, none idle
