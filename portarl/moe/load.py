@@ -14,8 +14,18 @@ flattened token order; :func:`real_tokens` says which of those tokens are real.
   of a layer = its busiest expert's share / the mean share (1: balanced; E / k at most:
   every token to the same k experts); the metric is the worst layer's.
 - Aux loss (only with ``router_aux_coef > 0``, so 0 leaves the step bit-identical): the
-  model family's ``load_balancing_loss_func`` on the captured logits, masked to the real
-  tokens, as transformers' CausalLM forward computes it with ``output_router_logits``.
+  Switch Transformer loss ``E * sum_i f_i * P_i`` of transformers' ``load_balancing_loss_func``
+  (the Qwen3-MoE / Qwen2-MoE / Mixtral one), on the captured logits of the real tokens:
+  ``f_i`` the share of top-k assignments (of every MoE layer) that went to expert i, ``P_i``
+  the mean router probability of expert i. Under torchrun a rank sees only its share of a
+  micro-batch, and the loss is a product of two means, so the mean of the ranks' losses is
+  not the loss of their tokens together. The statistics (:meth:`RouterTap.aux_statistics`:
+  assignment counts, probability sums, token count) are summed over ranks instead, and each
+  rank's term is ``E * sum_i f_i * (its probability sum_i / all tokens)``: the ranks' terms
+  add up to the loss of the ranks' micro-batches together, value and gradient, which is
+  what one process holding those rows in one micro-batch computes (on one process it is
+  transformers' function, bitwise). As in transformers, ``f_i`` counts each token's own
+  top-k (with routing replay the experts used may differ; ``f`` carries no gradient).
 
 The hooks collect only inside :meth:`RouterTap.forward`: activation checkpointing's
 recomputation in the backward runs the routers again and must not count twice.
@@ -24,7 +34,6 @@ recomputation in the backward runs the routers again and must not count twice.
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import torch
 
@@ -39,28 +48,12 @@ def real_tokens(batch) -> torch.Tensor:
     return batch.attention_mask.reshape(-1).bool()
 
 
-def _balancing_loss(model):
-    """The model family's ``load_balancing_loss_func`` (Qwen3-MoE's when its module has none)."""
-    from portarl.assets.lora import base_model
-
-    inner = base_model(model)
-    try:
-        module = importlib.import_module(type(inner).__module__)
-        func = getattr(module, "load_balancing_loss_func", None)
-    except ImportError:  # pragma: no cover
-        func = None
-    if func is None:
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func as func
-    return func
-
-
 class RouterTap:
     """Forward hooks on ``model``'s routers (open / close, or a context manager); counts
     per optimizer step (:meth:`reset`)."""
 
     def __init__(self, model, *, aux: bool = False):
         self.routers = routers(model)
-        self.loss_func = _balancing_loss(model)
         self.aux = aux
         self.handles: list = []
         self.on = False
@@ -119,10 +112,39 @@ class RouterTap:
             weight = real.to(torch.float32)[:, None].expand(chosen.shape).reshape(-1)
             self.counts[layer].index_add_(0, chosen.reshape(-1).to(real.device), weight)
 
-    def aux_loss(self, real: torch.Tensor) -> torch.Tensor:
-        """The load-balancing loss of the last forward, over its real tokens."""
+    def aux_statistics(self, real: torch.Tensor) -> torch.Tensor:
+        """The last forward's load-balancing statistics over its real tokens, as one vector
+        ``[counts (E), probs (E), rows]`` to be summed over ranks: top-k assignments per
+        expert and router probabilities per expert, each summed over the MoE layers, and
+        layers x real tokens. The probabilities keep their gradient (sum them over ranks
+        detached). Accumulated layer by layer in the order transformers'
+        ``load_balancing_loss_func`` does, so one process's loss is its number bitwise."""
         router = self.routers[0]
-        return self.loss_func(tuple(self.logits), router.num_experts, router.top_k, real)
+        experts, k = router.num_experts, router.top_k
+        device = self.logits[0].device
+        counts = torch.zeros(experts, dtype=torch.float32, device=device)
+        probs = torch.zeros(experts, dtype=torch.float32, device=device)
+        rows = torch.zeros((), dtype=torch.float32, device=device)
+        mask = real.reshape(-1).to(device=device, dtype=torch.float32)
+        for logits in self.logits:
+            weights = torch.softmax(logits, dim=-1)
+            _, selected = torch.topk(weights, k, dim=-1)
+            counts = counts + torch.zeros(experts, dtype=torch.float32, device=device).scatter_add_(
+                0, selected.reshape(-1), mask.repeat_interleave(k))
+            probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
+            rows = rows + mask.sum()
+        return torch.cat([counts, probs, rows.reshape(1)])
+
+    def aux_from(self, local: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(term, value)`` from this rank's :meth:`aux_statistics` ``local`` and their sum
+        over ranks ``total``: ``term`` (with gradient) is this rank's share of the loss of
+        every rank's tokens together (the ranks' terms add up to it), ``value`` that loss."""
+        experts = self.routers[0].num_experts
+        counts, probs, rows = total[:experts], total[experts:2 * experts], total[2 * experts]
+        f = counts / rows
+        value = torch.sum(f * (probs / rows).unsqueeze(0)) * experts
+        term = torch.sum(f * (local[experts:2 * experts] / rows).unsqueeze(0)) * experts
+        return term, value.detach()
 
     def imbalance(self, counts: torch.Tensor | None = None) -> torch.Tensor:
         """The worst layer's busiest-expert share / mean share (a 0-d device tensor)."""

@@ -1,4 +1,5 @@
-"""Routing replay for mixture-of-experts models (R3, ``rollout.routing_replay: rollout``).
+"""Routing replay for mixture-of-experts models (R3, ``rollout.routing_replay: rollout``;
+R2, ``old``, records in the trainer: :mod:`portarl.moe.old_routing`).
 
 Why: in an MoE layer each token goes to the top-k experts of a router. The rollout
 engine and the trainer compute the router's logits in different kernels, batch shapes
@@ -169,7 +170,8 @@ class RoutingRows:
         experts, known = self.experts.reshape(layers, -1, k), self.known.reshape(-1)
         if packed is None:
             return experts, known
-        return experts.index_select(1, packed.source), known.index_select(0, packed.source)
+        # A packed row's unused tail gathers position 0 (``source`` 0): never a recorded token.
+        return experts.index_select(1, packed.source), known.index_select(0, packed.source) & packed.real()
 
 
 def routing_rows(recorded: list, prompt_lens: list[int], completion_lens: list[int], width_p: int, width_c: int,

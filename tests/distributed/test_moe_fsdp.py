@@ -7,7 +7,9 @@ The rollout engine is made to route otherwise than the trainer on some tokens
 log-probs equal the engine's only where each rank replays its own recorded experts through
 the routers inside its FSDP units. The second test holds FSDP2's experts on their own: 4
 experts sharded 2 a rank, one expert idle on one rank and busy on the other
-(moe_grads_worker.py), gradients equal to one process's."""
+(moe_grads_worker.py), gradients equal to one process's. The third holds the router
+load-balancing loss (``loss.router_aux_coef``) to one process's: its statistics are summed
+over ranks (portarl/moe/load.py)."""
 
 from __future__ import annotations
 
@@ -46,10 +48,10 @@ def _both(single: list[str], double: list[str]) -> None:
         assert proc.returncode == 0, err[-4000:]
 
 
-def _train(out: Path, ranks: int) -> list[str]:
+def _train(out: Path, ranks: int, *extra: str) -> list[str]:
     launcher = [*local_launcher(ranks), "-m", "portarl"] if ranks > 1 else [sys.executable, "-m", "portarl"]
     cmd = [*launcher, "train", "--device", "cpu", "--output-dir", str(out)]
-    for item in SETS:
+    for item in (*SETS, *extra):
         cmd += ["--set", item]
     return cmd
 
@@ -96,3 +98,18 @@ def test_an_expert_idle_on_one_rank_still_gets_the_other_ranks_gradient(tmp_path
         assert torch.count_nonzero(a[f"row1.{key}"][3]) == 0 and torch.count_nonzero(a[key][3]) > 0, key
     for key in b:
         torch.testing.assert_close(b[key], a[key], rtol=RTOL, atol=ATOL, msg=key)
+
+
+def test_the_router_aux_loss_on_two_ranks_is_the_loss_of_their_tokens_together(tmp_path):
+    """``loss.router_aux_coef`` > 0: the Switch loss is a product of two means over the
+    tokens, so each rank's own loss on its 8 rows, averaged, is not the loss of the 16 rows.
+    portarl sums the statistics over ranks: 2 ranks (a micro-batch of 8 rows each) give
+    the loss, gradients and weights of 1 process with the 16 rows in one micro-batch."""
+    single, double = tmp_path / "single", tmp_path / "double"
+    aux = "loss.router_aux_coef=0.5"
+    _both(_train(single, 1, aux, "train.micro_batch_size=16"), _train(double, 2, aux, "train.micro_batch_size=8"))
+    assert_same_step(single, double, keys=("loss", "pg/loss", "kl/loss", "grad_norm", "moe/aux_loss"))
+    assert _rows(single)[0]["moe/aux_loss"] > 1.0  # E * sum f P: 1 only when perfectly balanced
+    start = _params()
+    pa, pb = _params(CheckpointManager(single).latest()), _params(CheckpointManager(double).latest())
+    assert_params_close(pa, pb, start)

@@ -106,3 +106,17 @@ def test_the_plan_adds_the_replay_buffers_and_prints_the_counts(capsys):
     out = capsys.readouterr().out
     assert f"parameters: {arch.params:,} in all, {arch.active_params:,} active per token" in out
     assert "a shared expert of width 64" in out and "routing replay:" in out and "RoutingRows" in out
+
+
+def test_the_plan_counts_r2s_rows_and_no_engine_record(capsys):
+    """``routing_replay: old``: the trainer's old forward fills the batch's RoutingRows; the
+    engine records nothing."""
+    sets = ["model.path=tiny-qwen3-moe", "rollout.max_new_tokens=16"]
+    off, old = TrainConfig.load(None, sets), TrainConfig.load(None, [*sets, "rollout.routing_replay=old"])
+    arch = arch_of(old.model)
+    plan_off, plan_old = (estimate(c, arch, prompt_tokens=8) for c in (off, old))
+    device = replay_device_bytes(arch.moe, old.train.prompts_per_step * old.rollout.group_size, 8 + 16)
+    assert plan_old.parts["routing replay rows"] == device and "routing replay record (host)" not in plan_old.parts
+    assert plan_old.update - plan_off.update == device
+    assert main(["plan", *(x for s in sets + ["rollout.routing_replay=old"] for x in ("--set", s))]) == 0
+    assert "routing replay (old policy's experts)" in capsys.readouterr().out

@@ -162,3 +162,41 @@ def test_a_worker_that_dies_during_a_periodic_checkpoint_leaves_that_checkpoint_
     assert info.value.checkpoint.name == "step-000002"
     state = CheckpointManager.load_state(info.value.checkpoint)
     assert [batch["step"] for batch in state["async_in_flight"] or []] == [3]
+
+
+MOE_SETS = ("model.path=tiny-qwen3-moe", "rollout.routing_replay=rollout", "train.steps=4", "checkpoint.every=2",
+            "checkpoint.keep_last=5")
+
+
+def test_an_moe_run_resumed_with_a_batch_in_flight_replays_its_routed_experts(tmp_path):
+    """Mixture of experts with routing replay (issue 48): the checkpoint of step 2 holds step
+    3's batch in flight with the experts the worker recorded, and the resumed run replays
+    them: every metric (``rollout/routing_agreement`` included: it exists only for a batch
+    that carries experts) and the final weights equal the uninterrupted run's bitwise."""
+    from portarl.moe.routing import experts_from_json
+
+    whole, out = tmp_path / "whole", tmp_path / "stopped"
+    _finish(_start(whole, *MOE_SETS))
+    proc = _start(out, *MOE_SETS, **{FAULT_ENV: "hang@4"})
+    try:
+        _kill_between_checkpoints(proc, out)
+        proc.wait()
+    finally:
+        proc.kill()
+        proc.communicate()
+    checkpoint = CheckpointManager(out).latest()
+    assert checkpoint.name == "step-000002"
+    (entry,) = CheckpointManager.load_state(checkpoint)["async_in_flight"]
+    experts = experts_from_json(entry["reply"]["routed_experts"])
+    assert entry["step"] == 3 and len(experts) == len(entry["reply"]["completion_ids"])
+    _finish(_start(out, *MOE_SETS, resume=True))
+
+    want, got = _jsonl(whole / "metrics.jsonl"), _jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert all("rollout/routing_agreement" in r for r in got)
+    for a, b in zip(want, got):
+        differ = {k: (v, b.get(k)) for k, v in a.items() if not k.endswith("_s") and b.get(k) != v}
+        assert not differ, f"step {a['step']}: uninterrupted vs resumed {differ}"
+    final = "checkpoints/step-000004/model.safetensors"
+    a, b = load_file(whole / final), load_file(out / final)
+    assert [name for name in a if not torch.equal(a[name], b[name])] == [], "final weights differ"

@@ -32,9 +32,9 @@ def _scoring_forwards(monkeypatch) -> list:
     seen = []
     real = scoring.no_grad_logprobs
 
-    def spy(trainer, model, batch):
+    def spy(trainer, model, batch, *rest):
         seen.append(model)
-        return real(trainer, model, batch)
+        return real(trainer, model, batch, *rest)
 
     monkeypatch.setattr(scoring, "no_grad_logprobs", spy)
     return seen

@@ -47,7 +47,10 @@ class RolloutConfig:
     #: Mixture-of-experts models: routing replay. "off"; "rollout" (R3: the engine records
     #: the experts each token was routed to and the trainer's forwards use them, the gate
     #: weights recomputed by the current router on those experts; verl
-    #: ``router_replay.mode: R3``, slime ``--use-rollout-routing-replay``). See docs/moe.md.
+    #: ``router_replay.mode: R3``, slime ``--use-rollout-routing-replay``); "old" (R2: the
+    #: trainer's old log-prob forward records them and every update forward of the batch
+    #: uses them, the KL reference routing by itself; verl ``router_replay.mode: R2``, slime
+    #: ``--use-routing-replay``). See docs/moe.md.
     routing_replay: str = "off"
     #: engine "hf": generate at most this many sequences at once (chunks run one after the
     #: other, each one's KV cache freed before the next); the samples are the same as in one
@@ -193,9 +196,10 @@ class RolloutConfig:
                self.tool_format)
         _check(self.engine in ("hf", "vllm"), "rollout.engine", "must be 'hf' or 'vllm'", self.engine)
         _check(self.mode in ("colocated", "async"), "rollout.mode", "must be 'colocated' or 'async'", self.mode)
-        _check(self.routing_replay in ("off", "rollout"), "rollout.routing_replay",
-               "must be 'off' or 'rollout' (R3: the engine's experts replayed in the trainer)", self.routing_replay)
-        _check(self.routing_replay == "off" or self.engine == "hf", "rollout.routing_replay",
+        _check(self.routing_replay in ("off", "rollout", "old"), "rollout.routing_replay",
+               "must be 'off', 'rollout' (R3: the engine's experts replayed in the trainer) or 'old' (R2: the old "
+               "policy's experts replayed in the update)", self.routing_replay)
+        _check(self.routing_replay != "rollout" or self.engine == "hf", "rollout.routing_replay",
                "'rollout' records the experts in the hf engine only (the vllm engine's routed experts are not wired "
                "yet): set rollout.engine=hf or rollout.routing_replay=off", self.routing_replay)
         _positive_int(self, "rollout", "max_staleness", allow_zero=True)

@@ -10,7 +10,8 @@ parameters whole and the activations by the active width k I_e + I_s (the arch's
 ``intermediate`` of an MoE model). Layers outside the MoE set (``mlp_only_layers``, or
 off ``decoder_sparse_step``) keep a dense MLP of ``intermediate_size``.
 
-Routing replay (``rollout.routing_replay: rollout``, :mod:`portarl.moe.routing`):
+Routing replay (``rollout.routing_replay: rollout``, :mod:`portarl.moe.routing`; with
+``old`` only the device rows, which the trainer's old log-prob forward fills):
 - host: the engine's record, per sample MoE layers x (prompt + completion tokens) x k
   int16 (2 bytes), for the rollout batch (the sequences a device rolls out per step);
   host memory, so counted in the peak on CPU only (where the host is the device), and
@@ -102,6 +103,8 @@ def moe_parts(moe: MoeShape, cfg, *, samples: int, rows: int, width: int, accele
     """The routing-replay parts of the plan (module docstring): ``samples`` the rollout batch
     a device's engine records, ``rows`` the sequences a device scores and trains on per
     step, ``width`` their longest (prompt + completion) in tokens."""
+    if cfg.rollout.routing_replay == "old":  # R2: the trainer records into the rows, no engine record
+        return {"routing replay rows": replay_device_bytes(moe, rows, width)}
     if cfg.rollout.routing_replay != "rollout":
         return {}
     return {"routing replay rows": replay_device_bytes(moe, rows, width),
@@ -127,6 +130,9 @@ def moe_lines(arch, cfg, *, samples: int, rows: int, width: int) -> list[str]:
                      f"{gib(samples * replay_host_bytes(moe, width))} for the {samples} rollout samples; "
                      f"{gib(replay_device_bytes(moe, rows, width))} of RoutingRows for the step's {rows} rows on the "
                      "device (int64)")
+    elif cfg.rollout.routing_replay == "old":
+        lines.append(f"  routing replay (old policy's experts): {gib(replay_device_bytes(moe, rows, width))} of "
+                     f"RoutingRows for the step's {rows} rows on the device (int64), recorded by the trainer")
     return lines
 
 

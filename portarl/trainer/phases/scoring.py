@@ -61,14 +61,38 @@ def logprobs(trainer, model, batch, *, with_entropy=False):
                                with_entropy=with_entropy, emulate=trainer.emulate)
 
 
-def no_grad_logprobs(trainer, model, batch) -> torch.Tensor:
+def no_grad_logprobs(trainer, model, batch, record=None) -> torch.Tensor:
     """fp32 log-probs [B, T] of ``batch`` without autograd, in the update's micro-batches
-    (:func:`portarl.trainer.phases.micro_batches.micro_batches`: the same token budget bounds them)."""
+    (:func:`portarl.trainer.phases.micro_batches.micro_batches`: the same token budget bounds them).
+    ``record`` (routing replay R2, :mod:`portarl.moe.old_routing`): a batch's RoutingRows
+    that gets the experts every MoE layer chose for each token."""
     out = torch.zeros(batch.labels.shape, dtype=torch.float32, device=batch.labels.device)
     with torch.no_grad():
         for rows, part in micro_batches(trainer, batch):
-            out[rows, : part.labels.shape[1]] = logprobs(trainer, model, part)
+            if record is None:
+                out[rows, : part.labels.shape[1]] = logprobs(trainer, model, part)
+                continue
+            from portarl.moe.old_routing import part_routing, place
+            from portarl.moe.routing import recording
+
+            with recording(model) as calls:
+                out[rows, : part.labels.shape[1]] = logprobs(trainer, model, part)
+            chosen = torch.stack([layer[-1] for layer in calls])  # [layers, tokens, k]: this forward's
+            place(record, rows, part, part_routing(chosen, part), batch.prompt_width)
     return out
+
+
+def old_routing(trainer, batch):
+    """Routing replay R2: an empty RoutingRows of ``batch`` for the old log-prob forward to
+    fill (:mod:`portarl.moe.old_routing`), or None when R2 is off."""
+    if trainer.config.rollout.routing_replay != "old":
+        return None
+    from portarl.moe.old_routing import empty_rows
+    from portarl.moe.routing import routers
+
+    found = routers(trainer.model)
+    return empty_rows(len(found), batch.input_ids.shape[0], batch.input_ids.shape[1], found[0].top_k,
+                      batch.input_ids.device)
 
 
 def old_logprobs_recompute_reason(trainer) -> str | None:
@@ -139,10 +163,13 @@ def score(trainer, phase, metrics: dict) -> Scored:
                         vision=trainer.vision_inputs(examples, g),  # a vision-language model's pixels and positions
                         routing=getattr(rollout, "routed_experts", None))  # MoE routing replay: the engine's experts
     rollout_logp = padded(rollout.logprobs, batch.labels.shape[1], 0.0, torch.float32).to(trainer.device)
-    old_logp = None
+    old_logp = old_routes = None
     if old_logprobs_recompute_reason(trainer) is not None:
-        old_logp = trainer.run_hooks("old_logp", no_grad_logprobs(trainer, trainer.model, batch))
+        old_routes = old_routing(trainer, batch)  # R2: this forward's experts, replayed by the update's
+        old_logp = trainer.run_hooks("old_logp", no_grad_logprobs(trainer, trainer.model, batch, old_routes))
         check_old_logp(trainer, batch, old_logp)
+    elif cfg.rollout.routing_replay == "old":  # the update's one forward is the old policy's: nothing to replay
+        metrics["rollout/routing_agreement"] = 1.0
     ref_logp = None
     if trainer.uses_reference():
         with reference_model(trainer) as ref:  # a frozen copy, or (LoRA) the model with its adapter disabled
@@ -179,4 +206,6 @@ def score(trainer, phase, metrics: dict) -> Scored:
     if finished is not None:
         keep = keep & finished
     batch = dataclasses.replace(batch, mask=batch.mask & keep[:, None])
+    if old_routes is not None:  # R2: after the reference's forward, which routes by its own router
+        batch = dataclasses.replace(batch, routing=old_routes)
     return Scored(batch, old_logp, ref_logp, rollout_logp, advantages)

@@ -178,19 +178,27 @@ def router_tap(trainer, coef: float):
     return tap
 
 
-def _router_terms(tap, part, loss: torch.Tensor, metrics: dict, scale: float) -> torch.Tensor:
-    """Count the micro-batch's expert load; with ``scale`` > 0 (``router_aux_coef`` x its
-    share of the mini-batch's rows / the world size, as FSDP2 averages over ranks what each
-    scales by it) add the load-balancing loss and log it (``moe/aux_loss``)."""
+def _router_terms(trainer, tap, part, loss: torch.Tensor, metrics: dict, coef: float, rows: int) -> torch.Tensor:
+    """Count the micro-batch's expert load; with ``coef`` > 0 (``loss.router_aux_coef``)
+    add the load-balancing loss of the ranks' micro-batches together and log it
+    (``moe/aux_loss``): its statistics and rows are summed over ranks (one collective per
+    micro-batch, which every rank runs as many of), each rank adds its term
+    (:meth:`portarl.moe.load.RouterTap.aux_from`: the terms add up to the loss), weighted
+    by the global micro-batch's share of the mini-batch's rows (``rows`` this rank's)."""
     from portarl.moe.load import real_tokens
 
     real = real_tokens(part)
     tap.count(real)
     if not tap.aux:
         return loss
-    aux = tap.aux_loss(real)
-    metrics["moe/aux_loss"] = aux.detach()
-    return loss + scale * aux
+    local = tap.aux_statistics(real)
+    sizes = torch.tensor([part.labels.shape[0], rows], dtype=torch.float32, device=local.device)
+    total = pdist.all_reduce(trainer.dist, torch.cat([local.detach(), sizes]))
+    term, value = tap.aux_from(local, total[:-2])
+    metrics["moe/aux_loss"] = value
+    # FSDP2 averages gradients over ranks and each rank's loss is scaled by the world size
+    # (optimizer_step): the ranks' terms, added up, get the weight ``coef x share``.
+    return loss + coef * (total[-2] / total[-1]) * term
 
 
 def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages) -> tuple[dict, bool]:
@@ -237,7 +245,7 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
         )
         share = part.labels.shape[0] / n
         if tap is not None:
-            loss = _router_terms(tap, part, loss, metrics, loss_cfg.router_aux_coef * share / dist.world_size)
+            loss = _router_terms(trainer, tap, part, loss, metrics, loss_cfg.router_aux_coef, n)
         loss = trainer.run_hooks("loss", loss)
         loss_ok = loss_ok & torch.isfinite(loss.detach())
         # FSDP2 averages gradients over ranks; each rank's loss is its share of the global
