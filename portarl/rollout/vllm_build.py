@@ -67,7 +67,8 @@ def engine_from_config(cfg, model_dir: str | Path, stop_token_ids: list[int], dt
         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         max_model_len=r.vllm_max_model_len or default_len,
         seed=cfg.train.seed, enforce_eager=r.vllm_enforce_eager, sleep_level=r.sleep_level,
-        additional_config=r.vllm_additional_config, sync_bucket_mb=r.sync_bucket_mb, **launch,
+        additional_config=r.vllm_additional_config, sync_bucket_mb=r.sync_bucket_mb,
+        record_routing=r.routing_replay == "rollout", **launch,
     )
 
 

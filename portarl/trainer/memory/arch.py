@@ -133,8 +133,9 @@ def arch_of(model_cfg) -> Arch:
 
     if model_cfg.path in BUILTIN_VLMS:
         return _from_vlm_config(vlm_config(model_cfg), f"{model_cfg.path} {BUILTIN_VLMS[model_cfg.path]} (built in)")
-    if model_cfg.path in BUILTIN_MOES:  # its fixed config (portarl.moe.models), not the model section's sizes
-        config = tiny_moe_config(BUILTIN_MOES[model_cfg.path], len(builtin_tokenizer(model_cfg.path)))
+    if model_cfg.path in BUILTIN_MOES:  # its fixed config (portarl.moe.models) but for the model section's heads
+        config = tiny_moe_config(BUILTIN_MOES[model_cfg.path], len(builtin_tokenizer(model_cfg.path)),
+                                 heads=model_cfg.heads, kv_heads=model_cfg.kv_heads)
         return _from_hf_config(config.to_dict(), f"{model_cfg.path} {BUILTIN_MOES[model_cfg.path]} (built in)")
     tokenizer = builtin_tokenizer(model_cfg.path)
     if tokenizer is not None:
