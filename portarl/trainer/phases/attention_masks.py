@@ -1,0 +1,202 @@
+"""The attention masks of padding-free and shared-prompt rows, held under a bound
+(:data:`DENSE_MASK_BOUND_BYTES`): no micro-batch's forward holds a [rows, 1, W, W] mask
+larger than it.
+
+Why: mask-based attention (``sdpa``, ``eager``) on packed rows takes a dense 4-D mask,
+one entry per query-key pair of every row, built by transformers from the restarting
+position ids (:mod:`portarl.trainer.phases.packing`) or by portarl for shared-prompt rows
+(:func:`portarl.trainer.phases.share_prompt.shared_mask`). Its size is rows x W^2: at long
+context the mask, not the model, fills the device (one row of a 10 MB tool output's
+2.5M tokens is a 6.25 TB mask).
+
+What each attention implementation is given (``Layout.impl``, the model's
+``_attn_implementation``):
+
+- ``flash_attention_2/3/4`` (flash-attn varlen on CUDA; on Ascend transformers maps it to
+  ``npu_fusion_attention`` with the TND layout and ``actual_seq_qlen`` /
+  ``actual_seq_kvlen`` from the same cumulative lengths): the "varlen" layout, one row
+  and ``cu_seq_lens``: no mask at all.
+- ``flex_attention``: a :class:`torch.nn.attention.flex_attention.BlockMask` built here
+  (:func:`block_mask`) from each token's segment (sequence, or shared-prompt unit and
+  part): per 128 x 128 tile, whether it is empty, full or partial, plus the ``mask_mod``
+  that decides inside partial tiles. Its size is rows x (W / 128)^2 x 16 bytes, a 4096th
+  of the dense bool mask; it is built in chunks of query tiles so that the dense mask is
+  never held either. FlexAttention has no backward on CPU in torch 2.13
+  (``NotImplementedError``): there it scores (no-grad forwards) but cannot train.
+- ``sdpa``: the dense bool mask while it fits the bound; over it, "causal rows": one
+  sequence per row, its tail continuing its positions, so transformers finds no packed
+  sequence and no padding and passes ``is_causal=True`` with no mask
+  (``masking_utils._ignore_causal_mask_sdpa``). Exact: a tail comes after its sequence's
+  tokens, so causal attention never lets a real token see it. Such a micro-batch computes
+  rows x the longest sequence (never more than the padded layout's rows x (longest prompt
+  + longest completion)), and the token budget counts it that way
+  (:class:`portarl.trainer.phases.micro_batches._Tokens`). Shared-prompt rows over the
+  bound are not shared (their mask cannot be skipped). Logged once.
+- ``eager``: its attention holds [rows, heads, W, W] weights by construction (and
+  transformers' eager mask is dense in every layout, padded too): the bound cannot hold,
+  the rows stay those of the longest sequence, logged once; use ``sdpa``.
+
+The layout's mask memory is counted where the rows are chosen
+(:func:`portarl.trainer.phases.pack_rows.choose_rows`: no packing over the bound is
+picked) and by ``portarl plan`` (``attention mask``: :func:`planned_mask_bytes`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+log = logging.getLogger("portarl.train")
+
+#: The largest attention mask (bytes) a padding-free or shared-prompt micro-batch may hold:
+#: 64 MiB, the bool mask of one 8192-token row. Why this value: below it a dense mask costs
+#: less than one decoder layer's saved activations of the same row for any model with a
+#: hidden size of 1024 or more (8192 x 4 x 1024 x 2 bytes = 64 MiB for just the layer's two
+#: norms' inputs), so it never decides whether a run fits; above it the mask grows with the
+#: square of the row while everything else grows linearly. Rows over it take the mask-free
+#: or block-mask layouts of the module docstring.
+DENSE_MASK_BOUND_BYTES = 64 << 20
+#: FlexAttention's tile (``torch.nn.attention.flex_attention._DEFAULT_SPARSE_BLOCK_SIZE``).
+BLOCK = 128
+#: Query positions x keys evaluated at once while a BlockMask is built (bool elements).
+_CHUNK_ELEMENTS = 1 << 24
+
+_logged: set[str] = set()
+
+
+def log_once(key: str, message: str, *args) -> None:
+    """``log.info`` of ``message`` once per process for ``key`` (a fallback's reason)."""
+    if key not in _logged:
+        _logged.add(key)
+        log.info(message, *args)
+
+
+def mask_kind(layout) -> str:
+    """``"none"`` (varlen: spans, no mask), ``"block"`` (flex: a BlockMask) or ``"dense"``."""
+    if layout.kind == "varlen":
+        return "none"
+    return "block" if getattr(layout, "impl", None) == "flex_attention" else "dense"
+
+
+def eager_like(layout) -> bool:
+    """Attention whose own weights are [heads, W, W] and whose mask is always dense (eager)."""
+    return getattr(layout, "impl", None) == "eager" or bool(getattr(layout, "longest_only", False))
+
+
+def mask_bytes(rows: int, width: int, layout) -> int:
+    """Bytes of the attention mask of ``rows`` packed rows of ``width`` tokens under ``layout``:
+    dense [rows, 1, W, W] (bool, or additive in ``mask_dtype`` / fp32 for eager); a BlockMask's
+    four int32 index tensors [rows, 1, W/128, W/128]; none for varlen."""
+    kind = mask_kind(layout)
+    if kind == "none":
+        return 0
+    if kind == "block":
+        tiles = math.ceil(width / BLOCK)
+        return rows * tiles * tiles * 4 * 4
+    size = 1
+    if eager_like(layout):
+        dtype = getattr(layout, "mask_dtype", None)
+        size = dtype.itemsize if dtype is not None else 4
+    return rows * width * width * size
+
+
+def fits(rows: int, width: int, layout) -> bool:
+    """Whether the mask of ``rows`` x ``width`` stays within :data:`DENSE_MASK_BOUND_BYTES`."""
+    return mask_bytes(rows, width, layout) <= DENSE_MASK_BOUND_BYTES
+
+
+def causal_rows(rows: int, width: int, layout) -> bool:
+    """Whether packed rows of this shape give way to causal rows (one sequence per row, no
+    mask): a mask over the bound under ``sdpa`` or flex (module docstring). Eager keeps its
+    rows (logged once by :func:`portarl.trainer.phases.packing.pack_micro_batch`)."""
+    return layout.kind == "rows" and not eager_like(layout) and not fits(rows, width, layout)
+
+
+def planned_mask_bytes(impl: str | None, packed: bool, rows: int, width: int, tokens: int, b: int) -> int:
+    """``portarl plan``'s attention mask of the largest micro-batch: ``rows`` sequences of up
+    to ``width`` tokens (padded), ``tokens`` packed. Padded: transformers' dense [rows, 1, W, W]
+    (bool for sdpa / flex's own is a BlockMask, the model's dtype ``b`` for eager; none for
+    flash). Packed: the same for eager, else at most the bound (the packer never exceeds it)."""
+    impl = impl or "sdpa"
+    if impl.startswith("flash_attention"):
+        return 0
+    if impl == "flex_attention":
+        tiles = math.ceil((tokens if packed else width) / BLOCK)
+        return (1 if packed else rows) * tiles * tiles * 16
+    dense = rows * width * width * (b if impl == "eager" else 1)
+    if packed and impl != "eager":
+        return min(dense, DENSE_MASK_BOUND_BYTES, tokens * tokens)
+    return dense
+
+
+def _visible(seg: torch.Tensor, sub: torch.Tensor | None, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """bool [rows, len(q), len(kv)]: query position q sees key position kv (the mask_mod, batched)."""
+    out = (seg[:, q, None] == seg[:, None, kv]) & (kv[None, None, :] <= q[None, :, None])
+    if sub is not None:
+        out &= (sub[:, None, kv] == 0) | (sub[:, q, None] == sub[:, None, kv])
+    return out
+
+
+def block_mask(seg: torch.Tensor, sub: torch.Tensor | None = None):
+    """A flex :class:`~torch.nn.attention.flex_attention.BlockMask` [rows, 1, W, W] for
+    segment ids ``seg`` [rows, W] (a token sees the earlier tokens of its segment) and, for
+    shared-prompt rows, part ids ``sub`` (0: the unit's prompt, k: completion k; a token
+    sees its unit's prompt and its own part: :func:`portarl.trainer.phases.share_prompt.shared_mask`).
+
+    Tiles are classified exactly (empty / full / partial) by evaluating the mask in chunks
+    of query tiles against the keys up to them (causal), at most ``_CHUNK_ELEMENTS`` per
+    row at a time: the dense mask is never held."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    rows, width = seg.shape
+    tiles = math.ceil(width / BLOCK)
+    padded = tiles * BLOCK
+    device = seg.device
+    # Positions past the row (the last tile's padding) belong to no segment.
+    seg_p = torch.full((rows, padded), -1, dtype=torch.long, device=device)
+    seg_p[:, :width] = seg
+    sub_p = None
+    if sub is not None:
+        sub_p = torch.full((rows, padded), -1, dtype=torch.long, device=device)
+        sub_p[:, :width] = sub
+    any_t = torch.zeros(rows, tiles, tiles, dtype=torch.bool, device=device)
+    full_t = torch.zeros(rows, tiles, tiles, dtype=torch.bool, device=device)
+    step = max(1, _CHUNK_ELEMENTS // (rows * BLOCK * padded))
+    for t0 in range(0, tiles, step):
+        t1 = min(tiles, t0 + step)
+        q = torch.arange(t0 * BLOCK, t1 * BLOCK, device=device)
+        kv = torch.arange(t1 * BLOCK, device=device)  # causal: no key after the chunk's last query
+        seen = _visible(seg_p, sub_p, q, kv)
+        valid_q = q < width
+        seen &= valid_q[None, :, None]
+        seen = seen.view(rows, t1 - t0, BLOCK, t1, BLOCK)
+        any_t[:, t0:t1, :t1] = seen.any(dim=(2, 4))
+        # Full: every pair of the whole 128 x 128 tile visible (a tile holding the row's
+        # padding never is, as torch's create_block_mask classifies it).
+        full_t[:, t0:t1, :t1] = seen.all(dim=(2, 4))
+    partial = any_t & ~full_t
+
+    def indices(which: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        count = which.sum(-1, dtype=torch.int32)[:, None]
+        order = torch.argsort((~which).to(torch.int8), dim=-1, stable=True).to(torch.int32)[:, None]
+        return count, order
+
+    kv_num, kv_idx = indices(partial)
+    full_num, full_idx = indices(full_t)
+
+    if sub is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (seg[b, q_idx] == seg[b, kv_idx]) & (kv_idx <= q_idx)
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return ((seg[b, q_idx] == seg[b, kv_idx]) & (kv_idx <= q_idx)
+                    & ((sub[b, kv_idx] == 0) | (sub[b, q_idx] == sub[b, kv_idx])))
+
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(width, width))
+
+
+__all__ = ["BLOCK", "DENSE_MASK_BOUND_BYTES", "block_mask", "causal_rows", "eager_like", "fits", "log_once",
+           "mask_bytes", "mask_kind", "planned_mask_bytes"]
