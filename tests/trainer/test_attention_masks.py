@@ -225,9 +225,11 @@ def test_fallback_logs_its_reason_once(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="portarl.train"):
         for _ in range(2):
             micro_batches(_fake_trainer(_shared("rows")), _groups_batch())
+        micro_batches(_fake_trainer(layout_of(_model(impl="eager").config, "rows")), _batch())
     lines = [r.getMessage() for r in caplog.records]
     assert sum("one sequence per row, causal attention without a mask" in m for m in lines) == 1, lines
     assert sum("shared-prompt rows: not shared" in m and "bound" in m for m in lines) == 1, lines
+    assert sum("eager attention holds" in m and "model.attn_implementation=sdpa" in m for m in lines) == 1, lines
 
 
 def test_budget_counts_causal_rows():
@@ -262,3 +264,18 @@ def test_plan_counts_the_mask():
         else:  # the BlockMask of one row: (tokens / 128)^2 tiles x 16 bytes
             assert got == (-(-plan.micro_batch_tokens // 128)) ** 2 * 16
         assert got <= plan.update
+
+
+def test_row_chooser_counts_the_mask(monkeypatch):
+    """A model whose linear maps dominate packs one long row; with that row's mask over the
+    bound the chooser keeps rows within it (here: rows of the longest sequence)."""
+    from portarl.trainer.phases.pack_rows import choose_rows
+    from portarl.trainer.phases.packing import Layout
+
+    lengths = [10, 9, 3, 3, 2, 1]  # as in test_pack_rows: rows of the longest are 3 x 10
+    layout = Layout("rows", linear=1000, attention=1, impl="sdpa")
+    assert choose_rows(lengths, layout) == [[0, 1, 2, 3, 4, 5]]
+    monkeypatch.setattr(masks, "DENSE_MASK_BOUND_BYTES", 3 * 10 * 10)
+    rows = choose_rows(lengths, layout)
+    width = max(sum(lengths[i] for i in r) for r in rows)
+    assert len(rows) > 1 and masks.fits(len(rows), width, layout)

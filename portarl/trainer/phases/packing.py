@@ -22,7 +22,12 @@ How transformers (5.x) runs a packed sequence, and what portarl hands it:
   into rows (first-fit decreasing) whose length :func:`portarl.trainer.phases.pack_rows.choose_rows`
   picks from the model's own per-token costs (linear maps against attention), never
   computing more tokens than rows as long as the longest sequence would. A row's unused
-  tail is its own segment (positions 0, 1, ...) that nothing attends to.
+  tail is its own segment (positions 0, 1, ...) that nothing attends to. No mask over
+  :data:`portarl.trainer.phases.attention_masks.DENSE_MASK_BOUND_BYTES` is built
+  (:mod:`portarl.trainer.phases.attention_masks`): ``flex_attention`` gets a BlockMask
+  portarl builds from the same segments; ``sdpa`` rows over the bound become "causal rows"
+  (one sequence per row, the tail continuing its positions: transformers then finds no
+  packed sequence and builds no mask, ``is_causal``).
 - varlen attention (``flash_attention_2/3/4``): one row for the whole micro-batch, with
   ``cu_seq_lens_q/k`` and ``max_length_q/k`` (transformers' ``FlashAttentionKwargs``, as its
   ``DataCollatorWithFlattening`` passes them), so ``_flash_attention_forward`` calls
@@ -35,8 +40,8 @@ How transformers (5.x) runs a packed sequence, and what portarl hands it:
 
 Shared-prompt rows (``train.share_prompt``, :mod:`portarl.trainer.phases.share_prompt`): on
 the "rows" layout, a group's samples hold their prompt once, under an explicit 4-D mask
-(``Packed.attention_mask``, which transformers uses as is) instead of the mask derived from
-the position ids.
+(``Packed.attention_mask``, which transformers uses as is: dense, or flex's BlockMask)
+instead of the mask derived from the position ids.
 
 Any other attention implementation (a custom registered one, ``paged|...``) or a model
 whose modeling code does not build its masks through ``masking_utils.create_causal_mask``
@@ -88,7 +93,8 @@ class Packed:
     where: torch.Tensor
     cu_seq_lens: torch.Tensor | None = None
     max_length: int | None = None
-    attention_mask: torch.Tensor | None = None  # [rows, 1, W, W]: shared-prompt rows (share_prompt.py)
+    #: [rows, 1, W, W]: shared-prompt rows (share_prompt.py), or flex's BlockMask (attention_masks.py)
+    attention_mask: object = None
     #: [rows x width]: each packed token's flat index in the padded micro-batch (what
     #: :mod:`portarl.vision.inputs` gathers a vision prompt's M-RoPE positions by)
     source: torch.Tensor | None = None
