@@ -279,3 +279,27 @@ def test_row_chooser_counts_the_mask(monkeypatch):
     rows = choose_rows(lengths, layout)
     width = max(sum(lengths[i] for i in r) for r in rows)
     assert len(rows) > 1 and masks.fits(len(rows), width, layout)
+
+
+@pytest.mark.parametrize("setting", [[], ["train.max_tokens_per_micro_batch=30"]], ids=["plain", "budget"])
+def test_causal_rows_step_gradients_equal_padded(tmp_path, monkeypatch, setting):
+    """A whole GRPO step (scoring, update) whose every micro-batch is over a (lowered)
+    bound: its gradients equal the padded step's, and every forward ran causal rows."""
+    import portarl.trainer.phases.micro_batches as mb
+    from test_memory_checkpointing import _assert_same, _gradients
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    padded, _ = _gradients(tmp_path, monkeypatch, "train.padding_free=false", *setting, name="padded")
+    monkeypatch.setattr(masks, "DENSE_MASK_BOUND_BYTES", 0)
+    seen = []
+    real = mb.pack_micro_batch
+
+    def spy(*args):
+        out = real(*args)
+        seen.append(out.attention_mask is None and find_packed_sequence_indices(out.position_ids) is None)
+        return out
+
+    monkeypatch.setattr(mb, "pack_micro_batch", spy)
+    causal, trainer = _gradients(tmp_path, monkeypatch, "train.padding_free=true", *setting, name="causal")
+    assert trainer.padding_free.kind == "rows" and seen and all(seen)
+    _assert_same(padded, causal)
