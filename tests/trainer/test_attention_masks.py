@@ -303,3 +303,15 @@ def test_causal_rows_step_gradients_equal_padded(tmp_path, monkeypatch, setting)
     causal, trainer = _gradients(tmp_path, monkeypatch, "train.padding_free=true", *setting, name="causal")
     assert trainer.padding_free.kind == "rows" and seen and all(seen)
     _assert_same(padded, causal)
+
+
+def test_flex_attention_that_cannot_train_here_is_refused_at_start():
+    """torch 2.13 has no FlexAttention backward on CPU: the trainer's layout resolution
+    refuses it in one line naming the setting (sdpa is not refused)."""
+    from portarl.trainer.config.fields import ConfigError
+    from portarl.trainer.phases.packing import resolve_padding_free
+    from test_share_prompt import _cfg
+
+    with pytest.raises(ConfigError, match="model.attn_implementation=flex_attention.*set model.attn_implementation=sdpa"):
+        resolve_padding_free(_cfg(), _model(impl="flex_attention"))
+    assert resolve_padding_free(_cfg(), _model()).kind == "rows"

@@ -22,7 +22,8 @@ What each attention implementation is given (``Layout.impl``, the model's
   that decides inside partial tiles. Its size is rows x (W / 128)^2 x 16 bytes, a 4096th
   of the dense bool mask; it is built in chunks of query tiles so that the dense mask is
   never held either. FlexAttention has no backward on CPU in torch 2.13
-  (``NotImplementedError``): there it scores (no-grad forwards) but cannot train.
+  (``NotImplementedError``): there it scores (no-grad forwards) but cannot train, and the
+  trainer refuses it at start (:func:`refuse_untrainable_flex`).
 - ``sdpa``: the dense bool mask while it fits the bound; over it, "causal rows": one
   sequence per row, its tail continuing its positions, so transformers finds no packed
   sequence and no padding and passes ``is_causal=True`` with no mask
@@ -131,6 +132,32 @@ def planned_mask_bytes(impl: str | None, packed: bool, rows: int, width: int, to
     return dense
 
 
+def refuse_untrainable_flex(model) -> None:
+    """ConfigError (one line, naming the setting) where the model's attention is
+    ``flex_attention`` and torch has no FlexAttention backward on its device (CPU in torch
+    2.13): the first update would otherwise fail inside the backward. Probed with torch's
+    own check on a 16-token tensor, so a torch that adds the backward passes."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    param = next(iter(model.parameters()), None)
+    if impl != "flex_attention" or param is None or param.device.type != "cpu":
+        return
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q = torch.zeros(1, 1, 16, 16, requires_grad=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "called without torch.compile": a probe
+            flex_attention(q, q, q)
+    except NotImplementedError as e:
+        from portarl.trainer.config.fields import ConfigError
+
+        raise ConfigError(f"model.attn_implementation=flex_attention: torch {torch.__version__} cannot train it on "
+                          f"cpu ({str(e).splitlines()[0]}); set model.attn_implementation=sdpa") from None
+
+
 def _visible(seg: torch.Tensor, sub: torch.Tensor | None, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """bool [rows, len(q), len(kv)]: query position q sees key position kv (the mask_mod, batched)."""
     out = (seg[:, q, None] == seg[:, None, kv]) & (kv[None, None, :] <= q[None, :, None])
@@ -199,4 +226,4 @@ def block_mask(seg: torch.Tensor, sub: torch.Tensor | None = None):
 
 
 __all__ = ["BLOCK", "DENSE_MASK_BOUND_BYTES", "block_mask", "causal_rows", "eager_like", "fits", "log_once",
-           "mask_bytes", "mask_kind", "planned_mask_bytes"]
+           "mask_bytes", "mask_kind", "planned_mask_bytes", "refuse_untrainable_flex"]

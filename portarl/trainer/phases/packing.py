@@ -196,7 +196,10 @@ def packing_support(model) -> tuple[str | None, str]:
 def resolve_padding_free(cfg, model) -> Layout | None:
     """The :class:`Layout` the trainer packs with (:func:`packing_support`), or None for
     the padded layout: ``train.padding_free`` false -> None; auto -> the model's layout, or
-    None with one log line saying why; true -> the layout, or ConfigError naming the setting."""
+    None with one log line saying why; true -> the layout, or ConfigError naming the setting.
+    A flex-attention model on a device without FlexAttention's backward is refused first
+    (:func:`portarl.trainer.phases.attention_masks.refuse_untrainable_flex`)."""
+    masks.refuse_untrainable_flex(_hf_base(model))
     value = cfg.train.padding_free
     if value is False:
         return resolve_share_prompt(cfg, model, None)  # share_prompt=true without packing: refused
