@@ -60,7 +60,7 @@ def _segments(width, starts):
 
 @pytest.mark.parametrize("case", ["boundary-on-tile", "boundary-off-tile", "shared-prompt"])
 def test_block_mask_tiles_equal_torch(case, monkeypatch):
-    monkeypatch.setattr(masks, "_CHUNK_ELEMENTS", 128 * 640)  # several query-tile chunks per row
+    monkeypatch.setattr(masks, "_CHUNK_ELEMENTS", 2 * 128 * 128 * 2)  # chunks of 1 query tile x 2 key tiles
     if case == "boundary-on-tile":  # documents of 128 and 256 tokens: whole tiles are full
         seg = torch.stack([_segments(600, [128, 384]), _segments(600, [256, 512])])
         sub = None
@@ -315,3 +315,9 @@ def test_flex_attention_that_cannot_train_here_is_refused_at_start():
     with pytest.raises(ConfigError, match="model.attn_implementation=flex_attention.*set model.attn_implementation=sdpa"):
         resolve_padding_free(_cfg(), _model(impl="flex_attention"))
     assert resolve_padding_free(_cfg(), _model()).kind == "rows"
+
+
+def test_block_mask_refuses_a_segment_split_in_two_runs():
+    seg = torch.tensor([[0, 0, 1, 1, 0, 0]])
+    with pytest.raises(ValueError, match="contiguous"):
+        masks.block_mask(seg)

@@ -168,13 +168,15 @@ def _visible(seg: torch.Tensor, sub: torch.Tensor | None, q: torch.Tensor, kv: t
 
 def block_mask(seg: torch.Tensor, sub: torch.Tensor | None = None):
     """A flex :class:`~torch.nn.attention.flex_attention.BlockMask` [rows, 1, W, W] for
-    segment ids ``seg`` [rows, W] (a token sees the earlier tokens of its segment) and, for
+    segment ids ``seg`` [rows, W] (contiguous runs, ids >= 0; a token sees the earlier
+    tokens of its segment) and, for
     shared-prompt rows, part ids ``sub`` (0: the unit's prompt, k: completion k; a token
     sees its unit's prompt and its own part: :func:`portarl.trainer.phases.share_prompt.shared_mask`).
 
     Tiles are classified exactly (empty / full / partial) by evaluating the mask in chunks
-    of query tiles against the keys up to them (causal), at most ``_CHUNK_ELEMENTS`` per
-    row at a time: the dense mask is never held."""
+    of query tiles against the keys from their segments' starts up to them (causal), at
+    most ``_CHUNK_ELEMENTS`` pairs (over all rows) at a time where a tile pair allows it:
+    the dense mask is never held."""
     from torch.nn.attention.flex_attention import BlockMask
 
     rows, width = seg.shape
@@ -190,19 +192,31 @@ def block_mask(seg: torch.Tensor, sub: torch.Tensor | None = None):
         sub_p[:, :width] = sub
     any_t = torch.zeros(rows, tiles, tiles, dtype=torch.bool, device=device)
     full_t = torch.zeros(rows, tiles, tiles, dtype=torch.bool, device=device)
-    step = max(1, _CHUNK_ELEMENTS // (rows * BLOCK * padded))
-    for t0 in range(0, tiles, step):
-        t1 = min(tiles, t0 + step)
-        q = torch.arange(t0 * BLOCK, t1 * BLOCK, device=device)
-        kv = torch.arange(t1 * BLOCK, device=device)  # causal: no key after the chunk's last query
-        seen = _visible(seg_p, sub_p, q, kv)
-        valid_q = q < width
-        seen &= valid_q[None, :, None]
-        seen = seen.view(rows, t1 - t0, BLOCK, t1, BLOCK)
-        any_t[:, t0:t1, :t1] = seen.any(dim=(2, 4))
-        # Full: every pair of the whole 128 x 128 tile visible (a tile holding the row's
-        # padding never is, as torch's create_block_mask classifies it).
-        full_t[:, t0:t1, :t1] = seen.all(dim=(2, 4))
+    # Segments are contiguous runs: a query sees no key before its run's start, so each
+    # query tile is evaluated from the earliest start among its tokens (block-diagonal
+    # work, not rows x W^2).
+    pos = torch.arange(padded, device=device)
+    is_start = torch.ones(rows, padded, dtype=torch.bool, device=device)
+    is_start[:, 1:] = seg_p[:, 1:] != seg_p[:, :-1]
+    runs = is_start.sum(dim=1)
+    if any(int(torch.unique(seg_p[r]).numel()) != int(runs[r]) for r in range(rows)):
+        raise ValueError("block_mask: a segment id occurs in two separate runs of a row (segments must be contiguous)")
+    start = torch.where(is_start, pos, 0).cummax(dim=1).values
+    first_tile = (start.view(rows, tiles, BLOCK).amin(dim=(0, 2)) // BLOCK).tolist()
+    q_step = max(1, _CHUNK_ELEMENTS // (rows * BLOCK * padded))
+    for t0 in range(0, tiles, q_step):
+        t1 = min(tiles, t0 + q_step)
+        q = pos[t0 * BLOCK : t1 * BLOCK]
+        valid_q = (q < width)[None, :, None]
+        kv_step = max(1, _CHUNK_ELEMENTS // (rows * BLOCK * BLOCK * (t1 - t0)))
+        for k0 in range(min(first_tile[t0:t1]), t1, kv_step):  # causal: no key after the chunk's last query
+            k1 = min(t1, k0 + kv_step)
+            seen = _visible(seg_p, sub_p, q, pos[k0 * BLOCK : k1 * BLOCK]) & valid_q
+            seen = seen.view(rows, t1 - t0, BLOCK, k1 - k0, BLOCK)
+            any_t[:, t0:t1, k0:k1] = seen.any(dim=(2, 4))
+            # Full: every pair of the whole 128 x 128 tile visible (a tile holding the row's
+            # padding never is, as torch's create_block_mask classifies it).
+            full_t[:, t0:t1, k0:k1] = seen.all(dim=(2, 4))
     partial = any_t & ~full_t
 
     def indices(which: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
