@@ -244,26 +244,33 @@ def test_budget_counts_causal_rows():
 
 
 def test_plan_counts_the_mask():
+    """32k-token sequences: padded sdpa counts transformers' dense mask and SDPA's additive
+    copy per layer; padding-free sdpa at most the bound's pairs; flash nothing; flex a block
+    mask; and the update phase includes it."""
     from portarl.trainer.config import TrainConfig
-    from portarl.trainer.memory.plan import estimate
     from portarl.trainer.memory.arch import arch_of
+    from portarl.trainer.memory.plan import estimate
 
     cfg = TrainConfig()
     cfg.rollout.max_new_tokens = 32768
     cfg.train.max_tokens_per_micro_batch = 65536
+    cfg.train.gradient_checkpointing = False
     arch = arch_of(cfg.model)
-    for impl, padding_free, want in (("sdpa", True, masks.DENSE_MASK_BOUND_BYTES), ("flash_attention_2", True, 0),
-                                     ("sdpa", False, None), ("flex_attention", True, None)):
+    b, layers = 4, arch.layers
+    got = {}
+    for impl, padding_free in (("sdpa", True), ("flash_attention_2", True), ("sdpa", False), ("flex_attention", True)):
         cfg.model.attn_implementation, cfg.train.padding_free = impl, padding_free
         plan = estimate(cfg, arch, prompt_tokens=100)
-        got = plan.parts["attention mask"]
-        if want is not None:
-            assert got == want, (impl, padding_free, got)
-        elif impl == "sdpa":  # padded: the dense [rows, 1, S, S] bool mask
-            assert got == plan.micro_batch_rows * plan.sequence_tokens ** 2
-        else:  # the BlockMask of one row: (tokens / 128)^2 tiles x 16 bytes
-            assert got == (-(-plan.micro_batch_tokens // 128)) ** 2 * 16
-        assert got <= plan.update
+        got[impl, padding_free] = mask = plan.parts["attention mask"]
+        assert mask <= plan.update
+        if (impl, padding_free) == ("sdpa", False):
+            assert mask == plan.micro_batch_rows * plan.sequence_tokens ** 2 * (1 + b * layers)
+        if impl == "flex_attention":
+            assert mask == (-(-plan.micro_batch_tokens // 128)) ** 2 * 16
+    pairs = masks.DENSE_MASK_BOUND_BYTES // masks.SDPA_MASK_PAIR_BYTES
+    assert got["sdpa", True] == pairs * (1 + b * layers)
+    assert got["flash_attention_2", True] == 0
+    assert got["sdpa", False] > got["sdpa", True] > got["flex_attention", True] > 0
 
 
 def test_row_chooser_counts_the_mask(monkeypatch):
@@ -275,7 +282,7 @@ def test_row_chooser_counts_the_mask(monkeypatch):
     lengths = [10, 9, 3, 3, 2, 1]  # as in test_pack_rows: rows of the longest are 3 x 10
     layout = Layout("rows", linear=1000, attention=1, impl="sdpa")
     assert choose_rows(lengths, layout) == [[0, 1, 2, 3, 4, 5]]
-    monkeypatch.setattr(masks, "DENSE_MASK_BOUND_BYTES", 3 * 10 * 10)
+    monkeypatch.setattr(masks, "DENSE_MASK_BOUND_BYTES", 3 * 10 * 10 * masks.SDPA_MASK_PAIR_BYTES)
     rows = choose_rows(lengths, layout)
     width = max(sum(lengths[i] for i in r) for r in rows)
     assert len(rows) > 1 and masks.fits(len(rows), width, layout)

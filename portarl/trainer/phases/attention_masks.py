@@ -24,7 +24,9 @@ What each attention implementation is given (``Layout.impl``, the model's
   never held either. FlexAttention has no backward on CPU in torch 2.13
   (``NotImplementedError``): there it scores (no-grad forwards) but cannot train, and the
   trainer refuses it at start (:func:`refuse_untrainable_flex`).
-- ``sdpa``: the dense bool mask while it fits the bound; over it, "causal rows": one
+- ``sdpa``: the dense bool mask while it fits the bound (counted with the additive copy
+  SDPA makes of it on every call, which each layer also keeps for its backward: the plan
+  counts those); over it, "causal rows": one
   sequence per row, its tail continuing its positions, so transformers finds no packed
   sequence and no padding and passes ``is_causal=True`` with no mask
   (``masking_utils._ignore_causal_mask_sdpa``). Exact: a tail comes after its sequence's
@@ -51,14 +53,19 @@ import torch
 
 log = logging.getLogger("portarl.train")
 
-#: The largest attention mask (bytes) a padding-free or shared-prompt micro-batch may hold:
-#: 64 MiB, the bool mask of one 8192-token row. Why this value: below it a dense mask costs
-#: less than one decoder layer's saved activations of the same row for any model with a
-#: hidden size of 1024 or more (8192 x 4 x 1024 x 2 bytes = 64 MiB for just the layer's two
-#: norms' inputs), so it never decides whether a run fits; above it the mask grows with the
-#: square of the row while everything else grows linearly. Rows over it take the mask-free
-#: or block-mask layouts of the module docstring.
+#: The largest attention mask (bytes, :func:`mask_bytes`) a padding-free or shared-prompt
+#: micro-batch may hold: 64 MiB. For sdpa that is the bool mask and the additive copy SDPA
+#: makes of it on every call (``where(mask, 0, -inf)`` in the query's dtype, up to fp32: 5
+#: bytes per query-key pair), so one 3664-token row. Why this value: below it one call's
+#: mask costs less than one decoder layer's saved activations of the same row for any model
+#: with a hidden size of 1024 or more (3664 x 1024 x 4 bytes x the layer's ~12 saved
+#: tensors of width >= hidden > 64 MiB), so it never decides whether a run fits; above it
+#: the mask grows with the square of the row while everything else grows linearly. Rows
+#: over it take the mask-free or block-mask layouts of the module docstring.
 DENSE_MASK_BOUND_BYTES = 64 << 20
+#: Bytes per query-key pair of a dense sdpa mask: the bool mask (1) and SDPA's additive
+#: copy of it in the query's dtype (at most fp32: 4), made on every attention call.
+SDPA_MASK_PAIR_BYTES = 5
 #: FlexAttention's tile (``torch.nn.attention.flex_attention._DEFAULT_SPARSE_BLOCK_SIZE``).
 BLOCK = 128
 #: Query positions x keys evaluated at once while a BlockMask is built (bool elements).
@@ -88,7 +95,8 @@ def eager_like(layout) -> bool:
 
 def mask_bytes(rows: int, width: int, layout) -> int:
     """Bytes of the attention mask of ``rows`` packed rows of ``width`` tokens under ``layout``:
-    dense [rows, 1, W, W] (bool, or additive in ``mask_dtype`` / fp32 for eager); a BlockMask's
+    dense [rows, 1, W, W] (sdpa: bool and SDPA's per-call additive copy,
+    :data:`SDPA_MASK_PAIR_BYTES`; eager: additive in ``mask_dtype`` / fp32); a BlockMask's
     four int32 index tensors [rows, 1, W/128, W/128]; none for varlen."""
     kind = mask_kind(layout)
     if kind == "none":
@@ -96,7 +104,7 @@ def mask_bytes(rows: int, width: int, layout) -> int:
     if kind == "block":
         tiles = math.ceil(width / BLOCK)
         return rows * tiles * tiles * 4 * 4
-    size = 1
+    size = SDPA_MASK_PAIR_BYTES
     if eager_like(layout):
         dtype = getattr(layout, "mask_dtype", None)
         size = dtype.itemsize if dtype is not None else 4
@@ -115,21 +123,27 @@ def causal_rows(rows: int, width: int, layout) -> bool:
     return layout.kind == "rows" and not eager_like(layout) and not fits(rows, width, layout)
 
 
-def planned_mask_bytes(impl: str | None, packed: bool, rows: int, width: int, tokens: int, b: int) -> int:
-    """``portarl plan``'s attention mask of the largest micro-batch: ``rows`` sequences of up
-    to ``width`` tokens (padded), ``tokens`` packed. Padded: transformers' dense [rows, 1, W, W]
-    (bool for sdpa / flex's own is a BlockMask, the model's dtype ``b`` for eager; none for
-    flash). Packed: the same for eager, else at most the bound (the packer never exceeds it)."""
+def planned_mask_bytes(impl: str | None, packed: bool, rows: int, width: int, tokens: int, b: int,
+                       saving_layers: int) -> int:
+    """``portarl plan``'s attention masks of the largest micro-batch's update: ``rows``
+    sequences of up to ``width`` tokens (padded), ``tokens`` packed; ``b`` the compute dtype's
+    bytes; ``saving_layers`` the decoder layers whose backward is pending at once (all of
+    them, or 1 with activation checkpointing). sdpa: the bool mask once and SDPA's additive
+    copy in ``b`` saved by every such layer for its backward; padded, transformers' dense
+    [rows, 1, S, S]; packed, at most the pairs the bound allows. eager: one additive mask
+    in ``b``. flex: a BlockMask. flash: none."""
     impl = impl or "sdpa"
     if impl.startswith("flash_attention"):
         return 0
     if impl == "flex_attention":
         tiles = math.ceil((tokens if packed else width) / BLOCK)
         return (1 if packed else rows) * tiles * tiles * 16
-    dense = rows * width * width * (b if impl == "eager" else 1)
-    if packed and impl != "eager":
-        return min(dense, DENSE_MASK_BOUND_BYTES, tokens * tokens)
-    return dense
+    pairs = rows * width * width
+    if impl == "eager":
+        return pairs * b
+    if packed:
+        pairs = min(pairs, DENSE_MASK_BOUND_BYTES // SDPA_MASK_PAIR_BYTES, tokens * tokens)
+    return pairs * (1 + b * saving_layers)
 
 
 def refuse_untrainable_flex(model) -> None:
