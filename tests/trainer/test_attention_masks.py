@@ -328,3 +328,18 @@ def test_block_mask_refuses_a_segment_split_in_two_runs():
     seg = torch.tensor([[0, 0, 1, 1, 0, 0]])
     with pytest.raises(ValueError, match="contiguous"):
         masks.block_mask(seg)
+
+
+def test_flex_attention_on_a_device_torch_does_not_support_is_refused(monkeypatch):
+    """Ascend NPUs: torch's FlexAttention raises ValueError for their device type (only
+    CUDA, CPU, XPU, HPU, MPS); stood in here by that ValueError from the probe."""
+    import torch.nn.attention.flex_attention as flex
+    from portarl.trainer.config.fields import ConfigError
+
+    def unsupported(*args, **kwargs):
+        raise ValueError("FlexAttention is only supported on CUDA, CPU, HPU, or MPS devices. Found npu")
+
+    monkeypatch.setattr(flex, "flex_attention", unsupported)
+    with pytest.raises(ConfigError, match="flex_attention: .*only supported on CUDA"):
+        masks.refuse_untrainable_flex(_model(impl="flex_attention"))
+    masks.refuse_untrainable_flex(_model())  # other attention: nothing probed

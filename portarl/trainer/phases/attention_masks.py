@@ -148,28 +148,32 @@ def planned_mask_bytes(impl: str | None, packed: bool, rows: int, width: int, to
 
 def refuse_untrainable_flex(model) -> None:
     """ConfigError (one line, naming the setting) where the model's attention is
-    ``flex_attention`` and torch has no FlexAttention backward on its device (CPU in torch
-    2.13): the first update would otherwise fail inside the backward. Probed with torch's
-    own check on a 16-token tensor, so a torch that adds the backward passes."""
+    ``flex_attention`` and torch cannot train it on the model's device: no FlexAttention
+    backward on CPU in torch 2.13 (``NotImplementedError``), and no FlexAttention at all on
+    Ascend NPUs (``ValueError``: torch supports CUDA, CPU, XPU, HPU and MPS; Ascend/pytorch
+    issue 147); the first update would otherwise fail inside the model. Probed with torch's
+    own checks on a 16-token tensor on that device, so a torch that adds support passes."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     param = next(iter(model.parameters()), None)
-    if impl != "flex_attention" or param is None or param.device.type != "cpu":
+    if impl != "flex_attention" or param is None or param.device.type == "meta":
         return
     import warnings
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    q = torch.zeros(1, 1, 16, 16, requires_grad=True)
+    q = torch.zeros(1, 1, 16, 16, device=param.device, requires_grad=True)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "called without torch.compile": a probe
             flex_attention(q, q, q)
-    except NotImplementedError as e:
+    except (NotImplementedError, ValueError) as e:
         from portarl.trainer.config.fields import ConfigError
 
+        other = "flash_attention_2 or sdpa" if param.device.type == "npu" else "sdpa"
         raise ConfigError(f"model.attn_implementation=flex_attention: torch {torch.__version__} cannot train it on "
-                          f"cpu ({str(e).splitlines()[0]}); set model.attn_implementation=sdpa") from None
+                          f"{param.device.type} ({str(e).splitlines()[0]}); set model.attn_implementation={other}"
+                          ) from None
 
 
 def _visible(seg: torch.Tensor, sub: torch.Tensor | None, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
