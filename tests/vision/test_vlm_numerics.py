@@ -142,6 +142,24 @@ def test_packed_layouts_match_the_padded_one_and_1d_positions_would_not(vlm, sha
     assert float(gap) > float(tol.allowed(padded).max()), f"{name}: 1-D positions are indistinguishable here"
 
 
+def test_causal_rows_over_the_mask_bound_match_the_padded_one(vlm, monkeypatch):
+    """Over the attention-mask bound (lowered here: portarl/trainer/phases/attention_masks.py)
+    each sequence has a row of its own whose tail continues its text positions: no mask, and
+    the M-RoPE positions gathered as in any packed layout."""
+    import portarl.trainer.phases.attention_masks as masks
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    monkeypatch.setattr(masks, "DENSE_MASK_BOUND_BYTES", 0)
+    name, model, codec, examples, prompts = vlm
+    batch = _batch(codec, examples, prompts, _completions(len(examples) * GROUP))
+    packed = _packed(model, batch, share=True)
+    assert packed.packed.attention_mask is None and find_packed_sequence_indices(packed.packed.position_ids) is None
+    with torch.no_grad():
+        padded = completion_logprobs(model, batch, temperature=1.0)
+        assert_close(completion_logprobs(model, packed, temperature=1.0), padded, fp32_result(_scale(model, batch)),
+                     what=f"{name}: causal rows vs padded")
+
+
 def test_bf16_packed_matches_padded_within_two_roundings(images):
     model, processor = build_tiny_vlm("tiny-qwen2.5-vl", seed=1)
     model = model.to(torch.bfloat16).eval()

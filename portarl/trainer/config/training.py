@@ -64,15 +64,18 @@ class TrainSection:
     #: sequences back to back without pad tokens, position ids restarting per sequence,
     #: through transformers' packed-sequence path (a block-diagonal mask for sdpa / eager /
     #: flex attention, the varlen kernel for flash_attention_2/3/4: flash-attn on CUDA,
-    #: npu_fusion_attention TND on Ascend); the token budget then counts real tokens.
+    #: npu_fusion_attention TND on Ascend); the token budget then counts real tokens. No
+    #: micro-batch holds an attention mask over 64 MiB (:mod:`portarl.trainer.phases.attention_masks`:
+    #: flex gets a block mask, sdpa rows over it one sequence each without a mask).
     #: "auto": on where the model's attention supports it, else padded (logged once);
     #: true: refuse a model without support; false: the padded layout.
     padding_free: str | bool = "auto"
     #: Shared-prompt rows (:mod:`portarl.trainer.phases.share_prompt`): on padding-free rows,
     #: the samples of a group hold their prompt once (each completion attends to it and to
-    #: itself under an explicit 4-D mask), where that computes less than one row per sample.
-    #: "auto": on with sdpa / eager attention on padding-free rows, else off; true: refuse
-    #: anything else (flash / flex attention, padding_free off); false: every sample whole.
+    #: itself under an explicit 4-D mask, a block mask for flex), where that computes less
+    #: than one row per sample and its dense mask stays within 64 MiB.
+    #: "auto": on with sdpa / eager / flex attention on padding-free rows, else off; true:
+    #: refuse anything else (flash attention, padding_free off); false: every sample whole.
     share_prompt: str | bool = "auto"
 
     def validate(self):

@@ -40,6 +40,11 @@ Update phase, added to the static part:
   the gradients arriving at and leaving the layer (2 H) and those of the product, gate and
   up projections (3 I), beside the decoder's own tensors (embedding output, final norm, the
   completion hidden states and their gradient: 4 H): (6 H + 3 I) b m.
+- attention masks of the largest micro-batch: sdpa's bool mask [rows, 1, S, S] (padded:
+  transformers' dense mask; padding-free: at most the pairs ``DENSE_MASK_BOUND_BYTES``
+  allows) plus the additive copy in b that SDPA makes per call and each layer keeps for its
+  backward (L layers, 1 with checkpointing); eager one additive mask in b; flex a block
+  mask; flash none (:func:`portarl.trainer.phases.attention_masks.planned_mask_bytes`).
 - log-prob chunk buffers: :func:`portarl.ops.linear_logprobs` scores the completion rows in
   chunks of at most ``chunk_elements`` logits (fp32; logits, softmax and gradient: 3 of
   them; 4 MiB per buffer on CPU, 64 MiB on accelerators).
@@ -161,6 +166,7 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     the data set's size (counted on CPU only, where host memory is the device's).
     ``images``: a vision-language model's data (:mod:`portarl.trainer.memory.vision`)."""
     from portarl.trainer.memory.checkpointing import wants_checkpointing
+    from portarl.trainer.phases.attention_masks import planned_mask_bytes
 
     b = _BYTES[cfg.precision.dtype]
     w = max(1, devices)
@@ -224,11 +230,14 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     parts["backward working set"] = (6 * arch.hidden + 3 * arch.intermediate) * b * m
     chunk = ACCEL_CHUNK_BYTES if accelerator else CPU_CHUNK_BYTES
     parts["log-prob chunk buffers"] = 3 * min(chunk, m * arch.vocab * 4)
+    parts["attention mask"] = planned_mask_bytes(cfg.model.attn_implementation, packed, rows, s, m, b,
+                                                 1 if ckpt else l)
     beside("pixel buffers (micro-batch)")
     replay = {} if arch.moe is None else moe_parts(arch.moe, cfg, samples=sequences, rows=per_device, width=s,
                                                    accelerator=accelerator)
     parts.update(replay)
     update = grads + sum(parts.get(k, 0) for k in ("saved activations", "backward working set", "log-prob chunk buffers",
+                                                   "attention mask",
                                                    "vision tower activations", "pixel buffers (micro-batch)", *replay))
     # Optimizer step: gradients, the state it creates on the first step, the guard's
     # snapshot of what it writes, foreach temporaries (one per parameter: sqrt of v).

@@ -37,11 +37,13 @@ one per micro-batch. ``max_tokens_per_micro_batch=None`` keeps the fixed
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
 
 from portarl.runtime import distributed as pdist
+from portarl.trainer.phases.attention_masks import causal_rows
 from portarl.trainer.phases.pack_rows import first_fit
 from portarl.trainer.phases.packing import pack_micro_batch
 from portarl.trainer.phases.sequences import TokenBatch
@@ -57,8 +59,9 @@ class _Tokens:
     that length: real tokens plus the rows' unused tails, an upper bound of what
     :func:`portarl.trainer.phases.pack_rows.choose_rows` computes."""
 
-    def __init__(self, layout: str | None):
+    def __init__(self, layout: str | None, causal=None):
         self.layout = layout
+        self.causal = causal  # (rows, width) -> whether those rows become causal rows (one sequence each)
         self.width_p = self.width_c = self.total = self.capacity = 0
         self.room: list[int] = []
         self.rows = 0
@@ -69,7 +72,10 @@ class _Tokens:
             return self.total + p + c
         if self.layout == "rows":
             capacity = self.capacity or p + c
-            return capacity * (len(self.room) + (first_fit(self.room, p + c) is None))
+            rows = len(self.room) + (first_fit(self.room, p + c) is None)
+            if self.causal is not None and self.causal(rows, capacity):
+                return (self.rows + 1) * capacity  # one sequence per row (attention_masks.causal_rows)
+            return capacity * rows
         return (self.rows + 1) * (max(self.width_p, p) + max(self.width_c, max(1, c)))
 
     def add(self, p: int, c: int) -> None:
@@ -87,11 +93,12 @@ class _Tokens:
 
 
 def pack(prompt_lens: list[int], completion_lens: list[int], max_rows: int, max_tokens: int, *,
-         layout: str | None = None) -> list[list[int]]:
+         layout: str | None = None, causal=None) -> list[list[int]]:
     """Row indices of each micro-batch: rows sorted by total length, longest first, taken
     greedily while the tokens the micro-batch's forward computes stay <= ``max_tokens``
     (``layout``: None padded, ``"rows"`` / ``"varlen"`` padding-free; :class:`_Tokens`)
-    and its rows <= ``max_rows``. A row alone over the budget is a micro-batch of its own.
+    and its rows <= ``max_rows`` (``causal``: the rows layout's fallback to one sequence per
+    row, :func:`portarl.trainer.phases.attention_masks.causal_rows`). A row alone over the budget is a micro-batch of its own.
     Each micro-batch's indices are in ascending order (the batch's own order within it)."""
     n = len(prompt_lens)
     if layout is not None and n <= max_rows and n * max(map(sum, zip(prompt_lens, completion_lens)), default=0) \
@@ -100,12 +107,12 @@ def pack(prompt_lens: list[int], completion_lens: list[int], max_rows: int, max_
     order = sorted(range(n), key=lambda i: (-(prompt_lens[i] + completion_lens[i]), i))
     parts: list[list[int]] = []
     current: list[int] = []
-    tokens = _Tokens(layout)
+    tokens = _Tokens(layout, causal)
     for i in order:
         p, c = prompt_lens[i], completion_lens[i]
         if current and (len(current) + 1 > max_rows or tokens.with_row(p, c) > max_tokens):
             parts.append(sorted(current))
-            current, tokens = [], _Tokens(layout)
+            current, tokens = [], _Tokens(layout, causal)
         current.append(i)
         tokens.add(p, c)
     if current:
@@ -159,7 +166,8 @@ def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice
         parts = [list(range(i, min(n, i + cfg.micro_batch_size))) for i in range(0, n, cfg.micro_batch_size)]
     else:
         parts = pack(prompt_lens, completion_lens, cfg.micro_batch_size, budget,
-                     layout=None if packing is None else packing.kind)
+                     layout=None if packing is None else packing.kind,
+                     causal=None if packing is None else functools.partial(causal_rows, layout=packing))
         _warn_over_budget(trainer, budget, prompt_lens, completion_lens)
         dist = trainer.dist
         if dist.enabled:

@@ -10,10 +10,14 @@ tails; shorter rows attend less. :func:`choose_rows` packs first-fit decreasing 
 capacities the longest sequence, 2x, 4x, ... up to one row, and keeps the cheapest layout
 that computes no more tokens than rows of the longest sequence would (what the token
 budget counts: :class:`portarl.trainer.phases.micro_batches._Tokens`), so a micro-batch never
-outgrows its budget.
+outgrows its budget, and whose attention mask stays within the bound
+(:data:`portarl.trainer.phases.attention_masks.DENSE_MASK_BOUND_BYTES`; rows of the longest
+sequence over it become mask-free causal rows: :func:`portarl.trainer.phases.attention_masks.causal_rows`).
 """
 
 from __future__ import annotations
+
+from portarl.trainer.phases.attention_masks import fits
 
 
 def first_fit_rows(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -67,7 +71,7 @@ def choose_rows(lengths: list[int], layout) -> list[list[int]]:
         rows = first_fit_rows(lengths, capacity)
         width = max(sum(lengths[i] for i in row) for row in rows)
         cost = row_cost(len(rows), width, layout)
-        if len(rows) * width <= limit and cost < best_cost:
+        if len(rows) * width <= limit and cost < best_cost and fits(len(rows), width, layout):
             best, best_cost = rows, cost
         if len(rows) == 1:
             break

@@ -22,7 +22,12 @@ How transformers (5.x) runs a packed sequence, and what portarl hands it:
   into rows (first-fit decreasing) whose length :func:`portarl.trainer.phases.pack_rows.choose_rows`
   picks from the model's own per-token costs (linear maps against attention), never
   computing more tokens than rows as long as the longest sequence would. A row's unused
-  tail is its own segment (positions 0, 1, ...) that nothing attends to.
+  tail is its own segment (positions 0, 1, ...) that nothing attends to. No mask over
+  :data:`portarl.trainer.phases.attention_masks.DENSE_MASK_BOUND_BYTES` is built
+  (:mod:`portarl.trainer.phases.attention_masks`): ``flex_attention`` gets a BlockMask
+  portarl builds from the same segments; ``sdpa`` rows over the bound become "causal rows"
+  (one sequence per row, the tail continuing its positions: transformers then finds no
+  packed sequence and builds no mask, ``is_causal``).
 - varlen attention (``flash_attention_2/3/4``): one row for the whole micro-batch, with
   ``cu_seq_lens_q/k`` and ``max_length_q/k`` (transformers' ``FlashAttentionKwargs``, as its
   ``DataCollatorWithFlattening`` passes them), so ``_flash_attention_forward`` calls
@@ -35,8 +40,8 @@ How transformers (5.x) runs a packed sequence, and what portarl hands it:
 
 Shared-prompt rows (``train.share_prompt``, :mod:`portarl.trainer.phases.share_prompt`): on
 the "rows" layout, a group's samples hold their prompt once, under an explicit 4-D mask
-(``Packed.attention_mask``, which transformers uses as is) instead of the mask derived from
-the position ids.
+(``Packed.attention_mask``, which transformers uses as is: dense, or flex's BlockMask)
+instead of the mask derived from the position ids.
 
 Any other attention implementation (a custom registered one, ``paged|...``) or a model
 whose modeling code does not build its masks through ``masking_utils.create_causal_mask``
@@ -60,6 +65,7 @@ import logging
 
 import torch
 
+from portarl.trainer.phases import attention_masks as masks
 from portarl.trainer.phases.pack_rows import choose_rows
 from portarl.trainer.phases.share_prompt import pack_shared, resolve_share_prompt
 
@@ -87,7 +93,8 @@ class Packed:
     where: torch.Tensor
     cu_seq_lens: torch.Tensor | None = None
     max_length: int | None = None
-    attention_mask: torch.Tensor | None = None  # [rows, 1, W, W]: shared-prompt rows (share_prompt.py)
+    #: [rows, 1, W, W]: shared-prompt rows (share_prompt.py), or flex's BlockMask (attention_masks.py)
+    attention_mask: object = None
     #: [rows x width]: each packed token's flat index in the padded micro-batch (what
     #: :mod:`portarl.vision.inputs` gathers a vision prompt's M-RoPE positions by)
     source: torch.Tensor | None = None
@@ -120,7 +127,9 @@ class Layout:
     chosen; ``longest_only``: rows no longer than the longest sequence (eager attention
     keeps each row's [heads, width, width] weights for the backward); ``share_prompt``:
     rows hold a group's prompt once (:mod:`portarl.trainer.phases.share_prompt`) under a
-    4-D mask, boolean (``mask_dtype`` None) or additive in ``mask_dtype``."""
+    4-D mask, boolean (``mask_dtype`` None) or additive in ``mask_dtype``; ``impl``: the
+    model's attention implementation, which decides the mask a row gets and its bound
+    (:mod:`portarl.trainer.phases.attention_masks`)."""
 
     kind: str
     linear: int = 1
@@ -128,6 +137,7 @@ class Layout:
     longest_only: bool = False
     share_prompt: bool = False
     mask_dtype: torch.dtype | None = None
+    impl: str | None = None
 
 
 def layout_of(config, kind: str) -> Layout:
@@ -136,13 +146,13 @@ def layout_of(config, kind: str) -> Layout:
     h = int(getattr(config, "hidden_size", 0) or 0)
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
     if not h or not heads:
-        return Layout(kind)
+        return Layout(kind, impl=getattr(config, "_attn_implementation", None))
     d = int(getattr(config, "head_dim", None) or h // heads)
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
     mlp = int(getattr(config, "intermediate_size", None) or 4 * h)
     linear = h * (heads * d + 2 * kv * d) + heads * d * h + 3 * h * mlp
-    eager = getattr(config, "_attn_implementation", None) == "eager"
-    return Layout(kind, linear=linear, attention=2 * heads * d, longest_only=eager)
+    impl = getattr(config, "_attn_implementation", None)
+    return Layout(kind, linear=linear, attention=2 * heads * d, longest_only=impl == "eager", impl=impl)
 
 
 def _hf_base(model):
@@ -186,7 +196,10 @@ def packing_support(model) -> tuple[str | None, str]:
 def resolve_padding_free(cfg, model) -> Layout | None:
     """The :class:`Layout` the trainer packs with (:func:`packing_support`), or None for
     the padded layout: ``train.padding_free`` false -> None; auto -> the model's layout, or
-    None with one log line saying why; true -> the layout, or ConfigError naming the setting."""
+    None with one log line saying why; true -> the layout, or ConfigError naming the setting.
+    A flex-attention model on a device without FlexAttention's backward is refused first
+    (:func:`portarl.trainer.phases.attention_masks.refuse_untrainable_flex`)."""
+    masks.refuse_untrainable_flex(_hf_base(model))
     value = cfg.train.padding_free
     if value is False:
         return resolve_share_prompt(cfg, model, None)  # share_prompt=true without packing: refused
@@ -229,11 +242,26 @@ def pack_micro_batch(part, prompt_lens: list[int], completion_lens: list[int], l
         if shared is not None:
             ids, positions, scored, where, mask, source, real = shared
             return Packed(ids, positions, scored, where, attention_mask=mask, source=source, row_tokens=real)
+    causal = masks.causal_rows(len(groups), row_width, layout)
+    if causal:  # one sequence per row, no mask (attention_masks module docstring)
+        masks.log_once("causal-rows", "padding-free rows: %d rows of %d tokens would hold a %.0f MiB attention mask "
+                       "(over the %d MiB bound): one sequence per row, causal attention without a mask",
+                       len(groups), row_width, masks.mask_bytes(len(groups), row_width, layout) / 2**20,
+                       masks.DENSE_MASK_BOUND_BYTES >> 20)
+        groups = [[i] for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))]
+        row_width = max(lengths)
+    elif layout.kind == "rows" and not masks.fits(len(groups), row_width, layout):
+        masks.log_once("eager-over-bound", "padding-free rows: eager attention holds [rows, heads, W, W] weights and a "
+                       "dense mask (%.0f MiB here, over the %d MiB bound) in every layout; set "
+                       "model.attn_implementation=sdpa", masks.mask_bytes(len(groups), row_width, layout) / 2**20,
+                       masks.DENSE_MASK_BOUND_BYTES >> 20)
+    block = layout.kind == "rows" and not causal and masks.mask_kind(layout) == "block"
     src: list[int] = []
     pos: list[int] = []
     scored: list[int] = []
     where: list[int] = []
     real: list[int] = []
+    seg: list[int] = []  # flex: each token's segment (sequence or tail) for the BlockMask
     for r, group in enumerate(groups):
         offset = r * row_width
         for i in group:
@@ -243,17 +271,26 @@ def pack_micro_batch(part, prompt_lens: list[int], completion_lens: list[int], l
             pos.extend(range(n))
             scored.extend(range(offset + p - 1, offset + n - 1))
             where.extend(range(i * t, i * t + n - p))
+            if block:
+                seg.extend([i] * n)
             offset += n
         real.append(offset - r * row_width)
         tail = (r + 1) * row_width - offset  # the row's unused tail: a segment of its own
         src.extend([0] * tail)
-        pos.extend(range(tail))
+        # Causal rows: the tail continues its sequence's positions (no packed sequence for
+        # transformers to find); else it restarts (a segment of its own).
+        pos.extend(range(real[-1], real[-1] + tail) if causal else range(tail))
+        if block:
+            seg.extend([len(lengths)] * tail)
     device = part.input_ids.device
     # One host tensor, one copy to the device, four views of it.
     host = torch.tensor(src + pos + scored + where, dtype=torch.long).to(device, non_blocking=True)
     src_t, pos_t, scored_t, where_t = host.split([len(src), len(pos), len(scored), len(where)])
     ids = part.input_ids.reshape(-1)[src_t].view(len(groups), row_width)
     packed = Packed(ids, pos_t.view(len(groups), row_width), scored_t, where_t, source=src_t, row_tokens=real)
+    if block:
+        packed.attention_mask = masks.block_mask(torch.tensor(seg, dtype=torch.long).view(len(groups), row_width)
+                                                 .to(device, non_blocking=True))
     if layout.kind == "varlen":
         cu = [0]
         for i in groups[0]:

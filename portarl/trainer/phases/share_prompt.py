@@ -24,11 +24,14 @@ pair of a row) is lower than its sequences' own; and the micro-batch's shared la
 used only where it computes no more tokens and costs no more than the unshared packing
 (so the token budget, counted for unshared rows, still bounds it).
 
-Supported: mask-based attention that takes a custom 4-D mask as is (transformers'
+Supported: attention that takes a custom 4-D mask as is (transformers'
 ``_preprocess_mask_arguments`` returns a 4-D mask unchanged): ``sdpa`` (a boolean mask,
-True = attend) and ``eager`` (an additive mask in the model's dtype, as transformers'
-``eager_mask`` builds it). Not flash attention (varlen kernels take spans, not masks) nor
-``flex_attention`` (a BlockMask).
+True = attend), ``eager`` (an additive mask in the model's dtype, as transformers'
+``eager_mask`` builds it) and ``flex_attention`` (a BlockMask from the same unit and part
+ids, :func:`portarl.trainer.phases.attention_masks.block_mask`: no dense mask). Not flash
+attention (varlen kernels take spans, not masks). A dense mask over
+:data:`portarl.trainer.phases.attention_masks.DENSE_MASK_BOUND_BYTES` is never built: such
+a micro-batch is not shared (logged once) and packs as unshared rows.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ import logging
 
 import torch
 
+from portarl.trainer.phases import attention_masks as masks
 from portarl.trainer.phases.pack_rows import choose_rows, row_cost
 
 log = logging.getLogger("portarl.train")
 
-#: Attention implementations that take a custom 4-D mask unchanged.
-SHARE_ATTENTION = ("sdpa", "eager")
+#: Attention implementations that take a custom 4-D mask (flex: a BlockMask) unchanged.
+SHARE_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
 def resolve_share_prompt(cfg, model, layout):
@@ -126,6 +130,11 @@ def pack_shared(part, prompt_lens: list[int], completion_lens: list[int], keys: 
     if len(rows) * row_width > bound[0] * bound[1] or \
             row_cost(len(rows), row_width, layout) > row_cost(bound[0], bound[1], layout):
         return None
+    if not masks.fits(len(rows), row_width, layout):
+        masks.log_once("share-over-bound", "shared-prompt rows: not shared where the mask of %d rows of %d tokens "
+                       "(%.0f MiB) is over the %d MiB bound; such micro-batches pack unshared", len(rows), row_width,
+                       masks.mask_bytes(len(rows), row_width, layout) / 2**20, masks.DENSE_MASK_BOUND_BYTES >> 20)
+        return None
     width, t, pw = part.input_ids.shape[1], part.labels.shape[1], part.prompt_width
     src: list[int] = []
     pos: list[int] = []
@@ -175,7 +184,10 @@ def pack_shared(part, prompt_lens: list[int], completion_lens: list[int], keys: 
     src_t, pos_t, seg_t, sub_t, scored_t, where_t = host.split([n, n, n, n, len(scored), len(where)])
     shape = (len(rows), row_width)
     ids = part.input_ids.reshape(-1)[src_t].view(shape)
-    mask = shared_mask(seg_t.view(shape), sub_t.view(shape), layout.mask_dtype)
+    if masks.mask_kind(layout) == "block":
+        mask = masks.block_mask(seg_t.view(shape), sub_t.view(shape))
+    else:
+        mask = shared_mask(seg_t.view(shape), sub_t.view(shape), layout.mask_dtype)
     return ids, pos_t.view(shape), scored_t, where_t, mask, src_t, real
 
 
