@@ -64,6 +64,8 @@ from portarl.trainer.run.write_failure import writing
 from portarl.trainer.phases.evaluation import Evaluator
 from portarl.trainer.phases.reference import maybe_sync_reference, refuse_reference_sync
 from portarl.trainer.phases.scoring import score
+from portarl.trainer.phases.ulysses import install_attention, sequence_parallel_refusal
+from portarl.runtime.sequence_parallel import make_group as make_sp_group
 from portarl.trainer.phases.sft import demonstrations, warm_up
 from portarl.trainer.guards.step_guard import (
     StepGuard,
@@ -110,6 +112,15 @@ class GRPOTrainer:
                               "a different number of groups); use loss.drop_zero_std_groups there")
         if (why := refuse_reference_sync(self.config, model, self.dist.enabled)) is not None:
             raise ConfigError(why)
+        if (why := sequence_parallel_refusal(self.config, model, self.dist.world_size)) is not None:
+            raise ConfigError(why)
+        # train.sequence_parallel_size: this rank's Ulysses group (trainer/phases/ulysses.py), or None
+        self.sp = make_sp_group(self.dist, self.config.train.sequence_parallel_size)
+        if self.sp is not None:
+            install_attention()
+            if self.dist.is_main:
+                log.info("sequence parallelism (Ulysses): %d data-parallel groups of %d ranks, each row cut in %d",
+                         self.sp.dp_size, self.sp.size, self.sp.size)
         self.model, self._initial_reference = place_model(model, self.config, self.dist, self.device)
         if (why := router_aux_refusal(self.config, self.model)) is not None:
             raise ConfigError(why)
@@ -330,12 +341,13 @@ class GRPOTrainer:
                 metrics["rollout/routing_agreement"] = agree / counted
         metrics["time/step_s"] = time.perf_counter() - started
         metrics["time/step_cpu_s"] = time.process_time() - cpu_started  # this process's threads (bench async)
+        groups = self.dist.world_size // (self.sp.size if self.sp is not None else 1)  # data-parallel groups
         if self.dist.enabled:
             for key in [k for k in metrics if k == "loss" or k.endswith("/loss")]:
-                metrics[key] = metrics[key] * self.dist.world_size  # shares: the mean of world x share is the sum
+                metrics[key] = metrics[key] * groups  # shares: the mean of groups x share is the sum
             metrics = pdist.mean_metrics(self.dist, metrics)
         if not skipped:  # after the rank mean: every rank moves its coefficient by the same global KL
-            self.kl_ctl.update(metrics["kl"], len(phase.rollout.completion_ids) * self.dist.world_size)
+            self.kl_ctl.update(metrics["kl"], len(phase.rollout.completion_ids) * groups)
             maybe_sync_reference(self, step, metrics)
         metrics["kl/coef"] = self.kl_ctl.value
         metrics["_events"] = events

@@ -25,7 +25,12 @@ log = logging.getLogger("portarl.train")
 
 
 def check_distributed_config(cfg: TrainConfig, world: int) -> None:
-    if cfg.train.prompts_per_step % world:
+    sp = cfg.train.sequence_parallel_size
+    if sp > 1 and cfg.train.prompts_per_step % (world // sp):
+        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the "
+                          f"{world // sp} data-parallel groups ({world} ranks / train.sequence_parallel_size={sp}: "
+                          "each group rolls out whole groups)")
+    if sp == 1 and cfg.train.prompts_per_step % world:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the "
                           f"{world} ranks (each rank rolls out whole groups)")
     if cfg.train.sft_warmup_steps and cfg.train.sft_batch_size % world:

@@ -145,6 +145,9 @@ def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice
     cfg = trainer.config.train
     n = batch.labels.shape[0]
     budget = getattr(cfg, "max_tokens_per_micro_batch", None)
+    sp = getattr(trainer, "sp", None)
+    if budget is not None and sp is not None:  # the budget is per rank: each rank computes 1 / SP of a row
+        budget *= sp.size
     packing = getattr(trainer, "padding_free", None)  # a packing.Layout, or None: padded (GRPOTrainer.__init__)
     if budget is None and packing is None:
         return [(slice(i, i + cfg.micro_batch_size), batch.rows(slice(i, i + cfg.micro_batch_size)))
