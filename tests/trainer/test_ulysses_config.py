@@ -96,6 +96,8 @@ def test_row_mask_is_causal_within_sequences_over_real_keys():
     want = torch.ones(6, 6).tril().bool() & (seg[:, None] == seg[None, :])
     assert torch.equal(mask, want)
     assert row_mask(torch.arange(5)[None], None, None) is None  # one sequence, no padding: plain causal
+    assert row_mask(torch.tensor([[0, 1, 2, 0]]), None, None, real_width=3) is None  # SP's padding trails
+    assert row_mask(torch.tensor([[0, 1, 0, 1]]), None, None, real_width=3) is not None
     left_padded = torch.tensor([[0, 0, 0, 1, 2]])
     valid = torch.tensor([[False, False, True, True, True]])
     mask = row_mask(left_padded, valid, None)[0, 0]
@@ -114,3 +116,28 @@ def test_the_token_budget_is_per_rank():
     assert len(micro_batches(trainer, batch)) == 2  # 5 tokens a row: 2 rows per 10
     trainer.sp = types.SimpleNamespace(size=2)
     assert len(micro_batches(trainer, batch)) == 1  # each rank computes half of every row: 4 rows per 2 x 10
+
+
+def test_plan_shows_the_per_rank_peak_falling_with_the_sequence_parallel_size():
+    from portarl.trainer.memory.arch import arch_of
+    from portarl.trainer.memory.plan import estimate, render
+
+    # One 8k-token sequence per micro-batch (micro_batch_size=1): what a rank holds falls with SP.
+    # (Bound by the budget instead, a group's micro-batch takes SP x the rows: the same tokens per rank.)
+    sets = ["rollout.max_new_tokens=8192", "train.prompts_per_step=4", "rollout.group_size=2",
+            "train.micro_batch_size=1", "train.gradient_checkpointing=false"]
+    plans = {}
+    for size in (1, 2, 4):
+        cfg = TrainConfig.load(None, [*sets, f"train.sequence_parallel_size={size}"])
+        plans[size] = estimate(cfg, arch_of(cfg.model), prompt_tokens=8, devices=4)
+    for size in (2, 4):  # the same rows per group: activations per rank / SP, one mask of the group's rows
+        assert plans[size].micro_batch_tokens == -(-plans[1].micro_batch_tokens // size)
+        budget_bound = estimate(TrainConfig.load(None, [*sets, "train.micro_batch_size=64",
+                                                        "train.max_tokens_per_micro_batch=8200",
+                                                        f"train.sequence_parallel_size={size}"]),
+                                arch_of(cfg.model), prompt_tokens=8, devices=4)
+        assert budget_bound.micro_batch_tokens == 8200
+        assert plans[size].parts["saved activations"] < plans[1].parts["saved activations"] / (size - 0.5)
+        assert plans[size].parts["attention mask (sequence parallel)"] == 0  # one sequence: plain causal
+    assert plans[4].peak < plans[2].peak < plans[1].peak
+    assert "sequence parallel 2 (Ulysses)" in render(plans[2], TrainConfig.load(None, sets))

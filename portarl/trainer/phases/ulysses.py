@@ -164,13 +164,16 @@ class _RowAttention:
         return out.transpose(1, 2).contiguous(), None
 
 
-def row_mask(positions: torch.Tensor, valid: torch.Tensor | None, explicit: torch.Tensor | None) -> torch.Tensor | None:
+def row_mask(positions: torch.Tensor, valid: torch.Tensor | None, explicit: torch.Tensor | None,
+             real_width: int | None = None) -> torch.Tensor | None:
     """bool [rows, 1, W, W] (True = attend) of whole rows with ``positions`` [rows, W]:
     causal, within each sequence (a position that does not follow its left neighbour by 1
     starts one), keys with ``valid`` [rows, W] only; ``explicit`` [rows, 1, w, w] (a
     shared-prompt row's own mask, bool or additive) replaces that for its first w columns.
     Every query attends at least to itself (a padding query, whose output nothing reads,
-    then stays finite). None when every row is one sequence without padding: plain causal."""
+    then stays finite). None when every row's first ``real_width`` columns (default all)
+    are one sequence without padding: plain causal, since the columns after them (the
+    padding to a multiple of SP) are keys to no earlier query and scored by nothing."""
     rows, width = positions.shape
     eye = torch.eye(width, dtype=torch.bool, device=positions.device)
     if explicit is not None:
@@ -180,7 +183,8 @@ def row_mask(positions: torch.Tensor, valid: torch.Tensor | None, explicit: torc
         return out | eye
     starts = torch.ones_like(positions, dtype=torch.bool)
     starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    if not bool(starts[:, 1:].any()) and (valid is None or bool(valid.all())):
+    real = width if real_width is None else real_width
+    if not bool(starts[:, 1:real].any()) and (valid is None or bool(valid[:, :real].all())):
         return None
     seg = starts.cumsum(-1)
     keep = torch.ones(width, width, dtype=torch.bool, device=positions.device).tril() & (seg[:, :, None] == seg[:, None, :])
@@ -248,7 +252,7 @@ def sp_completion_logprobs(model, batch, sp: SPGroup, *, temperature: float, log
         ids, labels = _pad(ids, extra, 0), _pad(labels, extra, -100)
         valid = None if valid is None else _pad(valid, extra, False)
     shard = padded_width // sp.size
-    attention = _RowAttention(sp, shard, row_mask(positions, valid, explicit))
+    attention = _RowAttention(sp, shard, row_mask(positions, valid, explicit, width))
     cut = slice(sp.rank * shard, (sp.rank + 1) * shard)
     config = _config(model)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
