@@ -11,11 +11,12 @@ The collectives here are autograd functions:
 
 - :func:`all_to_all`: scatter one dimension, gather another; its backward is the reverse
   all-to-all (the exact adjoint of the forward's permutation of data).
-- :func:`gather_sequence`: every rank's shard concatenated along the sequence. Its backward
-  returns this rank's own slice of the incoming gradient, not a sum over ranks: every rank
-  of the group computes the same loss from the same gathered values, so the group's
-  combined backward seeds each shard's gradient exactly once (rank r seeds shard r), and
-  the sum of the group's parameter gradients is the gradient of that loss.
+- :func:`sum_over_group`: the sum over the group of tensors in which each rank fills its
+  own entries (the log-probs of the tokens its shard scores) and zeros elsewhere. Its
+  backward passes the gradient through, not summed over ranks: every rank of the group
+  computes the same loss from the same summed values, so the group's combined backward
+  seeds each entry's gradient exactly once (on the rank that computed it), and the sum of
+  the group's parameter gradients is the gradient of that loss.
 
 Device tensors go over the group's device backend (NCCL / HCCL; Gloo on the CPU), the
 rollout broadcast (:func:`broadcast_rows`) over its Gloo side.
@@ -95,25 +96,24 @@ def all_to_all(x: torch.Tensor, sp: SPGroup, scatter_dim: int, gather_dim: int) 
     return _AllToAll.apply(x, sp, scatter_dim, gather_dim)
 
 
-class _GatherSequence(torch.autograd.Function):
+class _SumOverGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, sp, dim):
-        ctx.sp, ctx.dim = sp, dim
-        local = x.contiguous()
-        parts = [torch.empty_like(local) for _ in range(sp.size)]
-        dist.all_gather(parts, local, group=sp.group)
-        return torch.cat(parts, dim=dim)
+    def forward(ctx, x, sp):
+        out = x.clone()
+        dist.all_reduce(out, group=sp.group)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.chunk(ctx.sp.size, dim=ctx.dim)[ctx.sp.rank].contiguous(), None, None
+        return grad, None
 
 
-def gather_sequence(x: torch.Tensor, sp: SPGroup, dim: int = 1) -> torch.Tensor:
-    """Every rank's ``x`` (equal shapes) concatenated along ``dim`` in rank order;
-    differentiable, the backward taking this rank's slice (module docstring: the loss
-    computed from the result must be the same on every rank of the group)."""
-    return _GatherSequence.apply(x, sp, dim)
+def sum_over_group(x: torch.Tensor, sp: SPGroup) -> torch.Tensor:
+    """``x`` summed over the group's ranks; differentiable, the backward passing the
+    incoming gradient through unchanged (module docstring: the loss computed from the result
+    must be the same on every rank of the group, and each rank fills its own entries of
+    ``x``, zeros elsewhere)."""
+    return _SumOverGroup.apply(x, sp)
 
 
 def broadcast_rows(sp: SPGroup, value):
@@ -128,4 +128,4 @@ def broadcast_rows(sp: SPGroup, value):
     return value if first else json.loads(bytes(buf.numpy()).decode())
 
 
-__all__ = ["SPGroup", "all_to_all", "broadcast_rows", "gather_sequence", "make_group"]
+__all__ = ["SPGroup", "all_to_all", "broadcast_rows", "make_group", "sum_over_group"]

@@ -9,8 +9,8 @@ the whole sequence in one process.
   divide; also through FSDP2 (the trainer's path); and attention that bypasses the
   all-to-all raises. The worker's checks fail when the gather's backward seeds the wrong
   shard (max |d grad| 4.4) or the labels are shifted after the cut (tried by hand).
-- The trainer: a 2-step GRPO run on 2 ranks at SP 2 (padding-free rows, activation
-  checkpointing, old log-probs recomputed, a KL reference: scoring and the update both go
+- The trainer: a 2-step GRPO run on 2 ranks at SP 2 (padding-free shared-prompt rows,
+  activation checkpointing, old log-probs recomputed, a KL reference: scoring and the update both go
   through the shards) equals the 1-process run: the same rollouts, metrics within the
   fp32 reduction-order tolerances of test_fsdp_gloo.py, parameters after 2 steps likewise;
   and the same step in the strict HCCL stand-in's process group.
@@ -33,8 +33,11 @@ from test_fsdp_gloo import assert_params_close  # noqa: E402
 
 HERE = Path(__file__).parent
 WORKER = HERE / "ulysses_worker.py"
-#: Both runs decode through the Hugging Face forward and keep samples whole (test_fsdp_gloo.py says why).
-SAME = ("rollout.lean_decode=false", "train.share_prompt=false")
+#: Both runs decode through the Hugging Face forward (test_fsdp_gloo.py says why). Shared-prompt
+#: rows stay on (the default): at SP 2 on 2 ranks the one data-parallel group holds every group, so
+#: the rows are composed as in one process (a group's first completion tokens all scored from one
+#: position: the case a per-position label layout got wrong, grad norm 0.616 against 0.758).
+SAME = ("rollout.lean_decode=false",)
 SP = ("train.sequence_parallel_size=2", "train.gradient_checkpointing=true", "train.old_logprobs=recompute")
 
 
@@ -47,14 +50,14 @@ def _worker(ranks: int, sizes: str, dtypes: str) -> str:
 
 def test_two_ranks_sp2_equal_the_whole_sequence_fp32_and_bf16():
     out = _worker(2, "2", "float32,bfloat16")
-    assert out.count("ok torch.") == 2 * 2 * 2, out  # 2 dtypes x padded / packed x boundary / odd widths
+    assert out.count("ok torch.") == 2 * 3 * 2, out  # 2 dtypes x padded / packed / shared x boundary / odd widths
     assert "ok fsdp2 SP 2" in out and "ok refused unwrapped attention" in out, out
 
 
 def test_four_ranks_sp2_and_sp4_equal_the_whole_sequence():
     out = _worker(4, "2,4", "float32")
     for size in (2, 4):
-        assert out.count(f"SP {size} of 4") == 4, out  # padded / packed x boundary / odd widths
+        assert out.count(f"SP {size} of 4") == 6, out  # padded / packed / shared x boundary / odd widths
     assert "ok fsdp2 SP 4" in out and "ok refused unwrapped attention" in out, out
 
 

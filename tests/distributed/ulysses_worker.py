@@ -15,8 +15,9 @@ backpropagated:
   the reference's.
 
 Layouts: padded rows (left-padded prompts), padding-free rows where one sequence ends
-exactly on a shard boundary, and rows whose length SP does not divide (padded to a
-multiple). Tolerances from :mod:`portarl.parity.tolerances` (fp32, and bf16 for a bf16
+exactly on a shard boundary, rows whose length SP does not divide (padded to a multiple),
+and shared-prompt rows (one prompt, several completions, whose first tokens are all scored
+from the prompt's last position). Tolerances from :mod:`portarl.parity.tolerances` (fp32, and bf16 for a bf16
 model). Then the negative check: a model whose attention does not go through the wrapper
 (eager) must raise, not silently score the shards alone. Prints one ``ok`` line per case.
 """
@@ -53,14 +54,21 @@ def _model(dtype):
     return model.to(dtype)
 
 
-def _batch(name: str, packed: bool):
+def _batch(name: str, layout: str):
     gen = torch.Generator().manual_seed(len(name))
     prompts_len, completions_len = SHAPES[name]
     prompts = [torch.randint(3, 40, (p,), generator=gen).tolist() for p in prompts_len]
     completions = [torch.randint(3, 40, (c,), generator=gen).tolist() for c in completions_len]
+    if layout == "shared":  # one group: the same prompt, held once, under the rows' own 4-D mask
+        prompts = [prompts[0]] * len(prompts)
+        prompts_len = [len(prompts[0])] * len(prompts)
     batch = build_batch(prompts, completions, 0, "cpu")
-    if packed:  # rows as long as the longest sequence: [first] and [second, third]
+    if layout == "packed":  # rows as long as the longest sequence: [first] and [second, third]
         batch.packed = pack_micro_batch(batch, prompts_len, completions_len, Layout("rows", longest_only=True))
+    if layout == "shared":
+        shared = Layout("rows", linear=10**6, attention=1, share_prompt=True)
+        batch.packed = pack_micro_batch(batch, prompts_len, completions_len, shared, [tuple(p) for p in prompts])
+        assert batch.packed.attention_mask is not None, "the rows must share their prompt"
     return batch
 
 
@@ -113,9 +121,9 @@ def run(sizes: list[int], dtypes: list[torch.dtype]) -> None:
     install_attention()
     for dtype in dtypes:
         base = _model(dtype)
-        for layout in ("padded", "packed"):
+        for layout in ("padded", "packed", "shared"):
             for shape in SHAPES:
-                batch = _batch(shape, layout == "packed")
+                batch = _batch(shape, layout)
                 ref_model = copy.deepcopy(base)
                 ref_logp, ref_entropy = _score(ref_model, batch)
                 _loss(batch, ref_logp, ref_entropy).backward()
@@ -132,7 +140,7 @@ def run(sizes: list[int], dtypes: list[torch.dtype]) -> None:
                     _compare(f"{dtype} {layout} {shape} SP {size} of {world}", dtype, logp, entropy, grads,
                              ref_logp, ref_entropy, ref_grads, hidden_scale)
     # FSDP2, the trainer's path: fp32, SP = every rank, packed rows on the shard boundary
-    batch = _batch("boundary", True)
+    batch = _batch("boundary", "packed")
     ref_model = _model(torch.float32)
     ref_logp, ref_entropy = _score(ref_model, batch)
     _loss(batch, ref_logp, ref_entropy).backward()

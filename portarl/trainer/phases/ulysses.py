@@ -31,11 +31,12 @@ keeps its own key / value head. SP not dividing ``num_attention_heads`` is refus
 
 Labels are the next tokens of the whole row, placed at the positions that score them
 before the row is cut, so a token at a shard boundary is scored by the last position of
-the shard before it. Each rank scores its shard's positions with the fused
-:func:`portarl.ops.linear_logprobs` (log-probs and entropy), the values of every shard are
-gathered into the completion grid (:func:`portarl.runtime.sequence_parallel.gather_sequence`,
-whose backward takes each rank's own slice), and every rank of the group computes the same
-loss from them; the sum of the group's gradients is that loss's gradient.
+the shard before it. Each rank scores the tokens whose scoring position is in its shard
+with the fused :func:`portarl.ops.linear_logprobs` (log-probs and entropy), the group sums
+the entries (each filled by one rank: :func:`portarl.runtime.sequence_parallel.sum_over_group`,
+whose backward passes the gradient through) into the completion grid, and every rank of
+the group computes the same loss from them; the sum of the group's gradients is that
+loss's gradient.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from portarl import ops
-from portarl.runtime.sequence_parallel import SPGroup, all_to_all, gather_sequence
+from portarl.runtime.sequence_parallel import SPGroup, all_to_all, sum_over_group
 from portarl.trainer.phases.packing import to_grid
 from portarl.trainer.phases.sequences import _HeadPassthrough, _is_sharded
 
@@ -194,21 +195,29 @@ def row_mask(positions: torch.Tensor, valid: torch.Tensor | None, explicit: torc
 
 
 def _whole_rows(batch):
-    """``(input_ids, position_ids, labels, valid, explicit)`` of the rows the forward runs,
-    each [rows, W]: ``labels`` the token each position scores (-100: none), shifted on
-    the whole row; ``valid`` real keys (padded layout) or None; ``explicit`` a shared-prompt
+    """``(input_ids, position_ids, valid, explicit)`` of the rows the forward runs, each
+    [rows, W]: ``valid`` real keys (padded layout) or None; ``explicit`` a shared-prompt
     mask or None."""
     if batch.packed is None:
-        rows, width = batch.input_ids.shape
-        t, p = batch.labels.shape[1], batch.prompt_width
-        labels = torch.full((rows, width), -100, dtype=torch.long, device=batch.labels.device)
-        labels[:, p - 1 : p - 1 + t] = batch.labels
-        return batch.input_ids, batch.position_ids, labels, batch.attention_mask.bool(), None
+        return batch.input_ids, batch.position_ids, batch.attention_mask.bool(), None
     packed = batch.packed
-    rows, width = packed.input_ids.shape
-    labels = torch.full((rows * width,), -100, dtype=torch.long, device=batch.labels.device)
-    labels[packed.scored] = batch.labels.reshape(-1)[packed.where]
-    return packed.input_ids, packed.position_ids, labels.view(rows, width), None, packed.attention_mask
+    return packed.input_ids, packed.position_ids, None, packed.attention_mask
+
+
+def _scored(batch, width: int, padded_width: int):
+    """``(positions, labels)`` [K]: for each completion token the model scores, the flat
+    index (into rows x ``padded_width``) of the position whose hidden state scores it, and
+    the token: the labels shifted on the whole row, before it is cut. Padded rows: every
+    cell of the completion grid [B, T] in order (label -100 on padding); padding-free:
+    ``Packed.scored`` / ``where`` (shared-prompt rows score the first token of several
+    completions from one position: one entry each)."""
+    if batch.packed is None:
+        rows, t = batch.labels.shape
+        cols = torch.arange(batch.prompt_width - 1, batch.prompt_width - 1 + t, device=batch.labels.device)
+        positions = (torch.arange(rows, device=cols.device)[:, None] * padded_width + cols[None, :]).reshape(-1)
+        return positions, batch.labels.reshape(-1)
+    scored = batch.packed.scored
+    return (scored // width) * padded_width + scored % width, batch.labels.reshape(-1)[batch.packed.where]
 
 
 def _pad(t: torch.Tensor, extra: int, fill) -> torch.Tensor:
@@ -217,14 +226,11 @@ def _pad(t: torch.Tensor, extra: int, fill) -> torch.Tensor:
     return torch.cat([t, torch.full((t.shape[0], extra), fill, dtype=t.dtype, device=t.device)], dim=1)
 
 
-def _to_grid(batch, full: torch.Tensor, width: int) -> torch.Tensor:
-    """Gathered per-position values [rows, Wp] of the whole rows in the completion grid [B, T]."""
+def _to_grid(batch, values: torch.Tensor) -> torch.Tensor:
+    """Per-entry values [K] of :func:`_scored` in the completion grid [B, T]."""
     if batch.packed is None:
-        p, t = batch.prompt_width, batch.labels.shape[1]
-        return full[:, p - 1 : p - 1 + t]
-    scored = batch.packed.scored
-    index = (scored // width) * full.shape[1] + scored % width
-    return to_grid(batch, full.reshape(-1)[index])
+        return values.view(batch.labels.shape)
+    return to_grid(batch, values)
 
 
 def _shard_forward(model, kwargs: dict):
@@ -242,14 +248,14 @@ def sp_completion_logprobs(model, batch, sp: SPGroup, *, temperature: float, log
     """:func:`portarl.trainer.phases.sequences.completion_logprobs` under sequence
     parallelism (module docstring): fp32 log-probs [B, T] (0 on padding), and entropy,
     equal on every rank of the group."""
-    ids, positions, labels, valid, explicit = _whole_rows(batch)
+    ids, positions, valid, explicit = _whole_rows(batch)
     rows, width = ids.shape
     padded_width = -(-width // sp.size) * sp.size
     extra = padded_width - width
     if extra:  # the padding is a sequence of its own, scored by nothing, a key to no real token
         tail = torch.arange(extra, device=positions.device).expand(rows, extra)
         positions = torch.cat([positions, tail], dim=1)
-        ids, labels = _pad(ids, extra, 0), _pad(labels, extra, -100)
+        ids = _pad(ids, extra, 0)
         valid = None if valid is None else _pad(valid, extra, False)
     shard = padded_width // sp.size
     attention = _RowAttention(sp, shard, row_mask(positions, valid, explicit, width))
@@ -267,13 +273,16 @@ def sp_completion_logprobs(model, batch, sp: SPGroup, *, temperature: float, log
         raise RuntimeError(f"sequence parallel: {attention.calls} of {layers} attention layers ran through the "
                            f"all-to-all: this model's attention ({type(model).__name__}) cannot be wrapped, its "
                            "shards would attend to themselves alone; set train.sequence_parallel_size=1")
-    mine = labels[:, cut].reshape(-1)
-    index = (mine != -100).nonzero().squeeze(1)
-    empty = index.numel() == 0  # no scored token in this shard: score one position at weight 0, so the
-    if empty:  # final norm and the head still get (zero) gradients and FSDP2 reduces the same tensors everywhere
-        index = torch.zeros(1, dtype=torch.long, device=mine.device)
+    where, labels = _scored(batch, width, padded_width)
+    column = where % padded_width - sp.rank * shard
+    mine = ((column >= 0) & (column < shard) & (labels != -100)).nonzero().squeeze(1)  # the entries this shard scores
+    empty = mine.numel() == 0  # none: score one position at weight 0, so that the final norm and the
+    index = (where[mine] // padded_width) * shard + column[mine]  # head get (zero) gradients and FSDP2 reduces
+    targets = labels[mine]  # the same tensors on every rank
+    if empty:
+        index = targets = torch.zeros(1, dtype=torch.long, device=where.device)
     chosen = hidden.reshape(-1, hidden.shape[-1])[index].unsqueeze(0)
-    targets = (mine[index].clamp(min=0) if empty else mine[index]).unsqueeze(0)
+    targets = targets.reshape(1, -1)
     fp32 = logits_policy == "fp32" or weight.dtype == torch.float32
     if fp32:
         if chosen.dtype != weight.dtype:
@@ -289,9 +298,10 @@ def sp_completion_logprobs(model, batch, sp: SPGroup, *, temperature: float, log
     values = out if with_entropy else (out,)
 
     def placed(v: torch.Tensor) -> torch.Tensor:
-        v = v.reshape(-1) * 0.0 if empty else v.reshape(-1)
-        local = torch.zeros(rows * shard, dtype=v.dtype, device=v.device).index_copy(0, index, v)
-        return _to_grid(batch, gather_sequence(local.view(rows, shard), sp, dim=1), width)
+        v = v.reshape(-1)
+        entries = torch.zeros(where.numel(), dtype=v.dtype, device=v.device)
+        entries = entries + v.sum() * 0.0 if empty else entries.index_copy(0, mine, v)
+        return _to_grid(batch, sum_over_group(entries, sp))  # every entry from the rank that scored it
 
     grids = tuple(placed(v) for v in values)
     return grids if with_entropy else grids[0]

@@ -246,7 +246,7 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
         # FSDP2 averages gradients over ranks; each rank's loss is its share of the global
         # loss, so scale by the world size to reduce to the global batch's gradient. Under
         # sequence parallelism each rank's backward gives its shard's part of its group's
-        # loss gradient (portarl.runtime.sequence_parallel.gather_sequence), the parts sum to
+        # loss gradient (portarl.runtime.sequence_parallel.sum_over_group), the parts sum to
         # it, and the world mean x the world size is again the global batch's gradient.
         precision.scale_loss(loss * dist.world_size if dist.enabled else loss).backward()
         release_freed_memory()  # this micro-batch's activations, before the next one's forward
