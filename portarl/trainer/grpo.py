@@ -64,8 +64,6 @@ from portarl.trainer.run.write_failure import writing
 from portarl.trainer.phases.evaluation import Evaluator
 from portarl.trainer.phases.reference import maybe_sync_reference, refuse_reference_sync
 from portarl.trainer.phases.scoring import score
-from portarl.trainer.phases.ulysses import install_attention, sequence_parallel_refusal
-from portarl.runtime.sequence_parallel import make_group as make_sp_group
 from portarl.trainer.phases.sft import demonstrations, warm_up
 from portarl.trainer.guards.step_guard import (
     StepGuard,
@@ -82,6 +80,7 @@ from portarl.trainer.setup import (
     make_precision,
     make_rollout_engine,
     place_model,
+    sequence_parallel,
 )
 from portarl.trainer.loop import TrainingStopped, run_loop
 from portarl.trainer.phases.update import run_update
@@ -112,15 +111,7 @@ class GRPOTrainer:
                               "a different number of groups); use loss.drop_zero_std_groups there")
         if (why := refuse_reference_sync(self.config, model, self.dist.enabled)) is not None:
             raise ConfigError(why)
-        if (why := sequence_parallel_refusal(self.config, model, self.dist.world_size)) is not None:
-            raise ConfigError(why)
-        # train.sequence_parallel_size: this rank's Ulysses group (trainer/phases/ulysses.py), or None
-        self.sp = make_sp_group(self.dist, self.config.train.sequence_parallel_size)
-        if self.sp is not None:
-            install_attention()
-            if self.dist.is_main:
-                log.info("sequence parallelism (Ulysses): %d data-parallel groups of %d ranks, each row cut in %d",
-                         self.sp.dp_size, self.sp.size, self.sp.size)
+        self.sp = sequence_parallel(self.config, model, self.dist)  # this rank's Ulysses group, or None
         self.model, self._initial_reference = place_model(model, self.config, self.dist, self.device)
         if (why := router_aux_refusal(self.config, self.model)) is not None:
             raise ConfigError(why)
@@ -341,7 +332,8 @@ class GRPOTrainer:
                 metrics["rollout/routing_agreement"] = agree / counted
         metrics["time/step_s"] = time.perf_counter() - started
         metrics["time/step_cpu_s"] = time.process_time() - cpu_started  # this process's threads (bench async)
-        groups = self.dist.world_size // (self.sp.size if self.sp is not None else 1)  # data-parallel groups
+        sp = getattr(self, "sp", None)
+        groups = self.dist.world_size // (sp.size if sp is not None else 1)  # data-parallel groups
         if self.dist.enabled:
             for key in [k for k in metrics if k == "loss" or k.endswith("/loss")]:
                 metrics[key] = metrics[key] * groups  # shares: the mean of groups x share is the sum

