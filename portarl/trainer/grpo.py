@@ -80,6 +80,7 @@ from portarl.trainer.setup import (
     make_precision,
     make_rollout_engine,
     place_model,
+    sequence_parallel,
 )
 from portarl.trainer.loop import TrainingStopped, run_loop
 from portarl.trainer.phases.update import run_update
@@ -110,6 +111,7 @@ class GRPOTrainer:
                               "a different number of groups); use loss.drop_zero_std_groups there")
         if (why := refuse_reference_sync(self.config, model, self.dist.enabled)) is not None:
             raise ConfigError(why)
+        self.sp = sequence_parallel(self.config, model, self.dist)  # this rank's Ulysses group, or None
         self.model, self._initial_reference = place_model(model, self.config, self.dist, self.device)
         if (why := router_aux_refusal(self.config, self.model)) is not None:
             raise ConfigError(why)
@@ -326,12 +328,14 @@ class GRPOTrainer:
                 metrics["rollout/routing_agreement"] = agree / counted
         metrics["time/step_s"] = time.perf_counter() - started
         metrics["time/step_cpu_s"] = time.process_time() - cpu_started  # this process's threads (bench async)
+        sp = getattr(self, "sp", None)
+        groups = self.dist.world_size // (sp.size if sp is not None else 1)  # data-parallel groups
         if self.dist.enabled:
             for key in [k for k in metrics if k == "loss" or k.endswith("/loss")]:
-                metrics[key] = metrics[key] * self.dist.world_size  # shares: the mean of world x share is the sum
+                metrics[key] = metrics[key] * groups  # shares: the mean of groups x share is the sum
             metrics = pdist.mean_metrics(self.dist, metrics)
         if not skipped:  # after the rank mean: every rank moves its coefficient by the same global KL
-            self.kl_ctl.update(metrics["kl"], len(phase.rollout.completion_ids) * self.dist.world_size)
+            self.kl_ctl.update(metrics["kl"], len(phase.rollout.completion_ids) * groups)
             maybe_sync_reference(self, step, metrics)
         metrics["kl/coef"] = self.kl_ctl.value
         metrics["_events"] = events

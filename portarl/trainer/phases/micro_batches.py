@@ -152,6 +152,9 @@ def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice
     cfg = trainer.config.train
     n = batch.labels.shape[0]
     budget = getattr(cfg, "max_tokens_per_micro_batch", None)
+    sp_size = getattr(getattr(trainer, "sp", None), "size", 1)
+    if budget is not None:  # per rank: under sequence parallelism each rank computes 1 / SP of a row
+        budget *= sp_size
     packing = getattr(trainer, "padding_free", None)  # a packing.Layout, or None: padded (GRPOTrainer.__init__)
     if budget is None and packing is None:
         return [(slice(i, i + cfg.micro_batch_size), batch.rows(slice(i, i + cfg.micro_batch_size)))
@@ -168,7 +171,8 @@ def micro_batches(trainer, batch: TokenBatch) -> list[tuple[torch.Tensor | slice
         parts = pack(prompt_lens, completion_lens, cfg.micro_batch_size, budget,
                      layout=None if packing is None else packing.kind,
                      causal=None if packing is None else functools.partial(causal_rows, layout=packing))
-        _warn_over_budget(trainer, budget, prompt_lens, completion_lens)
+        _warn_over_budget(trainer, budget // sp_size, [-(-p // sp_size) for p in prompt_lens],
+                          [-(-c // sp_size) for c in completion_lens])
         dist = trainer.dist
         if dist.enabled:
             count = pdist.all_reduce(dist, torch.tensor([float(len(parts))]), op=torch.distributed.ReduceOp.MAX)

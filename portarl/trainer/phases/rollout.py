@@ -53,9 +53,11 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
                             reward_values=per_function, offset=0)
     everyone = prompts_for_step(trainer, step)
     seeds = request_seeds(cfg.train.seed, step, len(everyone), g, cfg.rollout.seed_mode)
-    per_rank = len(everyone) // trainer.dist.world_size
-    offset = trainer.dist.rank * per_rank
-    examples = everyone[offset : offset + per_rank]  # whole groups per rank
+    sp = getattr(trainer, "sp", None)  # sequence parallelism: the prompts split per group of ranks, not per rank
+    groups, group = (sp.dp_size, sp.dp_rank) if sp is not None else (trainer.dist.world_size, trainer.dist.rank)
+    per_rank = len(everyone) // groups
+    offset = group * per_rank
+    examples = everyone[offset : offset + per_rank]  # whole groups per rank (per sequence-parallel group)
     seeds = seeds[offset * g : (offset + per_rank) * g]
     prompts = [trainer.encoded_prompt(ex) for ex in examples for _ in range(g)]  # encoded when the data loaded
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -68,6 +70,8 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
         # a vision-language model: each prompt's pixels and positions
         rollout = trainer.rollout.generate(prompts, seeds, trainer.sampling, **trainer.media_for(examples, g))
         texts = [trainer.codec.decode(c) for c in rollout.completion_ids]
+    if sp is not None:  # the same rows on every rank of the group, bit for bit: its first rank's
+        rollout, texts = same_rows(trainer, sp, rollout)
     trainer.rollout.sleep()  # the trainer computes now: the engine frees what it can (vLLM: KV cache)
     metrics, events = rollout_metrics(trainer, step, rollout, seeds)
     metrics.update(episode_metrics)
@@ -75,6 +79,19 @@ def run_rollout(trainer, step: int) -> RolloutPhase:
     metrics["time/rollout_s"] = time.perf_counter() - started  # what async mode overlaps (bench async)
     metrics["time/rollout_cpu_s"] = time.process_time() - cpu_started
     return RolloutPhase(examples, rollout, texts, metrics, events, offset=offset)
+
+
+def same_rows(trainer, sp, rollout):
+    """``(rollout, texts)``: the sequence-parallel group's first rank's completions, log-probs
+    and finish flags on every rank of the group. The group's ranks sampled the same prompts
+    with the same seeds and weights, so these normally are their own already; sent anyway,
+    since the group's shards must cut the very same rows (one differing token, e.g. from a
+    kernel's other rounding, would otherwise mix two sequences in one attention)."""
+    from portarl.runtime.sequence_parallel import broadcast_rows
+
+    got = broadcast_rows(sp, [rollout.completion_ids, rollout.logprobs, rollout.finished])
+    rollout = dataclasses.replace(rollout, completion_ids=got[0], logprobs=got[1], finished=got[2])
+    return rollout, [trainer.codec.decode(c) for c in rollout.completion_ids]
 
 
 def async_phase(trainer, step: int) -> RolloutPhase:

@@ -42,6 +42,7 @@ from portarl.trainer.guards.detectors import NonFiniteError, check_finite
 from portarl.trainer.phases.micro_batches import micro_batches
 from portarl.trainer.phases.reference import reference_model
 from portarl.trainer.phases.sequences import build_batch, completion_logprobs, padded
+from portarl.trainer.phases.ulysses import sp_completion_logprobs
 from portarl.trainer.phases.shaping import shape_rewards, truncated_keep
 
 
@@ -56,7 +57,14 @@ class Scored:
 
 
 def logprobs(trainer, model, batch, *, with_entropy=False):
+    """Per-token log-probs (and entropy) of ``batch`` under ``model``; under sequence
+    parallelism (``trainer.sp``) each rank's forward runs on its shard of every row
+    (:func:`portarl.trainer.phases.ulysses.sp_completion_logprobs`)."""
     cfg = trainer.config
+    sp = getattr(trainer, "sp", None)
+    if sp is not None:
+        return sp_completion_logprobs(model, batch, sp, temperature=cfg.rollout.temperature,
+                                      logits_policy=cfg.precision.logits, with_entropy=with_entropy)
     return completion_logprobs(model, batch, temperature=cfg.rollout.temperature, logits_policy=cfg.precision.logits,
                                with_entropy=with_entropy, emulate=trainer.emulate)
 
@@ -187,6 +195,8 @@ def score(trainer, phase, metrics: dict) -> Scored:
             metrics.update({k: float(v) for k, v in kl_metrics.items()})
     # Advantages see every sample of every group on every rank: gather the rewards.
     rewards = pdist.all_gather_cat(trainer.dist, rewards)
+    if getattr(trainer, "sp", None) is not None:  # a sequence-parallel group's ranks hold the same rows: its first's
+        rewards = rewards.view(trainer.dist.world_size, -1)[:: trainer.sp.size].reshape(-1)
     guard.sync()
     metrics["reward/mean"] = float(rewards.mean())
     metrics["reward/std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0

@@ -218,6 +218,9 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
     n = batch.labels.shape[0]
     mask = batch.mask.bool()  # token_count / sequence_count, in one transfer
     counts = pdist.all_reduce(dist, torch.stack([mask.sum(), mask.any(dim=-1).sum()]).to(torch.float32)).tolist()
+    sp = getattr(trainer, "sp", None)
+    if sp is not None:  # every rank of a sequence-parallel group holds the same rows: count them once
+        counts = [c / sp.size for c in counts]
     norms = dict(num_global_tokens=int(counts[0]), num_global_seqs=int(counts[1]))
     loss_cfg = trainer.loss_config()
     want_entropy = True  # cheap with the fused op; logged, and in the loss when entropy_coef > 0
@@ -249,7 +252,10 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
         loss = trainer.run_hooks("loss", loss)
         loss_ok = loss_ok & torch.isfinite(loss.detach())
         # FSDP2 averages gradients over ranks; each rank's loss is its share of the global
-        # loss, so scale by the world size to reduce to the global batch's gradient.
+        # loss, so scale by the world size to reduce to the global batch's gradient. Under
+        # sequence parallelism each rank's backward gives its shard's part of its group's
+        # loss gradient (portarl.runtime.sequence_parallel.sum_over_group), the parts sum to
+        # it, and the world mean x the world size is again the global batch's gradient.
         precision.scale_loss(loss * dist.world_size if dist.enabled else loss).backward()
         release_freed_memory()  # this micro-batch's activations, before the next one's forward
         for k, v in metrics.items():
