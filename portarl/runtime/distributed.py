@@ -189,6 +189,17 @@ def peer_gone(err: BaseException) -> str | None:
     return next((s for s in _PEER_GONE if s in str(err)), None)
 
 
+def nodes() -> int:
+    """How many torchrun agents (nodes) the job spans: torchrun's ``GROUP_WORLD_SIZE``."""
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+
+
+def lost_peers() -> str | None:
+    """Which peers stopped, from the heartbeat (:meth:`portarl.runtime.heartbeat.Heartbeat.silent_peers`:
+    waits two and a half beats); ``None`` when not known or every peer still beats."""
+    return None if _heartbeat is None else _heartbeat.silent_peers()
+
+
 def has_sharded_params(params) -> bool:
     """Whether any of ``params`` is an FSDP2 shard (a DTensor, which carries its mesh)."""
     return any(hasattr(p, "device_mesh") for p in params)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -46,6 +47,10 @@ class Heartbeat:
 
     def start(self) -> "Heartbeat":
         self.store.set(self._key(self.rank), "0")
+        # Where this rank runs, for the line that names a lost peer (silent_peers): the node
+        # (torchrun's agent number) and the host.
+        self.store.set(f"{self.prefix}/where/{self.rank}", f"node {os.environ.get('GROUP_RANK', '0')}, host "
+                       f"{socket.gethostname()}")
         self._thread.start()
         atexit.register(self.stop)  # a rank that exits normally is done, not frozen
         return self
@@ -75,6 +80,33 @@ class Heartbeat:
             return True
         except Exception:  # a peer died on its way out, or the launcher's store is gone
             return False
+
+    def silent_peers(self, window_s: float | None = None) -> str | None:
+        """Which peers stopped: the ranks whose heartbeat did not move over ``window_s``
+        (default two and a half beats) and that did not finish, each with its node and host,
+        e.g. "rank 1 (node 1, host b7)"; or that the rendezvous store itself stopped answering
+        (it lives in the torchrun agent of the rendezvous endpoint's node, so that node is
+        gone). ``None`` when every peer still beats.
+
+        Why: a collective that fails because a peer's process ended says "Connection closed
+        by peer" and nothing more. On one node the local torchrun names the failed rank; when
+        a whole node dies, nobody else is left to say which one it was."""
+        window = window_s if window_s is not None else 2.5 * self.interval
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        try:
+            before = {r: self.store.get(self._key(r)) for r in peers}
+            time.sleep(window)
+            after = {r: self.store.get(self._key(r)) for r in peers}
+            silent = [r for r in peers if after[r] == before[r] and after[r].decode() != _DONE]
+            where = {r: self.store.get(f"{self.prefix}/where/{r}").decode() for r in silent}
+        except Exception as err:  # the store is gone with the node that kept it
+            endpoint = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            return (f"the rendezvous store at {endpoint} stopped answering ({type(err).__name__}), so the node of "
+                    f"the rendezvous endpoint, which keeps it, is gone")
+        if not silent:
+            return None
+        return ", ".join(f"rank {r} ({where[r]})" for r in silent) + \
+            f" sent no heartbeat for {window:.1f} s"
 
     def _run(self) -> None:
         beat = 0
