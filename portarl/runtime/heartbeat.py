@@ -40,6 +40,9 @@ class Heartbeat:
         self.interval = max(0.2, min(5.0, self.timeout_s / 20))
         self.prefix = prefix
         self._stop = threading.Event()
+        #: The main thread is reporting a lost peer itself (silent_peers): the watcher keeps
+        #: beating (so that other survivors do not take this rank for lost) but says nothing.
+        self._reporting = False
         self._thread = threading.Thread(target=self._run, name="portarl-heartbeat", daemon=True)
 
     def _key(self, rank: int) -> str:
@@ -91,6 +94,7 @@ class Heartbeat:
         Why: a collective that fails because a peer's process ended says "Connection closed
         by peer" and nothing more. On one node the local torchrun names the failed rank; when
         a whole node dies, nobody else is left to say which one it was."""
+        self._reporting = True
         window = window_s if window_s is not None else 2.5 * self.interval
         peers = [r for r in range(self.world_size) if r != self.rank]
         try:
@@ -123,10 +127,10 @@ class Heartbeat:
                         del seen[r]
                     elif current != value:
                         seen[r] = (current, now)
-                    elif now - since > self.stale_after:
+                    elif now - since > self.stale_after and not self._reporting:
                         self._lost(f"rank {r} has sent no heartbeat for {now - since:.0f} s", r)
             except Exception as err:  # the store itself stopped answering
-                if self._stop.is_set():
+                if self._stop.is_set() or self._reporting:
                     return
                 self._lost(f"the rendezvous store stopped answering ({type(err).__name__}: {err})", None)
 
