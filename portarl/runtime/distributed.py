@@ -124,7 +124,16 @@ def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S,
         device = torch.device("npu", local)
     host_group = None
     if not dist.is_initialized():
-        dist.init_process_group(spec, timeout=timedelta(seconds=timeout_s))
+        watch = None
+        if nodes() > 1 and os.environ.get("MASTER_ADDR"):  # one node: torchrun ends the others itself
+            from portarl.runtime.heartbeat import StartupWatch
+
+            watch = StartupWatch(rank).start()  # a rank of another node that fails to start ends this one
+        try:
+            dist.init_process_group(spec, timeout=timedelta(seconds=timeout_s))
+        finally:
+            if watch is not None:
+                watch.stop()
         if rank == 0:
             log.info("process group: %s, %d ranks", spec, world)
     elif not _serves_cpu():

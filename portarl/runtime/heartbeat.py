@@ -172,3 +172,70 @@ def start_heartbeat(rank: int, world_size: int, timeout_s: float) -> Heartbeat |
                           wait_for_workers=False)
     run = os.environ.get("TORCHELASTIC_RUN_ID", "run"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return Heartbeat(store, rank, world_size, timeout_s, prefix=f"portarl/heartbeat/{run[0]}/{run[1]}").start()
+
+
+def _startup_key() -> str:
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"portarl/startup-failed/{run[0]}/{run[1]}"
+
+
+def _store_client(timeout_s: float):
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def announce_startup_failure(code: int) -> None:
+    """A rank of a job on several nodes that stops before it joined the process group (a
+    config error, ``--resume`` with no checkpoint in this node's directory) says so in the
+    rendezvous store, for :class:`StartupWatch` on the other nodes: without it, they would
+    wait in ``init_process_group`` for ``distributed.timeout_s`` and end with a timeout that
+    names no rank. Best effort: a store that cannot be reached changes nothing."""
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        return
+    try:
+        _store_client(10.0).set(_startup_key(), f"rank {os.environ.get('RANK', '?')} (node "
+                                f"{os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()}) stopped before "
+                                f"the job began (exit status {code}); its own line, in that node's log, says why")
+    except Exception:  # the store is gone: the other nodes' own timeout ends them
+        pass
+
+
+class StartupWatch:
+    """While this rank waits in ``init_process_group`` for the others: a daemon thread that
+    ends this rank, with one line, as soon as another node's rank announces that it stopped
+    before the job began (:func:`announce_startup_failure`). Stopped and joined by :meth:`stop`."""
+
+    def __init__(self, rank: int, poll_s: float = 0.5):
+        self.rank, self.poll_s = rank, poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="portarl-startup-watch", daemon=True)
+
+    def start(self) -> "StartupWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        key = _startup_key()
+        try:
+            store = _store_client(max(1.0, self.poll_s * 4))
+            while not self._stop.wait(self.poll_s):
+                if store.check([key]):
+                    what = store.get(key).decode()
+                    break
+            else:
+                return
+        except Exception:  # no store to watch: the process group's own timeout applies
+            return
+        if self._stop.is_set():  # the job began after all
+            return
+        print(f"portarl train: rank {self.rank}: {what}; stopping this rank too", file=sys.stderr, flush=True)
+        from portarl.runtime import blackbox
+
+        blackbox.declare(2)
+        os._exit(2)

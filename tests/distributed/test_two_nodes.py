@@ -70,7 +70,7 @@ class Agents:
     """Two torchrun agents, one rank each, joined by a c10d rendezvous on localhost; node 0's
     agent keeps the rendezvous store (``is_host``), as the endpoint's node does on a cluster."""
 
-    def __init__(self, logs: Path, outs: list[Path], *sets: str, resume: bool = False):
+    def __init__(self, logs: Path, outs: list[Path], *sets: str, resume: bool = False, node1: tuple[str, ...] = ()):
         port, self.procs, self.logs = _free_port(), [], []
         self.started = time.monotonic()
         try:
@@ -79,7 +79,7 @@ class Agents:
                        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
                        "--rdzv-conf", f"is_host={int(node == 0)}", "--max-restarts", "0",
                        "-m", "portarl", "train", "--device", "cpu", "--output-dir", str(out)]
-                for item in (*FAST, *sets):
+                for item in (*FAST, *sets, *(node1 if node else ())):
                     cmd += ["--set", item]
                 if resume:
                     cmd.append("--resume")
@@ -101,15 +101,15 @@ class Agents:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         return [proc.returncode for proc in self.procs]
 
-    def rank_of(self, node: int) -> int:
-        """The rank torchrun gave node ``node``'s worker (c10d assigns ranks by arrival)."""
+    def rank_of(self, node: int) -> tuple[int, int]:
+        """The rank and node number (``GROUP_RANK``) the rendezvous gave agent ``node``'s
+        worker: c10d numbers both by arrival, not by the order the agents were started."""
         for pid in _tree(self.procs[node].pid)[1:]:
             with contextlib.suppress(OSError):
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                ranks = [e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")]
-                if ranks:
-                    return int(ranks[0])
-        raise AssertionError(f"node {node} runs no rank")
+                env = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
+                if b"RANK" in env:
+                    return int(env[b"RANK"]), int(env[b"GROUP_RANK"])
+        raise AssertionError(f"agent {node} runs no rank")
 
     def close(self) -> None:
         for proc in self.procs:
@@ -119,8 +119,8 @@ class Agents:
 
 
 @contextlib.contextmanager
-def agents(logs: Path, outs: list[Path], *sets: str, resume: bool = False):
-    job = Agents(logs, outs, *sets, resume=resume)
+def agents(logs: Path, outs: list[Path], *sets: str, resume: bool = False, node1: tuple[str, ...] = ()):
+    job = Agents(logs, outs, *sets, resume=resume, node1=node1)
     try:
         yield job
     finally:
@@ -180,7 +180,7 @@ def test_a_node_that_dies_stops_the_other_within_the_timeout_naming_it(tmp_path,
         # The scheduling margin is this run's own start-up time (launch to first step): on a
         # loaded machine both stretch alike, so load slows the test but cannot fail it.
         margin = max(10.0, time.monotonic() - job.started)
-        lost, survivor = job.rank_of(dead), job.procs[1 - dead]
+        (lost, lost_node), survivor = job.rank_of(dead), job.procs[1 - dead]
         _kill_tree(job.procs[dead].pid)
         killed = time.monotonic()
         survivor.wait(timeout=RUN_LIMIT_S)
@@ -195,7 +195,7 @@ def test_a_node_that_dies_stops_the_other_within_the_timeout_naming_it(tmp_path,
     assert len(said) == 1, output[-4000:]
     line = said.pop()
     if dead == 1:  # the survivor keeps the store: it names the rank, its node and host
-        assert f"rank {lost} (node 1, host {socket.gethostname()})" in line or f"rank {lost} has sent no heartbeat" \
+        assert f"rank {lost} (node {lost_node}, host {socket.gethostname()})" in line or f"rank {lost} has sent no heartbeat" \
             in line, line
     else:  # the dead node kept the rendezvous store: the line says so
         assert "rendezvous store" in line and "stopped answering" in line, line
@@ -217,3 +217,22 @@ def test_an_output_dir_that_not_every_node_sees_is_refused(tmp_path):
     for directory in dirs:
         assert not (directory / "checkpoints").exists() and not (directory / "metrics.jsonl").exists()
         assert not list(directory.glob(".portarl-shared-*")), "the probe file is removed"
+
+
+def test_a_node_that_fails_to_start_stops_the_other_at_once(tmp_path):
+    """Node 1's rank stops before it joins the process group (here a setting it alone was
+    given; on a cluster, e.g. --resume where its directory holds no checkpoint). Node 0's
+    rank, waiting for it in init_process_group, stops as soon as that is known, naming it,
+    instead of after distributed.timeout_s with a timeout that names no rank."""
+    out, limit = tmp_path / "run", 300
+    with agents(tmp_path / "run", [out, out], "train.steps=2", f"distributed.timeout_s={limit}",
+                node1=("train.micro_batch_size=0",)) as job:
+        codes = job.wait(limit_s=RUN_LIMIT_S)
+        took = time.monotonic() - job.started
+        outputs = [job.output(0), job.output(1)]
+    assert codes[0] != 0 and codes[1] != 0, outputs
+    assert took < limit, f"node 0 waited {took:.0f} s (distributed.timeout_s={limit})"
+    said = [line for line in outputs[0].splitlines() if "stopped before the job began" in line]
+    assert len(said) == 1 and re.match(r"portarl train: rank [01]: rank [01] \(node [01], host ", said[0]), \
+        outputs[0][-3000:]
+    assert any("micro_batch_size" in line for line in outputs[1].splitlines()), outputs[1][-3000:]
