@@ -12,6 +12,12 @@ with :data:`EXIT_RANK_LOST`, and torchrun tears the job down.
 A thread keeps beating while the main thread computes, so long steps never trip it; a
 rank whose process runs but whose device hangs is caught by the collective timeout
 (``distributed.timeout_s``, passed to ``init_process_group``) instead.
+
+On several nodes two more things live here, because a node that dies leaves no torchrun
+behind to name its ranks: :meth:`Heartbeat.silent_peers` tells a rank whose collective
+failed which peer stopped (rank, node, host), and :class:`StartupWatch` ends the ranks
+waiting in ``init_process_group`` as soon as another node's rank announces that it stopped
+before the job began (:func:`announce_startup_failure`).
 """
 
 from __future__ import annotations
