@@ -103,3 +103,31 @@ def test_exit_barrier_releases_when_every_rank_arrived_and_not_before():
 def test_exit_barrier_gives_up_on_a_peer_that_never_comes():
     alone, _ = _pair(timeout_s=600.0)
     assert alone.exit_barrier(timeout_s=0.2) is False
+
+
+def test_silent_peers_names_the_rank_that_stopped_with_its_node_and_host(monkeypatch):
+    """What a rank whose collective failed says of its peers (portarl/cli/train.py, several
+    nodes): the rank whose beats stopped, where it ran; nothing while every peer beats."""
+    import socket
+
+    monkeypatch.setenv("GROUP_RANK", "1")  # what torchrun sets on the second node
+    watcher, other = _pair()
+    watcher.start(), other.start()
+    store = watcher.store
+    _wait_for(lambda: store.writes.get(other._key(1), 0) >= 2, "the second rank never beat")
+    # Every peer beats: none named (a generous window: dozens of beats, so load cannot fail it).
+    assert watcher.silent_peers(window_s=25 * watcher.interval) is None
+    other._stop.set()  # its beats stop, as a killed node's do
+    other._thread.join()
+    said = watcher.silent_peers()
+    assert said == f"rank 1 (node 1, host {socket.gethostname()}) sent no heartbeat for {2.5 * watcher.interval:.1f} s"
+    watcher.stop()
+
+
+def test_silent_peers_says_when_the_rendezvous_store_is_gone(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "node0.example")
+    monkeypatch.setenv("MASTER_PORT", "29400")
+    watcher, _ = _pair()
+    watcher.store = type("Gone", (), {"get": lambda self, key: (_ for _ in ()).throw(ConnectionError("reset"))})()
+    said = watcher.silent_peers(window_s=0.0)
+    assert said.startswith("the rendezvous store at node0.example:29400 stopped answering (ConnectionError)"), said

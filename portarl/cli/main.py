@@ -310,6 +310,12 @@ def main(argv: list[str] | None = None) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     blackbox.declare(code)  # this exit said why (a supervising parent passes it through)
+    if code and args.command == "train" and not _joined_a_job() and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+        # A rank of a job on several nodes that stopped before joining: the other nodes would
+        # wait for it in init_process_group for distributed.timeout_s (runtime/heartbeat.py).
+        from portarl.runtime.heartbeat import announce_startup_failure
+
+        announce_startup_failure(code)
     # A torchrun rank, or the command line (not an in-process caller) that built a weight-sync
     # group: leave without interpreter finalisation (exit_path.py).
     if _joined_a_job() or (argv is None and _sync_groups_built() > groups_before):

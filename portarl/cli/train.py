@@ -265,8 +265,12 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
         # the collective's traceback, and the exit status of a lost rank.
         latest = trainer.checkpoints.latest()
         command = continue_command(getattr(args, "argv", ["train"]), config.output_dir, latest)
+        # Several nodes: a node that died has no torchrun left to name its rank, so name it here.
+        lost = pdist.lost_peers() if pdist.nodes() > 1 else None
+        what = (f"{lost}: that node died or its processes were killed; a line of its own, if any, is in that node's log"
+                if lost else "its own line says why")
         log(f"portarl train: rank {trainer.dist.rank}: another rank's process ended during step {trainer.step + 1} "
-            f"(a collective: {gone}); its own line says why; "
+            f"(a collective: {gone}); {what}; "
             + (f"the newest checkpoint is {latest}; continue with: {command}" if latest
                else f"there is no checkpoint yet; start again with: {command}"))
         return EXIT_RANK_LOST, False

@@ -124,7 +124,16 @@ def init_distributed(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S,
         device = torch.device("npu", local)
     host_group = None
     if not dist.is_initialized():
-        dist.init_process_group(spec, timeout=timedelta(seconds=timeout_s))
+        watch = None
+        if nodes() > 1 and os.environ.get("MASTER_ADDR"):  # one node: torchrun ends the others itself
+            from portarl.runtime.heartbeat import StartupWatch
+
+            watch = StartupWatch(rank).start()  # a rank of another node that fails to start ends this one
+        try:
+            dist.init_process_group(spec, timeout=timedelta(seconds=timeout_s))
+        finally:
+            if watch is not None:
+                watch.stop()
         if rank == 0:
             log.info("process group: %s, %d ranks", spec, world)
     elif not _serves_cpu():
@@ -187,6 +196,17 @@ def peer_gone(err: BaseException) -> str | None:
     if not (_joined and isinstance(err, RuntimeError)):
         return None
     return next((s for s in _PEER_GONE if s in str(err)), None)
+
+
+def nodes() -> int:
+    """How many torchrun agents (nodes) the job spans: torchrun's ``GROUP_WORLD_SIZE``."""
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+
+
+def lost_peers() -> str | None:
+    """Which peers stopped, from the heartbeat (:meth:`portarl.runtime.heartbeat.Heartbeat.silent_peers`:
+    waits two and a half beats); ``None`` when not known or every peer still beats."""
+    return None if _heartbeat is None else _heartbeat.silent_peers()
 
 
 def has_sharded_params(params) -> bool:

@@ -12,6 +12,12 @@ with :data:`EXIT_RANK_LOST`, and torchrun tears the job down.
 A thread keeps beating while the main thread computes, so long steps never trip it; a
 rank whose process runs but whose device hangs is caught by the collective timeout
 (``distributed.timeout_s``, passed to ``init_process_group``) instead.
+
+On several nodes two more things live here, because a node that dies leaves no torchrun
+behind to name its ranks: :meth:`Heartbeat.silent_peers` tells a rank whose collective
+failed which peer stopped (rank, node, host), and :class:`StartupWatch` ends the ranks
+waiting in ``init_process_group`` as soon as another node's rank announces that it stopped
+before the job began (:func:`announce_startup_failure`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -39,6 +46,9 @@ class Heartbeat:
         self.interval = max(0.2, min(5.0, self.timeout_s / 20))
         self.prefix = prefix
         self._stop = threading.Event()
+        #: The main thread is reporting a lost peer itself (silent_peers): the watcher keeps
+        #: beating (so that other survivors do not take this rank for lost) but says nothing.
+        self._reporting = False
         self._thread = threading.Thread(target=self._run, name="portarl-heartbeat", daemon=True)
 
     def _key(self, rank: int) -> str:
@@ -46,6 +56,10 @@ class Heartbeat:
 
     def start(self) -> "Heartbeat":
         self.store.set(self._key(self.rank), "0")
+        # Where this rank runs, for the line that names a lost peer (silent_peers): the node
+        # (torchrun's agent number) and the host.
+        self.store.set(f"{self.prefix}/where/{self.rank}", f"node {os.environ.get('GROUP_RANK', '0')}, host "
+                       f"{socket.gethostname()}")
         self._thread.start()
         atexit.register(self.stop)  # a rank that exits normally is done, not frozen
         return self
@@ -76,6 +90,34 @@ class Heartbeat:
         except Exception:  # a peer died on its way out, or the launcher's store is gone
             return False
 
+    def silent_peers(self, window_s: float | None = None) -> str | None:
+        """Which peers stopped: the ranks whose heartbeat did not move over ``window_s``
+        (default two and a half beats) and that did not finish, each with its node and host,
+        e.g. "rank 1 (node 1, host b7)"; or that the rendezvous store itself stopped answering
+        (it lives in the torchrun agent of the rendezvous endpoint's node, so that node is
+        gone). ``None`` when every peer still beats.
+
+        Why: a collective that fails because a peer's process ended says "Connection closed
+        by peer" and nothing more. On one node the local torchrun names the failed rank; when
+        a whole node dies, nobody else is left to say which one it was."""
+        self._reporting = True
+        window = window_s if window_s is not None else 2.5 * self.interval
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        try:
+            before = {r: self.store.get(self._key(r)) for r in peers}
+            time.sleep(window)
+            after = {r: self.store.get(self._key(r)) for r in peers}
+            silent = [r for r in peers if after[r] == before[r] and after[r].decode() != _DONE]
+            where = {r: self.store.get(f"{self.prefix}/where/{r}").decode() for r in silent}
+        except Exception as err:  # the store is gone with the node that kept it
+            endpoint = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            return (f"the rendezvous store at {endpoint} stopped answering ({type(err).__name__}), so the node of "
+                    f"the rendezvous endpoint, which keeps it, is gone")
+        if not silent:
+            return None
+        return ", ".join(f"rank {r} ({where[r]})" for r in silent) + \
+            f" sent no heartbeat for {window:.1f} s"
+
     def _run(self) -> None:
         beat = 0
         now = time.monotonic()
@@ -91,10 +133,10 @@ class Heartbeat:
                         del seen[r]
                     elif current != value:
                         seen[r] = (current, now)
-                    elif now - since > self.stale_after:
+                    elif now - since > self.stale_after and not self._reporting:
                         self._lost(f"rank {r} has sent no heartbeat for {now - since:.0f} s", r)
             except Exception as err:  # the store itself stopped answering
-                if self._stop.is_set():
+                if self._stop.is_set() or self._reporting:
                     return
                 self._lost(f"the rendezvous store stopped answering ({type(err).__name__}: {err})", None)
 
@@ -136,3 +178,70 @@ def start_heartbeat(rank: int, world_size: int, timeout_s: float) -> Heartbeat |
                           wait_for_workers=False)
     run = os.environ.get("TORCHELASTIC_RUN_ID", "run"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return Heartbeat(store, rank, world_size, timeout_s, prefix=f"portarl/heartbeat/{run[0]}/{run[1]}").start()
+
+
+def _startup_key() -> str:
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"portarl/startup-failed/{run[0]}/{run[1]}"
+
+
+def _store_client(timeout_s: float):
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def announce_startup_failure(code: int) -> None:
+    """A rank of a job on several nodes that stops before it joined the process group (a
+    config error, ``--resume`` with no checkpoint in this node's directory) says so in the
+    rendezvous store, for :class:`StartupWatch` on the other nodes: without it, they would
+    wait in ``init_process_group`` for ``distributed.timeout_s`` and end with a timeout that
+    names no rank. Best effort: a store that cannot be reached changes nothing."""
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        return
+    try:
+        _store_client(10.0).set(_startup_key(), f"rank {os.environ.get('RANK', '?')} (node "
+                                f"{os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()}) stopped before "
+                                f"the job began (exit status {code}); its own line, in that node's log, says why")
+    except Exception:  # the store is gone: the other nodes' own timeout ends them
+        pass
+
+
+class StartupWatch:
+    """While this rank waits in ``init_process_group`` for the others: a daemon thread that
+    ends this rank, with one line, as soon as another node's rank announces that it stopped
+    before the job began (:func:`announce_startup_failure`). Stopped and joined by :meth:`stop`."""
+
+    def __init__(self, rank: int, poll_s: float = 0.5):
+        self.rank, self.poll_s = rank, poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="portarl-startup-watch", daemon=True)
+
+    def start(self) -> "StartupWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        key = _startup_key()
+        try:
+            store = _store_client(max(1.0, self.poll_s * 4))
+            while not self._stop.wait(self.poll_s):
+                if store.check([key]):
+                    what = store.get(key).decode()
+                    break
+            else:
+                return
+        except Exception:  # no store to watch: the process group's own timeout applies
+            return
+        if self._stop.is_set():  # the job began after all
+            return
+        print(f"portarl train: rank {self.rank}: {what}; stopping this rank too", file=sys.stderr, flush=True)
+        from portarl.runtime import blackbox
+
+        blackbox.declare(2)
+        os._exit(2)

@@ -59,6 +59,7 @@ from portarl.trainer.phases.rollout import run_rollout
 from portarl.trainer.run import persistence
 from portarl.trainer.run import output_dir as run_dir
 from portarl.trainer.run import lock as run_lock
+from portarl.trainer.run.shared_dir import check_shared_output_dir
 from portarl.trainer.run.logger import RunLogger, finish_run
 from portarl.trainer.run.write_failure import writing
 from portarl.trainer.phases.evaluation import Evaluator
@@ -147,6 +148,7 @@ class GRPOTrainer:
         self.last_samples = None  # what the sample log shows of the last step (trainer.scoring fills it)
         self.output_dir = Path(self.config.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        check_shared_output_dir(self.output_dir, self.dist)  # several nodes: one directory every rank sees
         self.checkpoints = CheckpointManager(self.output_dir, self.config.checkpoint.keep_last)
         self.precision = make_precision(self.model, self.config, self.dist)
         self.optimizer, self.scheduler = make_optimizer(self.precision.optimizer_params(), self.config)

@@ -22,6 +22,7 @@ changed ``optim.lr`` used to be recorded in ``config.yaml`` but never used).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -38,7 +39,7 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "events.jsonl", "samples.jsonl", "t
 #: Fields (``section.field``; a trailing dot: the whole section) that ``--resume`` applies.
 MID_RUN_FIELDS = ("train.steps", "train.old_logprobs", "optim.lr", "optim.implementation", "logging.",
                   "checkpoint.every", "checkpoint.keep_last", "device", "eval.", "rollout.timeout_s",
-                  "train.reward_timeout_s",
+                  "train.reward_timeout_s", "distributed.timeout_s",
                   # detector settings only: they never change what the run computes
                   "rollout.identical_warn_frac", "rollout.identical_min_chance")
 
@@ -206,9 +207,12 @@ def prepare_run(trainer, *, resume: bool, overwrite: bool) -> list[tuple[str, ob
 def no_checkpoint(output_dir) -> RunDirError:
     """``--resume`` where there is no checkpoint: a mistyped --output-dir must not silently
     start a new run from scratch."""
+    # On several nodes the likely cause: this node's --output-dir is its own disk, not the shared one.
+    nodes = ("; a job on several nodes needs an --output-dir that every node shares (the same path on a shared "
+             "filesystem)" if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 else "")
     return RunDirError(f"--resume: no checkpoint in {Path(output_dir) / 'checkpoints'} to continue from (is --output-dir "
                        "right?): start a new run without --resume, or pass --resume-or-start to continue when there is "
-                       "a checkpoint and start a new run when there is none")
+                       f"a checkpoint and start a new run when there is none{nodes}")
 
 
 def check_steps_ahead(done: int, steps: int, output_dir) -> None:
