@@ -160,8 +160,9 @@ class Worker:
         self.agent = make_agent(cfg, self.codec, spec["search_dirs"])
         self.engine = build_engine(cfg, self.model, tokenizer, self.codec, spec["work_dir"])
         seed_global_rngs(cfg.train.seed)  # the rewards run here: user code's randomness, as in the trainer
-        self.rewards = RewardRunner([(r.name, r.weight) for r in cfg.rewards], search_dirs=spec["search_dirs"],
-                                    timeout_s=cfg.train.reward_timeout_s)
+        # reward models load here, on the worker's device unless their own device is named
+        self.rewards = RewardRunner(cfg.rewards, search_dirs=spec["search_dirs"], timeout_s=cfg.train.reward_timeout_s,
+                                    device=self.device, precision_dtype=cfg.precision.dtype)
         r = cfg.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens)
