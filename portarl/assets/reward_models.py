@@ -105,6 +105,10 @@ class RewardModel:
                               "pad_token_id unset), so a batch cannot be scored at each sample's last token; set "
                               "pad_token in its tokenizer_config.json")
         self.pad_id = int(pad)
+        vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        if vocab is not None and not 0 <= self.pad_id < vocab:  # transformers 5 may invent one past the vocabulary
+            raise ConfigError(f"{where}.model: {spec.model}'s pad token id {self.pad_id} is outside its vocabulary "
+                              f"({vocab} tokens); set pad_token in its tokenizer_config.json to a token it has")
         self.template = getattr(self.tokenizer, "chat_template", None)
         model = AutoModelForSequenceClassification.from_pretrained(spec.model, dtype=self.dtype)
         model.config.pad_token_id = self.pad_id  # transformers pools at the last token that is not this one

@@ -2,12 +2,12 @@
 127.0.0.1 (a free port), served by threads of the test's own process, stopped and joined
 by :meth:`JudgeServer.stop` (the context manager calls it on every exit path).
 
-Modes: ``score`` (a reply holding a number that depends on every character of the user
-message, so the samples of a group differ), ``garbage`` (HTTP 200 with a body that is not
-JSON), ``words`` (a chat completion with no number in it), ``slow`` (holds the request until
-the server stops, at most :data:`SLOW_S`: far beyond any timeout a test sets, and never
-waited for whole: :meth:`stop` releases it). ``stop_after=N``: the first N requests are
-answered, then the server stops itself (requests after that are refused)."""
+It answers with a number that depends on every character of the user message (so the
+samples of a group differ). From request ``after + 1`` on, a ``fault``: ``garbage`` (HTTP
+200 with a body that is not JSON), ``words`` (a chat completion with no number in it),
+``slow`` (holds the request until the server stops, at most :data:`SLOW_S`: far beyond any
+timeout a test sets, and never waited for whole: :meth:`stop` releases it), ``stop`` (the
+connection closes unanswered and the server stops itself: later requests are refused)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ SLOW_S = 600.0
 
 
 class JudgeServer:
-    def __init__(self, mode: str = "score", stop_after: int | None = None):
-        self.mode, self.stop_after = mode, stop_after
+    def __init__(self, fault: str | None = None, after: int = 0):
+        self.fault, self.after = fault, after
         self.requests: list[dict] = []
         self.lock = threading.Lock()
         self.release = threading.Event()  # ends a slow request's wait
@@ -37,17 +37,18 @@ class JudgeServer:
                 with owner.lock:
                     owner.requests.append({"path": self.path, **body})
                     count = len(owner.requests)
-                if owner.stop_after is not None and count > owner.stop_after:
+                fault = owner.fault if count > owner.after else None
+                if fault == "stop":
                     owner.stop_soon()
                     self.close_connection = True  # no reply: the connection just closes
                     return
-                if owner.mode == "slow":
+                if fault == "slow":
                     owner.release.wait(SLOW_S)
                     return
-                if owner.mode == "garbage":
+                if fault == "garbage":
                     return self._send(b"<html>502 oops</html>")
                 content = body["messages"][0]["content"]
-                text = f"Score: {sum(map(ord, content)) % 7}" if owner.mode == "score" else "I cannot rate this."
+                text = "I cannot rate this." if fault == "words" else f"Score: {sum(map(ord, content)) % 7}"
                 self._send(json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode())
 
             def _send(self, data: bytes):
