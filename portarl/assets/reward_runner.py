@@ -135,7 +135,9 @@ class RewardRunner:
         call's time limit (``train.reward_timeout_s``; None: none); ``device`` /
         ``precision_dtype``: a reward model's defaults (the scoring process's device, the
         run's ``precision.dtype``); ``load=False``: check model-based rewards without
-        loading a model (the preflight)."""
+        loading a model (the preflight); ``load="lazy"``: checked now, loaded at the first
+        score (async mode's trainer, where the worker scores: only ``eval.data`` makes the
+        trainer score, and a reward model held twice would double its memory)."""
         self.guard = UserCodeGuard(timeout_s, "train.reward_timeout_s", error=RewardError)
         self.functions: list[RewardFunction] = []
         for i, item in enumerate(specs):
@@ -158,7 +160,8 @@ class RewardRunner:
 
     def reward_models(self) -> list:
         """The loaded reward models (:class:`~portarl.assets.reward_models.RewardModel`)."""
-        return [rf.fn for rf in self.functions if rf.kind == "model" and rf.fn is not None]
+        models = [getattr(rf.fn, "loaded", rf.fn) for rf in self.functions if rf.kind == "model"]
+        return [m for m in models if m is not None]
 
     def __enter__(self) -> "RewardRunner":
         return self
@@ -256,19 +259,33 @@ class RewardRunner:
         return [self._number(rf, v, i, ex, allow_none=False) for i, (v, ex) in enumerate(zip(values, examples))]
 
 
-def _model_based(spec, where: str, search_dirs, device, precision_dtype: str, load: bool) -> RewardFunction:
-    """A reward model or a judge, ready to score (``load=False``: checked, nothing loaded)."""
+def _model_based(spec, where: str, search_dirs, device, precision_dtype: str, load) -> RewardFunction:
+    """A reward model or a judge, ready to score (``load=False``: checked, nothing loaded;
+    ``"lazy"``: loaded at its first call)."""
+    from portarl.assets.reward_models import RewardModel, read_model_config
+
     if spec.kind == "judge":
         from portarl.assets.judges import Judge
 
         fn = Judge(spec, where=where, search_dirs=search_dirs)  # no request is sent until a batch is scored
+    elif load == "lazy":
+        read_model_config(spec.model, where)
+        fn = _Lazy(lambda: RewardModel(spec, where=where, device=device, precision_dtype=precision_dtype))
     elif load:
-        from portarl.assets.reward_models import RewardModel
-
         fn = RewardModel(spec, where=where, device=device, precision_dtype=precision_dtype)
     else:
-        from portarl.assets.reward_models import read_model_config
-
         read_model_config(spec.model, where)
         fn = None
     return RewardFunction(spec.name, fn, float(spec.weight), batched=True, kind=spec.kind)
+
+
+class _Lazy:
+    """A reward model built at its first call (``loaded``: None until then)."""
+
+    def __init__(self, build):
+        self.build, self.loaded = build, None
+
+    def __call__(self, *args):
+        if self.loaded is None:
+            self.loaded = self.build()
+        return self.loaded(*args)

@@ -157,3 +157,16 @@ def test_portarl_plan_counts_the_reward_model(rm_dir):
     params = sum(p.numel() for p in RewardRunner(with_rm.rewards).reward_models()[0].model.parameters())
     assert plan.parts["reward model tiny-rm"] == 2 * params
     assert plan.static - estimate_for_config(base).static == 2 * params
+
+
+def test_in_async_mode_the_trainer_leaves_the_reward_model_to_the_worker(make_trainer, rm_dir):
+    """The worker scores (and loads it); the trainer's copy would double its memory. It loads
+    at a first score of its own (eval.data), and is then the same model."""
+    trainer = make_trainer(f"rewards=[{{model: '{rm_dir}'}}]", "rollout.mode=async")
+    try:
+        assert trainer.rewards.reward_models() == []
+        scores = trainer.rewards.score([ROWS[0]], ["2"])
+        [rm] = trainer.rewards.reward_models()
+        assert scores.per_function["tiny-rm"] == _by_hand(rm_dir, [ROWS[0]], ["2"])
+    finally:
+        trainer.close()
