@@ -82,7 +82,7 @@ def test_a_parse_function_reads_the_reply(monkeypatch):
     ("words", "", "answered 'I cannot rate this.': no score in it"),
     ("slow", ", timeout_s: 0.2, retries: 1", "did not answer within 0.2 s (2 tries"),
     ("stop", ", retries: 1", "is unreachable"),
-])
+], ids=["garbage", "words", "slow", "stop"])
 def test_a_failing_judge_is_one_reward_failure_naming_its_url_and_the_sample(fault, settings, problem):
     before = set(threading.enumerate())
     with JudgeServer(fault, after=1) as server:

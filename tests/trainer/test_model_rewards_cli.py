@@ -63,7 +63,7 @@ def test_two_steps_with_a_reward_model_a_judge_and_a_rule(tmp_path, rm_dir, mode
     ("stop", ", retries: 1", "is unreachable"),
     ("slow", ", timeout_s: 0.3, retries: 1", "did not answer within 0.3 s"),
     ("garbage", "", "answered something that is not a chat completion"),
-])
+], ids=["stop", "slow", "garbage"])
 def test_a_judge_that_fails_mid_run_stops_it_with_a_checkpoint_and_exit_3(tmp_path, fault, settings, problem):
     with JudgeServer(fault, after=SAMPLES_PER_STEP) as server:  # step 1 is judged, step 2 is not
         url = f"{server.url}/v1/chat/completions"
