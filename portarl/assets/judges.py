@@ -7,7 +7,8 @@ Contract:
 
 - Endpoint: ``POST {URL}/v1/chat/completions``; a URL ending in ``/v1`` gets
   ``/chat/completions``, one ending in ``/chat/completions`` is used as given. Body:
-  ``{"model": NAME, "messages": [{"role": "user", "content": TEXT}], "temperature": 0}``;
+  ``{"model": NAME, "messages": [{"role": "user", "content": TEXT}], "temperature": 0}``
+  (and ``max_tokens`` when set);
   ``$PORTARL_JUDGE_API_KEY``, when set, is sent as ``Authorization: Bearer``. The score is
   read from ``choices[0].message.content``.
 - TEXT is the ``prompt`` file (default :data:`DEFAULT_TEMPLATE`) with ``{prompt}`` (the
@@ -53,7 +54,8 @@ from portarl.runtime.errors import ConfigError
 
 DEFAULT_TEMPLATE = ("Rate how well the response answers the prompt, from 0 (wrong or useless) to 10 (correct and "
                     "helpful).\n\nPrompt:\n{prompt}\n\nResponse:\n{completion}\n\nReply with the number only.")
-DEFAULTS = {"parse": "number", "concurrency": 4, "rate_limit": None, "timeout_s": 60.0, "retries": 2}
+DEFAULTS = {"parse": "number", "concurrency": 4, "rate_limit": None, "timeout_s": 60.0, "retries": 2,
+            "max_tokens": None}
 BACKOFF_BASE_S = 0.5
 API_KEY_ENV = "PORTARL_JUDGE_API_KEY"
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
@@ -129,6 +131,7 @@ class Judge:
                 raise ConfigError(f"{where}.parse: {str(err).replace('reward ', '', 1)}") from None
         self.concurrency, self.rate_limit = int(options["concurrency"]), options["rate_limit"]
         self.timeout_s, self.retries = float(options["timeout_s"]), int(options["retries"])
+        self.max_tokens = options["max_tokens"]
         self.jitter = random.Random()  # not the run's seeded global generator
 
     def render(self, prompt, completion: str, answer) -> str:
@@ -183,6 +186,8 @@ class Judge:
 
     def post(self, text: str) -> str:
         body = {"model": self.model, "messages": [{"role": "user", "content": text}], "temperature": 0}
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
         headers = {"Content-Type": "application/json"}
         if os.environ.get(API_KEY_ENV):
             headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"

@@ -44,7 +44,7 @@ def test_a_judge_scores_each_sample_with_its_template(tmp_path):
     template = tmp_path / "judge.txt"
     template.write_text('{"q": "{prompt}", "a": "{completion}", "ref": "{answer}"}')
     with JudgeServer() as server:
-        runner = _runner(server.url, f", prompt: '{template}', name: j, weight: 2.0", "{name: math_exact}")
+        runner = _runner(server.url, f", prompt: '{template}', name: j, weight: 2.0, max_tokens: 5", "{name: math_exact}")
         try:
             scores = runner.score(_rows(), TEXTS)
         finally:
@@ -54,6 +54,7 @@ def test_a_judge_scores_each_sample_with_its_template(tmp_path):
                            '{"q": "user: 2+2?", "a": "4", "ref": "4"}', '{"q": "user: 2+2?", "a": "five", "ref": "4"}'])
     assert {r["path"] for r in server.requests} == {"/v1/chat/completions"}
     assert {r["model"] for r in server.requests} == {"tiny-judge"}
+    assert {(r["temperature"], r["max_tokens"]) for r in server.requests} == {(0, 5)}
     want = [float(sum(map(ord, '{"q": "%s", "a": "%s", "ref": "%s"}' % (q, a, ref))) % 7)
             for q, a, ref in [("1+1=", "2", "2"), ("1+1=", "3 it is", "2"), ("user: 2+2?", "4", "4"),
                               ("user: 2+2?", "five", "4")]]

@@ -22,7 +22,7 @@ from pathlib import Path
 from portarl.trainer.config.fields import ConfigError, _check, _coerce_numbers, _number, _positive_int
 
 MODEL_FIELDS = ("device", "dtype", "batch_size")
-JUDGE_FIELDS = ("prompt", "parse", "concurrency", "rate_limit", "timeout_s", "retries")
+JUDGE_FIELDS = ("prompt", "parse", "concurrency", "rate_limit", "timeout_s", "retries", "max_tokens")
 PARSE_RULES = ("number", "first_number", "last_number")
 
 
@@ -61,6 +61,8 @@ class RewardSpec:
     timeout_s: float | None = None
     #: Judge: tries after the first failed one, with exponential backoff and jitter. Default 2.
     retries: int | None = None
+    #: Judge: most tokens of a reply (the request's max_tokens). Default: the server's.
+    max_tokens: int | None = None
 
     @property
     def kind(self) -> str:
@@ -110,7 +112,7 @@ class RewardSpec:
         if self.parse is not None:
             _check(isinstance(self.parse, str) and (self.parse in PARSE_RULES or ":" in self.parse), f"{where}.parse",
                    f"must be {', '.join(PARSE_RULES)} or module:function", self.parse)
-        for name in ("concurrency", "retries"):
+        for name in ("concurrency", "retries", "max_tokens"):
             if getattr(self, name) is not None:
                 _positive_int(self, where, name, allow_zero=name == "retries")
         for name in ("rate_limit", "timeout_s"):
