@@ -175,13 +175,35 @@ class RewardRunner:
 
     def score(self, examples: list[Example], completions: list[str]) -> RewardScores:
         """``examples[i]`` is sample i's row (repeated G times per group)."""
-        n = len(completions)
+        return self.finish(examples, self.values(examples, completions))
+
+    @property
+    def has_judges(self) -> bool:
+        return any(rf.kind == "judge" for rf in self.functions)
+
+    def values(self, examples: list[Example], completions: list[str], skip_judges: bool = False) -> dict:
+        """Each reward's values (``per_function``), on the calling thread, through the guard;
+        ``skip_judges``: the judges are left to :meth:`judge_values`."""
         per_function = {}
         with self.guard.watching():  # the main thread's wake-up handler, once for the batch
             for rf in self.functions:
+                if skip_judges and rf.kind == "judge":
+                    continue
                 run = self._model_based if rf.kind != "function" else self._batched if rf.batched else self._per_sample
-                values = run(rf, examples, completions)
-                per_function[rf.name] = values
+                per_function[rf.name] = run(rf, examples, completions)
+        return per_function
+
+    def judge_values(self, examples: list[Example], completions: list[str]) -> dict:
+        """The judges' values, callable from any thread (a judge is portarl's code, bounded by
+        its own timeouts; the guard serves one thread): the async worker judges a batch
+        while it generates the next. A failure is the same :class:`RewardError`."""
+        return {rf.name: self._model_based(rf, examples, completions, _Direct())
+                for rf in self.functions if rf.kind == "judge"}
+
+    def finish(self, examples: list[Example], per_function: dict) -> RewardScores:
+        """The weighted totals and ``reward/<name>`` metrics of every reward's values."""
+        n = len(examples)
+        per_function = {rf.name: per_function[rf.name] for rf in self.functions}  # the list's order
         total = torch.zeros(n, dtype=torch.float32)
         metrics = {}
         for rf in self.functions:
@@ -241,11 +263,11 @@ class RewardRunner:
         return [self._number(rf, v, i, ex, allow_none=True) for i, (v, ex) in enumerate(zip(values, examples))]
 
 
-    def _model_based(self, rf: RewardFunction, examples, completions) -> list:
+    def _model_based(self, rf: RewardFunction, examples, completions, guard=None) -> list:
         prompts = [ex.prompt if isinstance(ex.prompt, str) else [dict(m) for m in ex.prompt] for ex in examples]
         answers = [ex.answer for ex in examples]
         try:
-            values = self.guard.call(rf.fn, (prompts, list(completions), answers), what=f"reward {rf.name!r}",
+            values = (guard or self.guard).call(rf.fn, (prompts, list(completions), answers), what=f"reward {rf.name!r}",
                                      where=f"a batch of {len(prompts)} samples (first prompt "
                                            f"{examples[0].prompt_text!r})")
         except RewardError as err:
@@ -277,6 +299,17 @@ def _model_based(spec, where: str, search_dirs, device, precision_dtype: str, lo
         read_model_config(spec.model, where)
         fn = None
     return RewardFunction(spec.name, fn, float(spec.weight), batched=True, kind=spec.kind)
+
+
+class _Direct:
+    """A guard stand-in that calls straight through; a failure is a :class:`RewardError`
+    caused by it, as the guard's (for :meth:`RewardRunner.judge_values`)."""
+
+    def call(self, fn, args=(), kwargs=None, *, what: str, where: str | None = None):
+        try:
+            return fn(*args, **(kwargs or {}))
+        except Exception as err:  # noqa: BLE001  (named as the guard names it)
+            raise RewardError(what, where, f"raised {type(err).__name__}: {err}") from err
 
 
 class _Lazy:

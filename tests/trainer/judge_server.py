@@ -7,7 +7,9 @@ samples of a group differ). From request ``after + 1`` on, a ``fault``: ``garbag
 200 with a body that is not JSON), ``words`` (a chat completion with no number in it),
 ``slow`` (holds the request until the server stops, at most :data:`SLOW_S`: far beyond any
 timeout a test sets, and never waited for whole: :meth:`stop` releases it), ``stop`` (the
-connection closes unanswered and the server stops itself: later requests are refused)."""
+connection closes unanswered and the server stops itself: later requests are refused).
+``hold_first=N``: the first N requests are held until ``POST /release`` arrives (at most
+:data:`SLOW_S`), then answered."""
 
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ SLOW_S = 600.0
 
 
 class JudgeServer:
-    def __init__(self, fault: str | None = None, after: int = 0):
-        self.fault, self.after = fault, after
+    def __init__(self, fault: str | None = None, after: int = 0, hold_first: int = 0):
+        self.fault, self.after, self.hold_first = fault, after, hold_first
+        self.released = threading.Event()  # POST /release: the held requests are answered
         self.requests: list[dict] = []
         self.lock = threading.Lock()
         self.release = threading.Event()  # ends a slow request's wait
@@ -34,9 +37,14 @@ class JudgeServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if self.path == "/release":
+                    owner.released.set()
+                    return self._send(b"{}")
                 with owner.lock:
                     owner.requests.append({"path": self.path, **body})
                     count = len(owner.requests)
+                if count <= owner.hold_first:
+                    owner.released.wait(SLOW_S)
                 fault = owner.fault if count > owner.after else None
                 if fault == "stop":
                     owner.stop_soon()
@@ -83,6 +91,7 @@ class JudgeServer:
 
     def stop(self) -> None:
         self.release.set()
+        self.released.set()
         self.stop_soon()
         self.stopper.join()
         self.thread.join()

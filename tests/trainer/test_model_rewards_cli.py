@@ -23,12 +23,13 @@ HERE = Path(__file__).parent
 SAMPLES_PER_STEP = 16  # train.prompts_per_step 4 x rollout.group_size 4
 
 
-def _train(out: Path, rewards: str, *sets: str) -> subprocess.CompletedProcess:
+def _train(out: Path, rewards: str, *sets: str, **env_extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "portarl", "train", "--device", "cpu", "--output-dir", str(out)]
     for item in (*FAST, "train.steps=2", "checkpoint.every=100", "logging.samples_every=1", f"rewards=[{rewards}]",
                  *sets):
         cmd += ["--set", item]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+           **env_extra}
     env.pop("TRITON_INTERPRET", None)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
 
@@ -57,6 +58,22 @@ def test_two_steps_with_a_reward_model_a_judge_and_a_rule(tmp_path, rm_dir, mode
         assert sample["reward"] == pytest.approx(parts["math_exact"] + 0.5 * parts["tiny-rm"] + 0.1 * parts["judge"],
                                                  abs=1e-5)
     assert "Traceback" not in done.stderr
+
+
+def test_in_async_mode_judging_a_batch_overlaps_generating_the_next(tmp_path):
+    """The server holds batch 1's judge requests until a reward of batch 2 is computed: the
+    worker must generate and score batch 2 (rollout.max_staleness=1 sends its request early)
+    while batch 1 is being judged. Without the overlap the held requests outlive timeout_s
+    and the run stops with exit 3."""
+    with JudgeServer(hold_first=SAMPLES_PER_STEP) as server:
+        done = _train(tmp_path, f"{{name: 'overlap_rewards:release_on_second_batch'}}, "
+                                f"{{judge: '{server.url}', model: tiny-judge, name: judge, timeout_s: 60, retries: 0}}",
+                      "rollout.mode=async", "rollout.max_staleness=1", JUDGE_RELEASE_URL=f"{server.url}/release")
+        released = server.released.is_set()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert released and len(server.requests) == 2 * SAMPLES_PER_STEP
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all("reward/judge" in r for r in rows)
 
 
 @pytest.mark.parametrize("fault, settings, problem", [
