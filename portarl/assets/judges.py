@@ -31,7 +31,9 @@ Contract:
   the others' retries; the batch's threads are joined before the error leaves, and each
   in-flight request ends within its timeout: nothing hangs, nothing is left running.
 - In async mode (``rollout.mode: async``) the judge is called by the rollout worker, so
-  judging batch t overlaps the trainer's update on batch t - 1, as every reward does there.
+  judging batch t overlaps the trainer's update on batch t - 1, and, on a thread of the
+  worker (:class:`portarl.rollout.async_worker.Deferred`, through
+  :meth:`~portarl.assets.reward_runner.RewardRunner.judge_values`), its generating batch t + 1.
 """
 
 from __future__ import annotations
