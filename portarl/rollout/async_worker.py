@@ -316,7 +316,10 @@ class Deferred:
                 reply = self.complete()
             except Exception as err:  # noqa: BLE001  (a reply, as handle's)
                 reply = failed_reply("generate", err)
-            write(reply)
+            try:
+                write(reply)
+            except (OSError, ValueError):  # the trainer closed the pipe (it stopped): nobody to tell
+                pass
 
         thread = threading.Thread(target=run, name=f"portarl-judging-step-{self.step}")
         thread.start()
