@@ -26,6 +26,7 @@ _LINEAR = "parity/test_linear_logprobs.py::test_linear_logprobs_matches_float64"
 _ASYNC2 = "distributed/test_async_torchrun.py::"
 _RESUME = "trainer/test_async_resume.py::test_async_resume_reproduces_the_uninterrupted_run_bitwise"
 _VLM2 = "distributed/test_vlm_fsdp.py::"
+_JUDGE_CLI = "trainer/test_model_rewards_cli.py::test_a_judge_that_fails_mid_run_stops_it_with_a_checkpoint_and_exit_3"
 
 #: node id (below tests/) -> (covers in make test, what the cover keeps)
 FULL_ONLY: dict[str, tuple[list[str], str]] = {
@@ -98,6 +99,13 @@ FULL_ONLY: dict[str, tuple[list[str], str]] = {
         ["distributed/test_fsdp_gloo.py::test_signal_on_one_rank_stops_both_with_one_checkpoint[15]",
          "trainer/test_signals.py::test_second_signal_aborts_at_once_and_says_nothing_was_saved"],
         "a signal to one rank stops both with one checkpoint; SIGINT's handling on one process"),
+    # A judge failing mid-run through the command line: the stopped server in make test; the slow
+    # and the garbage server end the same way (the runner-level tests hold their one-line reward failure).
+    **{f"{_JUDGE_CLI}[{fault}]": (
+        [f"{_JUDGE_CLI}[stop]",
+         f"trainer/test_judges.py::test_a_failing_judge_is_one_reward_failure_naming_its_url_and_the_sample[{fault}]"],
+        "a judge's reward failure ends a run with a checkpoint and exit 3; this fault's failure names the judge")
+       for fault in ("slow", "garbage")},
 }
 
 

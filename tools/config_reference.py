@@ -116,7 +116,7 @@ def section_table(prefix: str, instance) -> tuple[list[str], list]:
 
 def _list(value) -> str:
     if value and dataclasses.is_dataclass(value[0]):
-        return "<br>".join(_fmt(dataclasses.asdict(v)) for v in value)
+        return "<br>".join(_fmt(v.to_dict() if hasattr(v, "to_dict") else dataclasses.asdict(v)) for v in value)
     return _fmt(value)
 
 
@@ -142,9 +142,14 @@ def reference() -> str:
     from portarl.assets.rewards import BUILTIN_REWARDS
 
     builtins = ", ".join(f"`{name}`" for name in BUILTIN_REWARDS)
+    from portarl.trainer.config import RewardSpec
+
+    rows, _ = section_table("rewards[].", RewardSpec())
     out += ["## `rewards`", "", f"A list of `{{name, weight}}`: `name` is a built-in reward ({builtins}; `environment` "
             "is the reward of an episode's environment: [agents](agents.md)) or `module:function` (looked up in the "
-            "config file's directory, then the working directory).", ""]
+            "config file's directory, then the working directory); `{model: PATH, ...}`: a reward model; "
+            "`{judge: URL, model: NAME, ...}`: a generative judge ([Reward models and judges]"
+            "(models-and-data.md#reward-models-and-judges)). Unset fields are left out of config.yaml.", "", *rows, ""]
     return "\n".join(out)
 
 

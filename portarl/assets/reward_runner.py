@@ -21,6 +21,15 @@ Forms (decided once, from the signature):
   keyword argument holding one value per sample. ``None`` means "no reward from this
   function for this sample": the sample's total is the weighted sum of the others. A
   sample that gets no reward from any function is an error.
+
+Model-based rewards (a :class:`~portarl.trainer.config.RewardSpec` with ``model`` or
+``judge``): a reward model (:mod:`portarl.assets.reward_models`) or a judge
+(:mod:`portarl.assets.judges`), called once per batch with the prompts as in the data, the
+completions as text and the rows' answers, through the same guard; a sample they cannot
+score (:class:`~portarl.assets.reward_models.ScoreFailure`) is the same reward failure,
+one line naming the reward, what failed (the judge's URL) and the sample. They are summed
+with the functions by weight, and their values are in ``per_function`` and the metrics as
+any function's.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from portarl.assets.data import Example
+from portarl.assets.reward_models import ScoreFailure
 from portarl.assets.rewards import resolve_reward
 from portarl.runtime.user_code import UserCodeError, UserCodeGuard, arity_problem
 
@@ -71,6 +81,8 @@ class RewardFunction:
     fn: object
     weight: float
     batched: bool = field(default=False)
+    #: "function", "model" (a reward model) or "judge"
+    kind: str = field(default="function")
 
     def check_signature(self) -> None:
         """Refuse, before any step runs, a function that cannot take its form's arguments."""
@@ -94,7 +106,9 @@ class RewardFunction:
         """A batched function must take the columns ``names`` as keyword arguments (a column
         it does not name needs ``**kwargs``; one it requires must be there). Checked before
         the model loads with every column of the data (:mod:`portarl.trainer.preflight`) and at
-        each call with the batch's."""
+        each call with the batch's. Model-based rewards take no columns."""
+        if self.kind != "function":
+            return
         columns = {k: [] for k in names}
         try:
             inspect.signature(self.fn).bind([], [], **columns)
@@ -114,12 +128,25 @@ class RewardScores:
 
 
 class RewardRunner:
-    def __init__(self, specs, search_dirs=(), timeout_s: float | None = DEFAULT_TIMEOUT_S):
-        """``specs``: ``(name_or_callable, weight)`` pairs or bare names / callables;
-        ``timeout_s``: each call's time limit (``train.reward_timeout_s``; None: none)."""
+    def __init__(self, specs, search_dirs=(), timeout_s: float | None = DEFAULT_TIMEOUT_S, *, device="cpu",
+                 precision_dtype: str = "fp32", load: bool = True):
+        """``specs``: :class:`~portarl.trainer.config.RewardSpec` s (``config.rewards``),
+        ``(name_or_callable, weight)`` pairs or bare names / callables; ``timeout_s``: each
+        call's time limit (``train.reward_timeout_s``; None: none); ``device`` /
+        ``precision_dtype``: a reward model's defaults (the scoring process's device, the
+        run's ``precision.dtype``); ``load=False``: check model-based rewards without
+        loading a model (the preflight); ``load="lazy"``: checked now, loaded at the first
+        score (async mode's trainer, where the worker scores: only ``eval.data`` makes the
+        trainer score, and a reward model held twice would double its memory)."""
         self.guard = UserCodeGuard(timeout_s, "train.reward_timeout_s", error=RewardError)
         self.functions: list[RewardFunction] = []
-        for item in specs:
+        for i, item in enumerate(specs):
+            kind = getattr(item, "kind", None)
+            if kind in ("model", "judge"):
+                self.functions.append(_model_based(item, f"rewards[{i}]", search_dirs, device, precision_dtype, load))
+                continue
+            if kind == "function":
+                item = (item.name, item.weight)
             spec, weight = item if isinstance(item, tuple) else (item, 1.0)
             fn = resolve_reward(spec, search_dirs)
             name = getattr(fn, "__name__", str(spec)) if callable(spec) else str(spec)
@@ -130,6 +157,11 @@ class RewardRunner:
     def close(self) -> None:
         """Stop and join the guard's watchdog thread (a later score starts a new one)."""
         self.guard.close()
+
+    def reward_models(self) -> list:
+        """The loaded reward models (:class:`~portarl.assets.reward_models.RewardModel`)."""
+        models = [getattr(rf.fn, "loaded", rf.fn) for rf in self.functions if rf.kind == "model"]
+        return [m for m in models if m is not None]
 
     def __enter__(self) -> "RewardRunner":
         return self
@@ -143,12 +175,35 @@ class RewardRunner:
 
     def score(self, examples: list[Example], completions: list[str]) -> RewardScores:
         """``examples[i]`` is sample i's row (repeated G times per group)."""
-        n = len(completions)
+        return self.finish(examples, self.values(examples, completions))
+
+    @property
+    def has_judges(self) -> bool:
+        return any(rf.kind == "judge" for rf in self.functions)
+
+    def values(self, examples: list[Example], completions: list[str], skip_judges: bool = False) -> dict:
+        """Each reward's values (``per_function``), on the calling thread, through the guard;
+        ``skip_judges``: the judges are left to :meth:`judge_values`."""
         per_function = {}
         with self.guard.watching():  # the main thread's wake-up handler, once for the batch
             for rf in self.functions:
-                values = (self._batched if rf.batched else self._per_sample)(rf, examples, completions)
-                per_function[rf.name] = values
+                if skip_judges and rf.kind == "judge":
+                    continue
+                run = self._model_based if rf.kind != "function" else self._batched if rf.batched else self._per_sample
+                per_function[rf.name] = run(rf, examples, completions)
+        return per_function
+
+    def judge_values(self, examples: list[Example], completions: list[str]) -> dict:
+        """The judges' values, callable from any thread (a judge is portarl's code, bounded by
+        its own timeouts; the guard serves one thread): the async worker judges a batch
+        while it generates the next. A failure is the same :class:`RewardError`."""
+        return {rf.name: self._model_based(rf, examples, completions, _Direct())
+                for rf in self.functions if rf.kind == "judge"}
+
+    def finish(self, examples: list[Example], per_function: dict) -> RewardScores:
+        """The weighted totals and ``reward/<name>`` metrics of every reward's values."""
+        n = len(examples)
+        per_function = {rf.name: per_function[rf.name] for rf in self.functions}  # the list's order
         total = torch.zeros(n, dtype=torch.float32)
         metrics = {}
         for rf in self.functions:
@@ -207,3 +262,63 @@ class RewardRunner:
             raise reward_failure(rf.name, None, None, f"returned {len(values)} values for {len(prompts)} samples")
         return [self._number(rf, v, i, ex, allow_none=True) for i, (v, ex) in enumerate(zip(values, examples))]
 
+
+    def _model_based(self, rf: RewardFunction, examples, completions, guard=None) -> list:
+        prompts = [ex.prompt if isinstance(ex.prompt, str) else [dict(m) for m in ex.prompt] for ex in examples]
+        answers = [ex.answer for ex in examples]
+        try:
+            values = (guard or self.guard).call(rf.fn, (prompts, list(completions), answers), what=f"reward {rf.name!r}",
+                                     where=f"a batch of {len(prompts)} samples (first prompt "
+                                           f"{examples[0].prompt_text!r})")
+        except RewardError as err:
+            cause = err.__cause__
+            if not isinstance(cause, ScoreFailure):
+                raise
+            i = cause.index
+            raise reward_failure(rf.name, i, None if i is None else examples[i].prompt_text, cause.problem) from None
+        if len(values) != len(prompts):
+            raise reward_failure(rf.name, None, None, f"gave {len(values)} values for {len(prompts)} samples")
+        return [self._number(rf, v, i, ex, allow_none=False) for i, (v, ex) in enumerate(zip(values, examples))]
+
+
+def _model_based(spec, where: str, search_dirs, device, precision_dtype: str, load) -> RewardFunction:
+    """A reward model or a judge, ready to score (``load=False``: checked, nothing loaded;
+    ``"lazy"``: loaded at its first call)."""
+    from portarl.assets.reward_models import RewardModel, read_model_config
+
+    if spec.kind == "judge":
+        from portarl.assets.judges import Judge
+
+        fn = Judge(spec, where=where, search_dirs=search_dirs)  # no request is sent until a batch is scored
+    elif load == "lazy":
+        read_model_config(spec.model, where)
+        fn = _Lazy(lambda: RewardModel(spec, where=where, device=device, precision_dtype=precision_dtype))
+    elif load:
+        fn = RewardModel(spec, where=where, device=device, precision_dtype=precision_dtype)
+    else:
+        read_model_config(spec.model, where)
+        fn = None
+    return RewardFunction(spec.name, fn, float(spec.weight), batched=True, kind=spec.kind)
+
+
+class _Direct:
+    """A guard stand-in that calls straight through; a failure is a :class:`RewardError`
+    caused by it, as the guard's (for :meth:`RewardRunner.judge_values`)."""
+
+    def call(self, fn, args=(), kwargs=None, *, what: str, where: str | None = None):
+        try:
+            return fn(*args, **(kwargs or {}))
+        except Exception as err:  # noqa: BLE001  (named as the guard names it)
+            raise RewardError(what, where, f"raised {type(err).__name__}: {err}") from err
+
+
+class _Lazy:
+    """A reward model built at its first call (``loaded``: None until then)."""
+
+    def __init__(self, build):
+        self.build, self.loaded = build, None
+
+    def __call__(self, *args):
+        if self.loaded is None:
+            self.loaded = self.build()
+        return self.loaded(*args)

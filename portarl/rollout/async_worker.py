@@ -26,7 +26,11 @@ Requests, handled strictly in order:
   (:func:`portarl.trainer.phases.rollout.run_rollout`): the failure reported for other
   frameworks' async modes, identical completions step after step, came from a worker
   whose seeds never advanced. Rewards are computed here (the trainer gets scored
-  batches); the reply carries the weight version that generated it.
+  batches); the reply carries the weight version that generated it. A batch with judges
+  (``rewards: [{judge: URL}]``) is judged by a thread of its own (:class:`Deferred`) that
+  replies when the judges have answered, while the worker goes on to the next request:
+  judging batch s overlaps generating batch s + 1 (``rollout.max_staleness`` >= 1 sends
+  it early). Replies keep the requests' order.
 - ``{"op": "stop"}`` or the end of stdin: exit.
 
 The worker dies with the trainer: ``PR_SET_PDEATHSIG`` (Linux) sends it SIGKILL when the
@@ -54,6 +58,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 from portarl.runtime import blackbox
@@ -160,8 +165,9 @@ class Worker:
         self.agent = make_agent(cfg, self.codec, spec["search_dirs"])
         self.engine = build_engine(cfg, self.model, tokenizer, self.codec, spec["work_dir"])
         seed_global_rngs(cfg.train.seed)  # the rewards run here: user code's randomness, as in the trainer
-        self.rewards = RewardRunner([(r.name, r.weight) for r in cfg.rewards], search_dirs=spec["search_dirs"],
-                                    timeout_s=cfg.train.reward_timeout_s)
+        # reward models load here, on the worker's device unless their own device is named
+        self.rewards = RewardRunner(cfg.rewards, search_dirs=spec["search_dirs"], timeout_s=cfg.train.reward_timeout_s,
+                                    device=self.device, precision_dtype=cfg.precision.dtype)
         r = cfg.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens)
@@ -244,13 +250,18 @@ class Worker:
                        "agent_events": [list(e) for e in events]}
         gen_s = time.perf_counter() - started
         blackbox.note(phase="scoring")
-        scores = self.rewards.score(rows, texts)
+        judging = self.rewards.has_judges  # judged by a thread while this process takes the next request
+        values = self.rewards.values(rows, texts, skip_judges=judging)
         reply = {"op": "batch", "step": step, "version": self.version, "seeds": seeds, **episode,
                  "prompt_ids": batch.prompt_ids, "completion_ids": batch.completion_ids, "logprobs": batch.logprobs,
-                 "finished": batch.finished, "texts": texts, "total": scores.total.tolist(),
-                 "per_function": scores.per_function, "reward_metrics": scores.metrics,
-                 "gen_s": gen_s, "score_s": time.perf_counter() - started - gen_s, "idle_s": idle,
+                 "finished": batch.finished, "texts": texts, "gen_s": gen_s, "idle_s": idle,
                  "cpu_s": time.process_time() - self.cpu_mark}
+
+        def scored(values: dict) -> dict:
+            scores = self.rewards.finish(rows, values)
+            reply.update(total=scores.total.tolist(), per_function=scores.per_function,
+                         reward_metrics=scores.metrics, score_s=time.perf_counter() - started - gen_s)
+            return reply
         self.cpu_mark = time.process_time()
         if batch.routed_experts is not None:  # MoE routing replay: the experts of every token fed, compactly
             from portarl.moe.routing import experts_json
@@ -261,11 +272,11 @@ class Worker:
         if self.fault_step == step and self.fault == "stale":
             reply["version"] = self.version - 10
             self.fault = None
-        return reply
+        if judging:
+            return Deferred(lambda: scored({**values, **self.rewards.judge_values(rows, texts)}), step)
+        return scored(values)
 
     def handle(self, request: dict) -> dict:
-        from portarl.runtime.user_code import UserCodeError
-
         op = request.get("op")
         try:
             if op == "weights":
@@ -275,11 +286,44 @@ class Worker:
                 self.idle_since = time.perf_counter()
                 return reply
             return {"op": "error", "kind": "worker", "message": f"unknown request {op!r}"}
-        except UserCodeError as err:  # a reward, or an environment that failed every episode: user code, named
-            return {"op": "error", "kind": "reward", "message": one_line(str(err))}
-        except Exception as err:  # reported to the trainer, which names the worker and stops
-            log.exception("rollout worker: %s failed", op)
-            return {"op": "error", "kind": "worker", "message": one_line(f"{type(err).__name__}: {err}")}
+        except Exception as err:  # noqa: BLE001  (a reply: failed_reply says whose fault)
+            return failed_reply(op, err)
+
+
+def failed_reply(op: str, err: Exception) -> dict:
+    """The error reply for a request that raised ``err``: a reward's (or an environment that
+    failed every episode: user code, named) or the worker's (the trainer names it and stops)."""
+    from portarl.runtime.user_code import UserCodeError
+
+    if isinstance(err, UserCodeError):
+        return {"op": "error", "kind": "reward", "message": one_line(str(err))}
+    log.error("rollout worker: %s failed", op, exc_info=err)
+    return {"op": "error", "kind": "worker", "message": one_line(f"{type(err).__name__}: {err}")}
+
+
+class Deferred:
+    """A batch whose judges are still answering: :meth:`start` finishes it on a thread of its
+    own, which writes the reply (or the error) as soon as it is ready, while the worker reads
+    and handles the next request (generates the next batch, loads weights). Replies keep
+    the requests' order: the loop joins this thread before it writes any other reply."""
+
+    def __init__(self, complete, step: int):
+        self.complete, self.step = complete, step
+
+    def start(self, write) -> threading.Thread:
+        def run():
+            try:
+                reply = self.complete()
+            except Exception as err:  # noqa: BLE001  (a reply, as handle's)
+                reply = failed_reply("generate", err)
+            try:
+                write(reply)
+            except (OSError, ValueError):  # the trainer closed the pipe (it stopped): nobody to tell
+                pass
+
+        thread = threading.Thread(target=run, name=f"portarl-judging-step-{self.step}")
+        thread.start()
+        return thread
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,16 +344,29 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.load(f)
     worker = Worker(spec)
     code = 0
+    pending = None  # the thread finishing a batch's judging (Deferred)
     try:
         out.write(json.dumps({"op": "ready", "pid": os.getpid()}) + "\n")
         out.flush()
+        def write(reply: dict) -> None:
+            out.write(json.dumps(reply) + "\n")
+            out.flush()
+
         for line in sys.stdin:
             request = json.loads(line)
             if request.get("op") == "stop":
                 break
-            out.write(json.dumps(worker.handle(request)) + "\n")
-            out.flush()
+            reply = worker.handle(request)
+            if pending is not None:  # the batch before this request is replied to first
+                pending.join()
+                pending = None
+            if isinstance(reply, Deferred):
+                pending = reply.start(write)
+            else:
+                write(reply)
     finally:
+        if pending is not None:  # its judges end within their timeouts
+            pending.join()
         worker.rewards.close()  # the reward watchdog's thread
         worker.engine.close()  # vllm: its engine core and process-wide state; hf: nothing
         if worker.agent is not None:

@@ -212,9 +212,12 @@ class GRPOTrainer:
 
     def _resolve_rewards(self, reward_fns) -> RewardRunner:
         self.rewards_from_config = reward_fns is None  # the config's rewards (what async mode's worker can load)
-        if reward_fns is None:
-            reward_fns = [(spec.name, spec.weight) for spec in self.config.rewards]
-        return RewardRunner(reward_fns, search_dirs=self._search_dirs(), timeout_s=self.config.train.reward_timeout_s)
+        if reward_fns is None:  # reward models load here, on this rank's device unless their own device is named
+            reward_fns = self.config.rewards
+        # async mode: the worker scores and loads them; here only eval.data would (at its first score)
+        load = "lazy" if self.config.rollout.mode == "async" else True
+        return RewardRunner(reward_fns, search_dirs=self._search_dirs(), timeout_s=self.config.train.reward_timeout_s,
+                            device=self.device, precision_dtype=self.config.precision.dtype, load=load)
 
     def _search_dirs(self) -> list[str]:
         """Where ``module:function`` rewards, tools and environments are looked for."""

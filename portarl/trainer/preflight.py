@@ -88,7 +88,7 @@ def check_rewards(config, examples: list, columns: list[str], dirs) -> None:
     from portarl.assets.reward_runner import RewardRunner
     from portarl.trainer.setup import check_answers
 
-    with RewardRunner([(s.name, s.weight) for s in config.rewards], search_dirs=dirs, timeout_s=None) as runner:
+    with RewardRunner(config.rewards, search_dirs=dirs, timeout_s=None, load=False) as runner:
         for rf in runner.functions:
             if rf.batched:
                 rf.check_columns(columns)

@@ -30,6 +30,7 @@ from portarl.trainer.config.fields import (  # noqa: F401  (ConfigError, apply_o
 )
 from portarl.trainer.config.algorithms import REFERENCE_SYNC_LORA, EvalConfig, ReferenceConfig, ShapingConfig  # noqa: F401
 from portarl.trainer.config.lora import LORA_DEFAULT_TARGETS, LoraSection, lora_section  # noqa: F401
+from portarl.trainer.config.rewards import RewardSpec, default_rewards as _default_rewards, validate_rewards
 from portarl.trainer.config.rollout import RolloutConfig  # noqa: F401  (public here too)
 from portarl.trainer.config.safety import GuardsConfig, PrecisionConfig  # noqa: F401  (public here too)
 from portarl.trainer.config.model_data import DataConfig, ModelConfig  # noqa: F401  (public here too)
@@ -87,17 +88,6 @@ class LoggingConfig:
         _positive_int(self, "logging", "samples_every", "samples_count", allow_zero=True)
 
 
-@dataclasses.dataclass
-class RewardSpec:
-    #: Built-in ("math_exact", "format", "environment") or "module:function".
-    name: str
-    weight: float = 1.0
-
-
-def _default_rewards():
-    return [RewardSpec("math_exact", 1.0), RewardSpec("format", 0.1)]
-
-
 def _default_loss():
     # A small k3 KL to the post-warm-up model: keeps the demo's policy near its start and
     # makes `kl` in the logs a real number.
@@ -116,7 +106,8 @@ class TrainConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
-    #: Reward functions and their weights: a list of {name, weight}.
+    #: Rewards and their weights: functions {name, weight}, reward models {model: PATH, ...} and judges
+    #: {judge: URL, model: NAME, ...}; see the rewards table below.
     rewards: list[RewardSpec] = dataclasses.field(default_factory=_default_rewards)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
@@ -146,12 +137,7 @@ class TrainConfig:
                               ("shaping", self.shaping), ("reference", self.reference), ("eval", self.eval)):
             _coerce_numbers(section, name)
             section.validate()
-        _check(bool(self.rewards), "rewards", "must list at least one reward", self.rewards)
-        for i, spec in enumerate(self.rewards):
-            _check(isinstance(spec.name, str) and bool(spec.name), f"rewards[{i}].name", "must be a string", spec.name)
-            _coerce_numbers(spec, f"rewards[{i}]")
-            _check(isinstance(spec.weight, (int, float)) and math.isfinite(spec.weight), f"rewards[{i}].weight",
-                   "must be a finite number", spec.weight)
+        validate_rewards(self.rewards)
         rows = self.train.prompts_per_step * self.rollout.group_size
         _check(self.train.mini_batches <= rows, "train.mini_batches",
                f"must be at most the {rows} sequences of an iteration (train.prompts_per_step x rollout.group_size)",
@@ -176,6 +162,7 @@ class TrainConfig:
     # ---- dict / YAML round trip ----
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
+        out["rewards"] = [spec.to_dict() for spec in self.rewards]  # unset fields of other kinds left out
         return out
 
     @classmethod
@@ -194,7 +181,8 @@ class TrainConfig:
                     raise ConfigError(str(err).replace("GRPOConfig.", "loss.")) from None
             elif key == "rewards":
                 if not isinstance(value, list):
-                    raise ConfigError(f"rewards must be a list of {{name, weight}}, got {value!r}")
+                    raise ConfigError(f"rewards must be a list of {{name, weight}}, {{model: PATH}} or {{judge: URL, "
+                                  f"model: NAME}}, got {value!r}")
                 kwargs[key] = [_build(RewardSpec, f"rewards[{i}]", _mapping(f"rewards[{i}]", v)) for i, v in enumerate(value)]
             elif key in _SECTION_CLASSES:
                 kwargs[key] = _build(_SECTION_CLASSES[key], key, _mapping(key, value))
@@ -214,6 +202,8 @@ class TrainConfig:
                 raise ConfigError(f"config file {path} must hold a mapping of sections")
             values = loaded or {}
         from_file = dict(values["data"]) if isinstance(values.get("data"), dict) else {}
+        if path is not None:
+            _judge_prompts_in(values.get("rewards"), path.resolve().parent)
         eval_from_file = dict(values["eval"]) if isinstance(values.get("eval"), dict) else {}
         for item in overrides or []:
             apply_override(values, item)
@@ -243,6 +233,15 @@ class TrainConfig:
         from any directory) where it still exists on this machine."""
         source = getattr(self, "source_dir", None)
         return [str(Path.cwd())] + ([source] if source and Path(source).is_dir() else [])
+
+
+def _judge_prompts_in(rewards, directory: Path) -> None:
+    """A judge's relative ``prompt`` written in a config file means the file's directory
+    (as ``data.path`` does) where such a file exists there."""
+    for entry in rewards if isinstance(rewards, list) else ():
+        prompt = entry.get("prompt") if isinstance(entry, dict) else None
+        if isinstance(prompt, str) and not Path(prompt).is_absolute() and (directory / prompt).is_file():
+            entry["prompt"] = str(directory / prompt)
 
 
 _SECTION_CLASSES = {

@@ -16,6 +16,8 @@ Held for the whole run ("static"; the optimizer state from the first optimizer s
   masters (or fp32 parameters), 2 b N_t otherwise; / W under FSDP2.
 - KL reference (``loss.kl_coef`` > 0 without LoRA: a frozen copy; with LoRA it is the
   model with its adapter off, no copy): N b, / W under FSDP2.
+- reward models (``rewards: [{model: PATH}]``): their parameters at their dtype, on this
+  device unless they name their own (:mod:`portarl.trainer.memory.reward_models`).
 - the data set, on CPU only (host memory is the device there): the loaded examples and
   their encoded prompts, 520 B per example + 33 B per prompt token (tracemalloc).
 
@@ -100,6 +102,7 @@ import re
 from portarl.trainer.memory.arch import Arch, arch_of, prompt_stats
 from portarl.trainer.memory.engine import engine_memory, gib
 from portarl.trainer.memory.moe import moe_lines, moe_parts
+from portarl.trainer.memory.reward_models import reward_model_memory
 from portarl.trainer.memory.vision import ImageStats, vision_parts
 
 CPU_CHUNK_BYTES = 4 << 20
@@ -225,6 +228,8 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     parts["optimizer state"] = state
     beside("vision tower optimizer state")
     state += vision.get("vision tower optimizer state", 0)
+    rm_parts, rm_notes = reward_model_memory(cfg)
+    parts.update(rm_parts)
     parts["data set (host)"] = 0 if accelerator else examples * DATA_EXAMPLE_BYTES + data_tokens * DATA_TOKEN_BYTES
     beside("pixel cache (host)")
     held = sum(parts.values()) - (state if first_step else 0)
@@ -272,7 +277,7 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     held += sum(engine.held.values())
     rollout = sum(engine.rollout.values())
     return Plan(arch, w, parts, held, update, rollout, optimizer, rows, s, ckpt, m, packed,
-                full if ckpt else checkpointed, device_memory, engine.notes, images, n_t,
+                full if ckpt else checkpointed, device_memory, engine.notes + rm_notes, images, n_t,
                 moe_lines(arch, cfg, samples=sequences, rows=per_device, width=s), sp)
 
 

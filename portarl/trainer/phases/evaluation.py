@@ -185,7 +185,8 @@ def eval_checkpoint(checkpoint, data: str, *, n: int | None = None, greedy: bool
     config.eval = dataclasses.replace(e, data=data, n=n, greedy=greedy,
                                       max_prompts=e.max_prompts if max_prompts is None else max_prompts)
     config.eval.validate()
-    model.to(resolve_device(device))
+    device = resolve_device(device)
+    model.to(device)
     codec = codec_for(tokenizer, model, chat_template=chat_template_option(config.data.chat_template),
                      system_prompt=config.data.system_prompt)
     from portarl.multiturn.agent import make_agent
@@ -195,8 +196,8 @@ def eval_checkpoint(checkpoint, data: str, *, n: int | None = None, greedy: bool
     examples, ids = load_eval_set(config, codec, ctx, data)
     engine = HFRollout(model, codec.eos_token_id, codec.pad_token_id, stop_token_ids=codec.stop_token_ids,
                        lean_decode=config.rollout.lean_decode)
-    rewards = RewardRunner([(s.name, s.weight) for s in config.rewards], search_dirs=config.code_search_dirs(),
-                           timeout_s=config.train.reward_timeout_s)
+    rewards = RewardRunner(config.rewards, search_dirs=config.code_search_dirs(), timeout_s=config.train.reward_timeout_s,
+                           device=device, precision_dtype=config.precision.dtype)
     try:
         with rewards, torch.no_grad():  # the reward watchdog's thread is joined on the way out
             return evaluate(engine, model, codec, rewards, examples, ids, config, agent)
