@@ -99,6 +99,20 @@ FULL_ONLY: dict[str, tuple[list[str], str]] = {
         ["distributed/test_fsdp_gloo.py::test_signal_on_one_rank_stops_both_with_one_checkpoint[15]",
          "trainer/test_signals.py::test_second_signal_aborts_at_once_and_says_nothing_was_saved"],
         "a signal to one rank stops both with one checkpoint; SIGINT's handling on one process"),
+    # An async MoE run resumed with a batch in flight: the dense resume with a batch in flight
+    # holds the checkpoint's reply bitwise; the routed experts' JSON and replay-file round trips hold
+    # the recording it carries.
+    "trainer/test_async_resume.py::test_an_moe_run_resumed_with_a_batch_in_flight_replays_its_routed_experts": (
+        [f"{_RESUME}[hang@4-_kill_between_checkpoints]",
+         "moe/test_moe_train_cli.py::test_recorded_experts_round_trip_through_json_and_refuse_damage",
+         "moe/test_moe_train_cli.py::test_recorded_experts_travel_in_replay_files"],
+        "a batch in flight resumes bitwise; the recorded experts survive its JSON"),
+    # The node keeping the rendezvous store dying: the other node's death on two agents, and the
+    # store-gone line at unit level.
+    "distributed/test_two_nodes.py::test_a_node_that_dies_stops_the_other_within_the_timeout_naming_it[node0_keeping_the_store]": (
+        ["distributed/test_two_nodes.py::test_a_node_that_dies_stops_the_other_within_the_timeout_naming_it[node1]",
+         "test_heartbeat.py::test_silent_peers_says_when_the_rendezvous_store_is_gone"],
+        "a dying node stops the other naming it; a gone store is named"),
     # A judge failing mid-run through the command line: the stopped server in make test; the slow
     # and the garbage server end the same way (the runner-level tests hold their one-line reward failure).
     **{f"{_JUDGE_CLI}[{fault}]": (
