@@ -36,14 +36,19 @@ def jit_functions(module):
     return [v for v in vars(module).values() if isinstance(v, JITFunction) and v.__module__ == module.__name__]
 
 
-def resource_usage(cubin: bytes) -> dict:
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """triton's bundled ``cuobjdump FLAG`` on a cubin, its stdout."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> dict:
+    text = cuobjdump(cubin, "--dump-resource-usage")
     usage = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", text)}
     if "REG" not in usage:
         raise RuntimeError(f"no resource usage in cuobjdump output:\n{text}")
@@ -56,13 +61,7 @@ SASS_OPS = ("HGMMA", "HMMA", "FFMA")
 
 
 def sass_counts(cubin: bytes) -> dict:
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    text = cuobjdump(cubin, "-sass")
     return {op: len(re.findall(rf"\b{op}\b", text)) for op in SASS_OPS}
 
 

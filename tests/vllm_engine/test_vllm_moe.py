@@ -28,7 +28,7 @@ from portarl.moe.models import BUILTIN_MOES, build_tiny_moe  # noqa: E402
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL  # noqa: E402
 from portarl.rollout import SamplingParams, request_seeds  # noqa: E402
 from portarl.rollout.vllm import VLLMRollout  # noqa: E402
-from portarl.trainer.phases.sequences import build_batch, completion_logprobs  # noqa: E402
+from test_vllm_rollout import _trainer_logprobs  # noqa: E402
 
 #: vLLM's CPU attention takes head sizes of 32 and up: 64 / 2 heads.
 HEADS = dict(heads=2, kv_heads=1)
@@ -37,13 +37,8 @@ G = 4
 
 
 def _max_diff(model, out, pad_id, temperature):
-    batch = build_batch(out.prompt_ids, out.completion_ids, pad_id, "cpu")
-    with torch.no_grad():
-        ours = completion_logprobs(model, batch, temperature=temperature)
-    theirs = torch.zeros_like(ours)
-    for i, lps in enumerate(out.logprobs):
-        theirs[i, : len(lps)] = torch.tensor(lps)
-    return float((ours - theirs).abs()[batch.mask].max())
+    ours, theirs, mask = _trainer_logprobs(model, out, pad_id, temperature)
+    return float((ours - theirs).abs()[mask].max())
 
 
 @pytest.mark.parametrize("name", list(BUILTIN_MOES))
