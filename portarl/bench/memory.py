@@ -114,7 +114,7 @@ def measure(config: str | None, sets: list[str], nproc: int = 1, threads: int = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from portarl.trainer.memory.plan import gib
+    from portarl.trainer.memory.engine import gib
 
     ap = argparse.ArgumentParser(prog="portarl bench memory")
     ap.add_argument("--config")

@@ -44,7 +44,8 @@ def local_device_memory(device: str = "auto") -> tuple[int | None, bool]:
 
 def cmd_plan(args) -> int:
     from portarl.trainer.memory.arch import arch_of, prompt_stats
-    from portarl.trainer.memory.plan import estimate, parse_size, render
+    from portarl.trainer.memory.plan import estimate, parse_size
+    from portarl.trainer.memory.report import render
 
     try:
         config = load_config(args, "plan")
@@ -83,7 +84,8 @@ def train_start_line(config, tokenizer, examples, device) -> str:
     devices: torchrun's ``WORLD_SIZE``)."""
     from portarl.assets.tokenizer import chat_template_option
     from portarl.trainer.memory.arch import arch_of, measure_prompts
-    from portarl.trainer.memory.plan import estimate, one_line
+    from portarl.trainer.memory.plan import estimate
+    from portarl.trainer.memory.report import one_line
     from portarl.vision.codec import codec_for
 
     d = config.data

@@ -122,7 +122,7 @@ def _vllm_plan(*sets, device_memory=80 * GIB, accelerator=True, sleep_level=None
 
 
 def test_the_vllm_engines_share_is_held_or_in_the_rollout_phase_by_its_sleep_level(monkeypatch):
-    from portarl.trainer.memory.plan import render
+    from portarl.trainer.memory.report import render
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     cfg = TrainConfig.load(None, [])
@@ -167,7 +167,7 @@ def test_the_vllm_engines_share_is_held_or_in_the_rollout_phase_by_its_sleep_lev
 
 
 def test_a_vllm_share_that_does_not_fit_names_the_sleep_level_and_the_share(monkeypatch):
-    from portarl.trainer.memory.plan import advice
+    from portarl.trainer.memory.report import advice
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     cfg, plan = _vllm_plan("rollout.vllm_gpu_memory_utilization=1", device_memory=2 * GIB)  # and the trainer beside it

@@ -120,7 +120,8 @@ def test_the_token_budget_is_per_rank():
 
 def test_plan_shows_the_per_rank_peak_falling_with_the_sequence_parallel_size():
     from portarl.trainer.memory.arch import arch_of
-    from portarl.trainer.memory.plan import estimate, render
+    from portarl.trainer.memory.plan import estimate
+    from portarl.trainer.memory.report import render
 
     # One 8k-token sequence per micro-batch (micro_batch_size=1): what a rank holds falls with SP.
     # (Bound by the budget instead, a group's micro-batch takes SP x the rows: the same tokens per rank.)
