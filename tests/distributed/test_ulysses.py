@@ -4,7 +4,10 @@ the whole sequence in one process.
 - The forward and backward (tests/distributed/ulysses_worker.py): 2 ranks at SP 2 (fp32 and
   bf16) and 4 ranks at SP 2 (two data-parallel groups) and SP 4 (each key / value head
   repeated): log-probs, entropy and every parameter's gradient of a loss of both equal the
-  1-process whole-sequence computation within :mod:`portarl.parity.tolerances`, on padded
+  1-process whole-sequence computation within :mod:`portarl.parity.tolerances` (bf16
+  gradients: both held to the float64 gradient of the same parameters, SP's error at most
+  ``LOW_PRECISION_PATH_ERROR_RATIO`` times the whole row's; a 3% error in the all-to-all's
+  backward fails that, tried by hand), on padded
   rows, padding-free rows with a sequence ending on a shard boundary, and rows SP does not
   divide; also through FSDP2 (the trainer's path); and attention that bypasses the
   all-to-all raises. The worker's checks fail when the gather's backward seeds the wrong

@@ -31,7 +31,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from portarl.parity.tolerances import fp32_result, low_precision_forward
+from portarl import ops
+from portarl.parity.tolerances import fp32_result, low_precision_forward, low_precision_path
 from portarl.runtime import distributed as pdist
 from portarl.runtime.sequence_parallel import make_group
 from portarl.trainer.phases.packing import Layout, pack_micro_batch
@@ -85,6 +86,23 @@ def _score(model, batch, sp=None):
     return sp_completion_logprobs(model, batch, sp, temperature=TEMPERATURE, with_entropy=True)
 
 
+def _float64_linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, return_entropy=False, **kw):
+    """``ops.linear_logprobs`` for float64 inputs, differentiable (the ops take no float64):
+    the exact reference of a low-precision model's gradients."""
+    if hidden.dtype != torch.float64:
+        return _LINEAR_LOGPROBS(hidden, weight, labels, bias=bias, temperature=temperature,
+                                return_entropy=return_entropy, **kw)
+    log_sm = torch.log_softmax((hidden @ weight.T + (0.0 if bias is None else bias)) / temperature, dim=-1)
+    valid = labels != -100
+    logp = torch.where(valid, log_sm.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1), 0.0)
+    entropy = torch.where(valid, -(log_sm.exp() * log_sm).sum(-1), 0.0)
+    return (logp, entropy) if return_entropy else logp
+
+
+_LINEAR_LOGPROBS = ops.linear_logprobs
+ops.linear_logprobs = _float64_linear_logprobs
+
+
 def _grads(model) -> dict:
     return {n: pdist.full(p.grad).detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -98,16 +116,21 @@ def _check(name: str, got: torch.Tensor, want: torch.Tensor, tol) -> float:
     return float(diff.max())
 
 
-def _compare(label: str, dtype, logp, entropy, grads, ref_logp, ref_entropy, ref_grads, scale: float) -> None:
+def _compare(label: str, dtype, logp, entropy, grads, ref_logp, ref_entropy, ref_grads, scale: float,
+             exact_grads: dict | None = None) -> None:
     tol = fp32_result(scale) if dtype == torch.float32 else low_precision_forward(scale, dtype)
     worst = [_check(f"{label} logp", logp, ref_logp, tol), _check(f"{label} entropy", entropy, ref_entropy, tol)]
     assert grads.keys() == ref_grads.keys() and grads, (label, sorted(grads), sorted(ref_grads))
     for key, ref in ref_grads.items():
         if dtype != torch.float32:
             # bf16 parameters get bf16 gradients, each a sum rounded in bf16 at every step of
-            # another order: no rounding-level tolerance holds a whole backward (the trainer
-            # reduces fp32 gradients of fp32 masters); the fp32 run checks them.
-            break
+            # another order: both paths are held to the float64 gradient of the same
+            # parameters, SP's error at most LOW_PRECISION_PATH_ERROR_RATIO x the whole row's.
+            exact = exact_grads[key]
+            tol_g = low_precision_path(float((ref - exact).abs().max()), float(exact.abs().max()))
+            _check(f"{label} grad {key} (vs float64)", grads[key].double(), exact, tol_g)
+            worst.append(float((grads[key] - ref).abs().max()))
+            continue
         # The fp32 op's error (fp32_result) relative to the gradient's own scale.
         tol_g = type(tol)(atol=tol.atol * (float(ref.abs().max()) + 1.0), rtol=0.0)
         worst.append(_check(f"{label} grad {key}", grads[key], ref, tol_g))
@@ -128,6 +151,11 @@ def run(sizes: list[int], dtypes: list[torch.dtype]) -> None:
                 ref_logp, ref_entropy = _score(ref_model, batch)
                 _loss(batch, ref_logp, ref_entropy).backward()
                 ref_grads = _grads(ref_model)
+                exact_grads = None
+                if dtype != torch.float32:  # the same parameters' exact gradients
+                    exact_model = copy.deepcopy(base).double()
+                    _loss(batch, *_score(exact_model, batch)).backward()
+                    exact_grads = {k: v.double() for k, v in _grads(exact_model).items()}
                 hidden_scale = 1.0 + float(ref_entropy.detach().abs().max())
                 for size in sizes:
                     sp = make_group(ctx, size)
@@ -138,7 +166,7 @@ def run(sizes: list[int], dtypes: list[torch.dtype]) -> None:
                     for g in grads.values():
                         dist.all_reduce(g, group=sp.group)
                     _compare(f"{dtype} {layout} {shape} SP {size} of {world}", dtype, logp, entropy, grads,
-                             ref_logp, ref_entropy, ref_grads, hidden_scale)
+                             ref_logp, ref_entropy, ref_grads, hidden_scale, exact_grads)
     # FSDP2, the trainer's path: fp32, SP = every rank, packed rows on the shard boundary
     batch = _batch("boundary", "packed")
     ref_model = _model(torch.float32)
