@@ -8,8 +8,10 @@ the whole sequence in one process.
   gradients: both held to the float64 gradient of the same parameters, SP's error at most
   ``LOW_PRECISION_PATH_ERROR_RATIO`` times the whole row's; a 3% error in the all-to-all's
   backward fails that, tried by hand), on padded
-  rows, padding-free rows with a sequence ending on a shard boundary, and rows SP does not
-  divide; also through FSDP2 (the trainer's path); and attention that bypasses the
+  rows, padding-free rows with a sequence ending on a shard boundary, padding-free rows over
+  the dense mask bound (causal rows: the SP forward builds no mask), and rows SP does not
+  divide; under sdpa and under flash varlen (tests/varlen_standin.py: the rows' spans reach
+  the attention call and are right; wrong spans fail it, tried by hand); also through FSDP2 (the trainer's path); and attention that bypasses the
   all-to-all raises. The worker's checks fail when the gather's backward seeds the wrong
   shard (max |d grad| 4.4) or the labels are shifted after the cut (tried by hand).
 - The trainer: a 2-step GRPO run on 2 ranks at SP 2 (padding-free rows, activation
@@ -54,14 +56,16 @@ def _worker(ranks: int, sizes: str, dtypes: str) -> str:
 
 def test_two_ranks_sp2_equal_the_whole_sequence_fp32_and_bf16():
     out = _worker(2, "2", "float32,bfloat16")
-    assert out.count("ok torch.") == 2 * 3 * 2, out  # 2 dtypes x padded / packed / shared x boundary / odd widths
+    # 2 dtypes x padded / packed / shared / causal rows x boundary / odd widths, and fp32 flash
+    # varlen (no shared-prompt rows) on the other three
+    assert out.count("ok torch.") == 2 * 4 * 2 + 3 * 2 and out.count("varlen SP 2") == 3 * 2, out
     assert "ok fsdp2 SP 2" in out and "ok refused unwrapped attention" in out, out
 
 
 def test_four_ranks_sp2_and_sp4_equal_the_whole_sequence():
     out = _worker(4, "2,4", "float32")
     for size in (2, 4):
-        assert out.count(f"SP {size} of 4") == 6, out  # padded / packed / shared x boundary / odd widths
+        assert out.count(f"SP {size} of 4") == 4 * 2 + 3 * 2, out  # 4 layouts x 2 widths; varlen on 3 of them
     assert "ok fsdp2 SP 4" in out and "ok refused unwrapped attention" in out, out
 
 

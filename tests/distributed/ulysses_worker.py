@@ -16,14 +16,18 @@ backpropagated:
 
 Layouts: padded rows (left-padded prompts), padding-free rows where one sequence ends
 exactly on a shard boundary, rows whose length SP does not divide (padded to a multiple),
-and shared-prompt rows (one prompt, several completions, whose first tokens are all scored
-from the prompt's last position). Tolerances from :mod:`portarl.parity.tolerances` (fp32, and bf16 for a bf16
-model). Then the negative check: a model whose attention does not go through the wrapper
+shared-prompt rows (one prompt, several completions, whose first tokens are all scored
+from the prompt's last position), and padding-free rows over the dense mask bound (causal
+rows: the whole rows' mask must be None). Each but the shared-prompt rows also under flash
+varlen attention (fp32): the stand-in of tests/varlen_standin.py gets the rows' spans, in
+every layer. Tolerances from :mod:`portarl.parity.tolerances` (fp32, and bf16 for a bf16
+model; bf16 gradients against float64, :func:`low_precision_path`). Then the negative check: a model whose attention does not go through the wrapper
 (eager) must raise, not silently score the shards alone. Prints one ``ok`` line per case.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -31,12 +35,17 @@ import sys
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))  # tests/: varlen_standin
+from varlen_standin import varlen_standin  # noqa: E402
+
 from portarl import ops
 from portarl.parity.tolerances import fp32_result, low_precision_forward, low_precision_path
 from portarl.runtime import distributed as pdist
 from portarl.runtime.sequence_parallel import make_group
 from portarl.trainer.phases.packing import Layout, pack_micro_batch
 from portarl.trainer.phases.sequences import build_batch, completion_logprobs
+from portarl.trainer.phases import attention_masks as masks
+from portarl.trainer.phases import ulysses
 from portarl.trainer.phases.ulysses import install_attention, sp_completion_logprobs
 
 TEMPERATURE = 0.8
@@ -66,11 +75,35 @@ def _batch(name: str, layout: str):
     batch = build_batch(prompts, completions, 0, "cpu")
     if layout == "packed":  # rows as long as the longest sequence: [first] and [second, third]
         batch.packed = pack_micro_batch(batch, prompts_len, completions_len, Layout("rows", longest_only=True))
+    if layout == "causal":  # padding-free rows over the dense mask bound: one sequence per row, no mask
+        bound, masks.DENSE_MASK_BOUND_BYTES = masks.DENSE_MASK_BOUND_BYTES, 0
+        try:
+            batch.packed = pack_micro_batch(batch, prompts_len, completions_len, Layout("rows", impl="sdpa"))
+        finally:
+            masks.DENSE_MASK_BOUND_BYTES = bound
+        assert batch.packed.input_ids.shape[0] == len(prompts), "causal rows: one sequence per row"
     if layout == "shared":
         shared = Layout("rows", linear=10**6, attention=1, share_prompt=True)
         batch.packed = pack_micro_batch(batch, prompts_len, completions_len, shared, [tuple(p) for p in prompts])
         assert batch.packed.attention_mask is not None, "the rows must share their prompt"
     return batch
+
+
+@contextlib.contextmanager
+def _masks_seen():
+    """The masks the SP forwards inside build for their whole rows (None: plain causal)."""
+    seen: list = []
+    original = ulysses.row_mask
+
+    def recording(*args, **kwargs):
+        seen.append(original(*args, **kwargs))
+        return seen[-1]
+
+    ulysses.row_mask = recording
+    try:
+        yield seen
+    finally:
+        ulysses.row_mask = original
 
 
 def _loss(batch, logp, entropy):
@@ -141,10 +174,14 @@ def _compare(label: str, dtype, logp, entropy, grads, ref_logp, ref_entropy, ref
 def run(sizes: list[int], dtypes: list[torch.dtype]) -> None:
     world = dist.get_world_size()
     ctx = pdist.DistContext(dist.get_rank(), world, 0, "gloo")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    varlen_calls: list[int] = []  # flash varlen: the stand-in (tests/varlen_standin.py), then SP's wrapper
+    ALL_ATTENTION_FUNCTIONS.register("flash_attention_2", varlen_standin(varlen_calls, check_positions=False))
     install_attention()
     for dtype in dtypes:
         base = _model(dtype)
-        for layout in ("padded", "packed", "shared"):
+        for layout in ("padded", "packed", "shared", "causal"):
             for shape in SHAPES:
                 batch = _batch(shape, layout)
                 ref_model = copy.deepcopy(base)
@@ -160,13 +197,30 @@ def run(sizes: list[int], dtypes: list[torch.dtype]) -> None:
                 for size in sizes:
                     sp = make_group(ctx, size)
                     model = copy.deepcopy(base)
-                    logp, entropy = _score(model, batch, sp)
+                    with _masks_seen() as seen:
+                        logp, entropy = _score(model, batch, sp)
+                    if layout == "causal":  # the whole rows' attention holds no [W, W] mask either
+                        assert seen == [None], seen
                     _loss(batch, logp, entropy).backward()
                     grads = _grads(model)
                     for g in grads.values():
                         dist.all_reduce(g, group=sp.group)
                     _compare(f"{dtype} {layout} {shape} SP {size} of {world}", dtype, logp, entropy, grads,
                              ref_logp, ref_entropy, ref_grads, hidden_scale, exact_grads)
+                    if dtype != torch.float32 or layout == "shared":  # flash: no shared-prompt rows
+                        continue
+                    model = copy.deepcopy(base)
+                    model.config._attn_implementation = "flash_attention_2"
+                    del varlen_calls[:]
+                    logp, entropy = _score(model, batch, sp)
+                    _loss(batch, logp, entropy).backward()
+                    grads = _grads(model)
+                    for g in grads.values():
+                        dist.all_reduce(g, group=sp.group)
+                    # every layer, forward and backward's recomputation none: the spans of the rows
+                    assert len(varlen_calls) == model.config.num_hidden_layers and min(varlen_calls) >= 2, varlen_calls
+                    _compare(f"{dtype} {layout} {shape} varlen SP {size} of {world}", dtype, logp, entropy, grads,
+                             ref_logp, ref_entropy, ref_grads, hidden_scale)
     # FSDP2, the trainer's path: fp32, SP = every rank, packed rows on the shard boundary
     batch = _batch("boundary", "packed")
     ref_model = _model(torch.float32)

@@ -24,6 +24,7 @@ from portarl.trainer.phases.micro_batches import micro_batches
 from portarl.trainer.phases.packing import Layout, layout_of
 from portarl.trainer.phases.sequences import MATERIALIZE_ENV, build_batch, completion_logits, completion_logprobs
 from test_memory_checkpointing import _assert_same, _gradients
+from varlen_standin import varlen_standin
 
 VOCAB = 100
 
@@ -210,34 +211,11 @@ def test_attention_across_sequences_is_caught(monkeypatch, fault, dtype):
         _assert_packed_equal_padded(model, batch, "varlen", dtype)
 
 
-def _varlen_standin(calls):
-    """A stand-in for transformers' flash varlen attention (``flash_attn_varlen_func``'s
-    contract: q/k/v of one row, causal attention within each [cu[i], cu[i+1]) span), built
-    from SDPA per sequence. Not flash-attn and not npu_fusion_attention: it checks that
-    the cumulative lengths reach the attention call and are right."""
-
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
-
-        cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
-        (want_cu, _), (want_max, _) = prepare_fa_kwargs_from_position_ids(kwargs["position_ids"])
-        assert attention_mask is None and query.shape[0] == 1
-        assert cu.tolist() == want_cu.tolist() and max_len == int(want_max), (cu, want_cu, max_len, want_max)
-        calls.append(len(cu) - 1)
-        out = torch.empty_like(query)
-        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-            out[:, :, a:b] = torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None
-
-    return attention
-
-
 def test_varlen_layout_hands_the_kernel_its_cumulative_lengths(monkeypatch):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     calls: list = []
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "flash_attention_2", _varlen_standin(calls))
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "flash_attention_2", varlen_standin(calls))
     batch = _batch()
     model = _model(impl="flash_attention_2")
     assert packing.packing_support(model)[0] == "varlen"

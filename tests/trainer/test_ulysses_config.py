@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from portarl.trainer.config import ConfigError, TrainConfig  # noqa: E402
 from portarl.trainer.phases.micro_batches import micro_batches  # noqa: E402
 from portarl.trainer.phases.sequences import build_batch  # noqa: E402
-from portarl.trainer.phases.ulysses import kv_repeat, row_mask, sequence_parallel_refusal  # noqa: E402
+from portarl.trainer.phases.ulysses import kv_repeat, row_mask, row_spans, sequence_parallel_refusal  # noqa: E402
 from portarl.trainer.setup import check_distributed_config  # noqa: E402
 
 
@@ -79,8 +79,22 @@ def test_unsupported_combinations_are_refused(tiny, sets, words):
 
 
 def test_attention_the_wrapper_cannot_reach_is_refused(tiny, monkeypatch):
-    monkeypatch.setattr(tiny.config, "_attn_implementation", "eager")
-    assert "model.attn_implementation='eager'" in sequence_parallel_refusal(_cfg(2), tiny, 2)
+    for impl in ("eager", "flex_attention"):
+        monkeypatch.setattr(tiny.config, "_attn_implementation", impl)
+        assert f"model.attn_implementation='{impl}'" in sequence_parallel_refusal(_cfg(2), tiny, 2)
+    monkeypatch.setattr(tiny.config, "_attn_implementation", "flash_attention_2")  # varlen: wrapped
+    assert sequence_parallel_refusal(_cfg(2), tiny, 2) is None
+
+
+def test_row_spans_are_the_sequences_and_the_padding_runs():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])  # two sequences and SP's tail; one
+    cu, longest, flat = row_spans(positions, None)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 5, 6, 12] and longest == 6
+    assert flat.shape == (1, 12)
+    # Padding whose positions run on into the real tokens is still a span of its own
+    valid = torch.tensor([[False, False, True, True, True, False]])
+    cu, longest, _ = row_spans(torch.arange(6)[None], valid)
+    assert cu.tolist() == [0, 2, 5, 6] and longest == 3
 
 
 def test_prompts_split_per_data_parallel_group():

@@ -10,18 +10,25 @@ under the whole row's mask, and a second all-to-all turns it back (DeepSpeed-Uly
 
 How the attention is reached: transformers 5.x's attention modules look their function up
 in ``ALL_ATTENTION_FUNCTIONS`` at every forward and pass it the forward's keyword
-arguments. :func:`install_attention` registers, for ``sdpa``, a function that calls the
-original unless the forward carries :data:`SP_KWARG`, the micro-batch's
-:class:`_RowAttention` (its group, shard length and the whole row's mask); with it, the
-all-to-all path runs. The state rides in the forward's arguments, so activation
-checkpointing's recomputation during backward takes the same path, and every other forward
-(generation, the SFT warm-up) is untouched. The decoder is given ``attention_mask`` as a
-mapping of ``None`` per layer type (transformers uses a dict as the prepared masks), so no
-mask is built for the shard; :class:`_RowAttention` builds the row's: causal, within the
-sequence (a position id that does not follow its left neighbour starts one, as
-transformers' ``find_packed_sequence_indices`` decides), real keys only, or a shared-prompt
-row's own 4-D mask. Never a silent no-op: a forward whose attention did not run through the
-all-to-all in every layer, or whose hidden states are not W / SP tokens, raises.
+arguments. :func:`install_attention` registers, for ``sdpa`` and the varlen (flash)
+implementations, a function that calls the original unless the forward carries
+:data:`SP_KWARG`, the micro-batch's :class:`_RowAttention` (its group, shard length and the
+whole rows' attention pattern); with it, the all-to-all path runs. The state rides in the
+forward's arguments, so activation checkpointing's recomputation during backward takes the
+same path, and every other forward (generation, the SFT warm-up) is untouched. The decoder
+is given ``attention_mask`` as a mapping of ``None`` per layer type (transformers uses a
+dict as the prepared masks), so no mask is built for the shard. The whole rows' pattern:
+causal, within the sequence (a position id that does not follow its left neighbour starts
+one, as transformers' ``find_packed_sequence_indices`` decides), real keys only, or a
+shared-prompt row's own 4-D mask. Under ``sdpa`` that is a bool mask (:func:`row_mask`;
+padding-free rows over :data:`portarl.trainer.phases.attention_masks.DENSE_MASK_BOUND_BYTES`
+arrive as one sequence per row, so it is None: plain causal); under flash it is the rows'
+spans (:func:`row_spans`), handed to the original flash function as transformers'
+padding-free ``cu_seq_lens`` keywords: flash-attn's varlen kernel on CUDA,
+``npu_fusion_attention`` with ``actual_seq_qlen`` on Ascend (transformers' NPU flash
+integration), no [W, W] tensor in any layout. Never a silent no-op: a forward whose
+attention did not run through the all-to-all in every layer, or whose hidden states are not
+W / SP tokens, raises.
 
 GQA: with ``num_key_value_heads`` not a multiple of SP, each key / value head is repeated
 ``SP / gcd(kv, SP)`` times before the all-to-all (as verl does); that factor divides the
@@ -48,7 +55,7 @@ import torch.nn.functional as F
 
 from portarl import ops
 from portarl.runtime.sequence_parallel import SPGroup, all_to_all, sum_over_group
-from portarl.trainer.phases.packing import to_grid
+from portarl.trainer.phases.packing import VARLEN_ATTENTION, to_grid
 from portarl.trainer.phases.sequences import _HeadPassthrough, _is_sharded
 
 #: The forward keyword that carries a micro-batch's :class:`_RowAttention` to the attention.
@@ -56,21 +63,28 @@ SP_KWARG = "portarl_sequence_parallel"
 
 
 def install_attention() -> None:
-    """Register the sequence-parallel ``sdpa`` (idempotent; module docstring)."""
+    """Register the sequence-parallel ``sdpa`` and varlen (flash) attention (idempotent;
+    module docstring)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    if getattr(original, "_portarl_ulysses", False):
-        return
+    for name in ("sdpa", *VARLEN_ATTENTION):
+        if name in ALL_ATTENTION_FUNCTIONS:
+            ALL_ATTENTION_FUNCTIONS.register(name, _wrapped(ALL_ATTENTION_FUNCTIONS[name], varlen=name != "sdpa"))
 
-    def sdpa_or_ulysses(module, query, key, value, attention_mask, *args, **kwargs):
+
+def _wrapped(original, *, varlen: bool):
+    if getattr(original, "_portarl_ulysses", False):
+        return original
+
+    def attention_or_ulysses(module, query, key, value, attention_mask, *args, **kwargs):
         rows = kwargs.pop(SP_KWARG, None)
         if rows is None:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
-        return rows.attend(query, key, value, dropout=kwargs.get("dropout", 0.0), scaling=kwargs.get("scaling"))
+        return rows.attend(query, key, value, dropout=kwargs.get("dropout", 0.0), scaling=kwargs.get("scaling"),
+                           varlen=(original, module) if varlen else None)
 
-    sdpa_or_ulysses._portarl_ulysses = True
-    ALL_ATTENTION_FUNCTIONS.register("sdpa", sdpa_or_ulysses)
+    attention_or_ulysses._portarl_ulysses = True
+    return attention_or_ulysses
 
 
 def kv_repeat(kv_heads: int, size: int) -> int:
@@ -104,9 +118,10 @@ def sequence_parallel_refusal(cfg, model, world: int) -> str | None:
     # query heads (SP = d r with d = gcd(kv, SP) and r | (heads / kv) (kv / d), r coprime to kv / d).
     assert (heads // kv) % kv_repeat(kv, size) == 0
     impl = getattr(config, "_attn_implementation", None)
-    if impl != "sdpa":
-        return (f"{name}: model.attn_implementation={impl!r}: the all-to-all wraps sdpa attention only (eager is the "
-                "model file's own function, flash / npu varlen not yet wired); set model.attn_implementation=sdpa")
+    if impl != "sdpa" and impl not in VARLEN_ATTENTION:
+        return (f"{name}: model.attn_implementation={impl!r}: the all-to-all wraps sdpa and flash (varlen; "
+                "npu_fusion_attention on Ascend) attention only (eager is the model file's own function, flex's "
+                "block mask is per shard); set model.attn_implementation=sdpa")
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])) or \
             getattr(config, "use_sliding_window", False):
         return f"{name}: sliding-window attention layers are not supported; set it to 1"
@@ -137,16 +152,19 @@ def _unsupported(cfg, model) -> str | None:
 
 class _RowAttention:
     """One micro-batch's attention under SP: the group, the shard length every rank's
-    query must have, and the whole row's mask (bool [rows, 1, W, W], True = attend; None:
-    plain causal). Counts its calls (one per decoder layer and forward)."""
+    query must have, and the whole rows' attention pattern: for sdpa their mask (bool
+    [rows, 1, W, W], True = attend; None: plain causal), for varlen (flash) attention their
+    spans (:func:`row_spans`). Counts its calls (one per decoder layer and forward)."""
 
-    def __init__(self, sp: SPGroup, shard: int, mask: torch.Tensor | None):
-        self.sp, self.shard, self.mask = sp, shard, mask
+    def __init__(self, sp: SPGroup, shard: int, mask: torch.Tensor | None, spans: tuple | None = None):
+        self.sp, self.shard, self.mask, self.spans = sp, shard, mask, spans
         self.calls = 0
 
-    def attend(self, query, key, value, *, dropout: float = 0.0, scaling: float | None = None):
+    def attend(self, query, key, value, *, dropout: float = 0.0, scaling: float | None = None, varlen=None):
         """transformers' attention contract: ``query`` [rows, heads, shard, d], ``key`` /
-        ``value`` [rows, kv heads, shard, d] in, ([rows, shard, heads, d], None) out."""
+        ``value`` [rows, kv heads, shard, d] in, ([rows, shard, heads, d], None) out.
+        ``varlen``: ``(flash attention function, module)``, called on the whole rows with
+        their spans' cumulative lengths (transformers' padding-free kwargs), else sdpa."""
         if query.shape[2] != self.shard:
             raise RuntimeError(f"sequence parallel: attention got {query.shape[2]} tokens on this rank, not the "
                                f"shard's {self.shard}: the activations are not split")
@@ -156,6 +174,15 @@ class _RowAttention:
         if repeat > 1:
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
         query, key, value = (all_to_all(t, sp, scatter_dim=1, gather_dim=2) for t in (query, key, value))
+        if varlen is not None:
+            function, module = varlen
+            if self.spans is None:
+                raise RuntimeError("sequence parallel: varlen attention without the rows' spans")
+            cu, longest, positions = self.spans
+            out, _ = function(module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=True,
+                              position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
+                              max_length_k=longest)  # [rows, W, heads / SP, d]
+            return all_to_all(out, sp, scatter_dim=1, gather_dim=2).contiguous(), None
         groups = query.shape[1] // key.shape[1]
         if groups > 1:
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -163,6 +190,23 @@ class _RowAttention:
                                              is_causal=self.mask is None, scale=scaling)
         out = all_to_all(out, sp, scatter_dim=2, gather_dim=1)  # [rows, heads, shard, d]
         return out.transpose(1, 2).contiguous(), None
+
+
+def row_spans(positions: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """``(cu_seq_lens, longest, position_ids)`` of whole rows [rows, W] for varlen attention:
+    int32 cumulative lengths over the flattened rows of spans that start at each row's first
+    column, where a position does not follow its left neighbour by 1 (a new sequence, as in
+    :func:`row_mask`), and where ``valid`` changes (padding is spans of its own, which no
+    real token attends to); the longest span; the flattened position ids [1, rows x W].
+    No [W, W] tensor: the kernel attends causally within each span."""
+    rows, width = positions.shape
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    if valid is not None:
+        starts[:, 1:] |= valid[:, 1:] != valid[:, :-1]
+    edges = torch.cat([starts.reshape(-1).nonzero().squeeze(1),
+                       torch.tensor([rows * width], device=positions.device)])
+    return edges.to(torch.int32), int((edges[1:] - edges[:-1]).max()), positions.reshape(1, -1)
 
 
 def row_mask(positions: torch.Tensor, valid: torch.Tensor | None, explicit: torch.Tensor | None,
@@ -258,9 +302,15 @@ def sp_completion_logprobs(model, batch, sp: SPGroup, *, temperature: float, log
         ids = _pad(ids, extra, 0)
         valid = None if valid is None else _pad(valid, extra, False)
     shard = padded_width // sp.size
-    attention = _RowAttention(sp, shard, row_mask(positions, valid, explicit, width))
-    cut = slice(sp.rank * shard, (sp.rank + 1) * shard)
     config = _config(model)
+    if getattr(config, "_attn_implementation", None) in VARLEN_ATTENTION:
+        if explicit is not None:
+            raise ValueError("sequence parallel: shared-prompt rows under varlen attention (their mask is not spans); "
+                             "set train.share_prompt=false")
+        attention = _RowAttention(sp, shard, None, row_spans(positions, valid))
+    else:
+        attention = _RowAttention(sp, shard, row_mask(positions, valid, explicit, width))
+    cut = slice(sp.rank * shard, (sp.rank + 1) * shard)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     kwargs = {"input_ids": ids[:, cut], "position_ids": positions[:, cut], "use_cache": False,
               "attention_mask": {kind: None for kind in layer_types | {"full_attention"}}, SP_KWARG: attention}
@@ -307,5 +357,5 @@ def sp_completion_logprobs(model, batch, sp: SPGroup, *, temperature: float, log
     return grids if with_entropy else grids[0]
 
 
-__all__ = ["SP_KWARG", "install_attention", "kv_repeat", "row_mask", "sequence_parallel_refusal",
+__all__ = ["SP_KWARG", "install_attention", "kv_repeat", "row_mask", "row_spans", "sequence_parallel_refusal",
            "sp_completion_logprobs"]
