@@ -62,7 +62,17 @@ def _comm(args) -> dict:
     return {"comm": args.comm, "device": "cpu"}
 
 
+def _started(out: Path, world: int) -> None:
+    """The harness's start barrier (no deadline: the test's own limit bounds it): the sender
+    opens the group only once every receiver's process has imported what it needs, so that
+    a receiver slowed by a loaded machine before it could join is not taken for one that
+    never starts (the group gives a rank that never beats ``stale_after_s``)."""
+    while not all((out / f"started{r}").exists() for r in range(1, world)):
+        time.sleep(0.05)
+
+
 def sender(args) -> int:
+    _started(Path(args.out), args.world)
     group = SyncGroup("127.0.0.1", 0, 0, args.world, timeout_s=args.timeout_s, stale_after_s=args.stale_after_s,
                       **_comm(args))
     tmp = Path(args.out) / "port.tmp"
@@ -90,10 +100,12 @@ def sender(args) -> int:
 def receiver(args) -> int:
     out = Path(args.out) / f"rank{args.rank}"
     out.mkdir(parents=True, exist_ok=True)
-    group = SyncGroup("127.0.0.1", _port(Path(args.out)), args.rank, args.world, timeout_s=args.timeout_s,
-                      stale_after_s=args.stale_after_s, **_comm(args))
     from safetensors.torch import save_file
 
+    comm = _comm(args)
+    (Path(args.out) / f"started{args.rank}").write_text("")
+    group = SyncGroup("127.0.0.1", _port(Path(args.out)), args.rank, args.world, timeout_s=args.timeout_s,
+                      stale_after_s=args.stale_after_s, **comm)
     sync, kept = WeightReceiver(group), {}
 
     def load(version, tensors):  # what a rollout engine does with a version that arrived whole

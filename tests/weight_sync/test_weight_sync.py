@@ -120,7 +120,9 @@ def test_sender_killed_mid_bucket_leaves_receivers_on_the_previous_version(tmp_p
 
 def test_a_slow_sender_that_is_alive_is_waited_for(tmp_path):
     """The sender pauses between two buckets for longer than the group's timeout (the bound
-    of one transfer, 4 s here): the receivers wait on its heartbeat, not on a deadline."""
+    of one transfer, 4 s here): the receivers wait on its heartbeat, not on a deadline. The
+    processes start behind the harness's barrier (sync_peer._started): a receiver slowed past
+    the group's 2 s staleness while importing on a loaded machine failed this before."""
     results = _run_group(tmp_path, "--versions", "2", "--timeout-s", "4", "--pause-s", "6")
     for rank, (code, output) in results.items():
         assert code == 0, f"rank {rank}:\n{output[-3000:]}"
