@@ -27,6 +27,12 @@ _ASYNC2 = "distributed/test_async_torchrun.py::"
 _RESUME = "trainer/test_async_resume.py::test_async_resume_reproduces_the_uninterrupted_run_bitwise"
 _VLM2 = "distributed/test_vlm_fsdp.py::"
 _JUDGE_CLI = "trainer/test_model_rewards_cli.py::test_a_judge_that_fails_mid_run_stops_it_with_a_checkpoint_and_exit_3"
+_DEATH = "trainer/test_silent_death.py::test_user_code_that_ends_the_process_is_named_and_the_run_exits_non_zero"
+_DEATHS, _PLACES, _MODES = ("exit0", "exit7", "segv"), ("reward", "tool", "environment"), ("colocated", "async")
+#: The user-code deaths make test keeps: every (death, place), (death, mode) and (place, mode)
+#: pair once (a Latin square: 9 of the 18 runs).
+_DEATHS_KEPT = {(d, w, _MODES[(i + j) % 2]) for i, d in enumerate(_DEATHS) for j, w in enumerate(_PLACES)}
+_AOT = "kernels/test_aot_compile.py::"
 
 #: node id (below tests/) -> (covers in make test, what the cover keeps)
 FULL_ONLY: dict[str, tuple[list[str], str]] = {
@@ -120,7 +126,32 @@ FULL_ONLY: dict[str, tuple[list[str], str]] = {
          f"trainer/test_judges.py::test_a_failing_judge_is_one_reward_failure_naming_its_url_and_the_sample[{fault}]"],
         "a judge's reward failure ends a run with a checkpoint and exit 3; this fault's failure names the judge")
        for fault in ("slow", "garbage")},
+    # User code ending its process: each of the other 9 runs shares its death, its place and its
+    # mode, pairwise, with runs make test keeps (the fixture runs only the kept ones).
+    **{f"{_DEATH}[{d}-{w}-{m}]": (
+        [f"{_DEATH}[{d}-{w}-{other}]", *(f"{_DEATH}[{'-'.join(c)}]" for c in sorted(_DEATHS_KEPT)
+                                         if c[2] == m and (c[0] == d or c[1] == w))],
+        f"this death and place in the other mode; the same death and the same place in {m} mode")
+       for d in _DEATHS for w in _PLACES for m in _MODES
+       if (d, w, m) not in _DEATHS_KEPT for other in [_MODES[1 - _MODES.index(m)]]},
+    # Ahead-of-time compiles for sm_80: the same kernels and variants compile for sm_90 (the
+    # Hopper tile's HGMMA, no spills) in make test; sm_80's HMMA and spills in make test-full,
+    # and on the GPU (docs/hardware-ci.md). The fixture compiles only the targets whose tests run.
+    **{f"{_AOT}{test}[80]": ([f"{_AOT}{test}[90]"], "the same variants compiled for sm_90")
+       for test in ("test_variants_compile_without_spills", "test_linear_tile_runs_on_tensor_cores")},
 }
+
+
+def running_params(request, test: str, names: tuple[str, ...]) -> set[tuple]:
+    """The parameter tuples (``names`` of the callspec) of the items of test function
+    ``test`` in ``request``'s module that this session runs (not skipped by :data:`FULL_ONLY`),
+    so that a module fixture computing every case's result up front computes only those."""
+    out = set()
+    for item in request.session.items:
+        if getattr(item, "originalname", None) == test and item.module is request.module \
+                and item.get_closest_marker("skip") is None:
+            out.add(tuple(item.callspec.params[n] for n in names))
+    return out
 
 
 def full_suite(config) -> bool:

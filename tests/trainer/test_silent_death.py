@@ -5,7 +5,8 @@ function, the step and what to run next. Before, ``os._exit(0)`` ended a run wit
 and no word, a segfault with 139 and nothing naming it, and async mode said only "the
 rollout worker exited".
 
-The 18 runs are short CLI subprocesses (1-2 steps of a tiny model, the death at the first
+The 18 runs (make test: 9 of them, every pair of death, place and mode; tests/suite_budget.py)
+are short CLI subprocesses (1-2 steps of a tiny model, the death at the first
 call or after step 1's checkpoint), two at a time; the tests check their outcomes."""
 
 from __future__ import annotations
@@ -94,8 +95,13 @@ def _command(out: Path, death: str, where: str, mode: str, agent_files) -> tuple
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory):
-    """Every case's ``(exit code, stderr, output directory)``, two runs at a time."""
+def outcomes(request, tmp_path_factory):
+    """Every running case's ``(exit code, stderr, output directory)``, two runs at a time
+    (make test runs 9 of the 18: tests/suite_budget.py)."""
+    from suite_budget import running_params
+
+    cases = sorted(running_params(request, "test_user_code_that_ends_the_process_is_named_and_the_run_exits_non_zero",
+                                  ("death", "where", "mode")))
     root = tmp_path_factory.mktemp("silent-death")
     agent_files = tool_caller_files(root)
 
@@ -106,7 +112,7 @@ def outcomes(tmp_path_factory):
         return case, (proc.returncode, proc.stderr, out)
 
     with ThreadPoolExecutor(2) as pool:
-        return dict(pool.map(run, CASES))
+        return dict(pool.map(run, cases))
 
 
 def _last_line(stderr: str) -> str:
