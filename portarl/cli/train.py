@@ -151,7 +151,7 @@ def _build(command: str, config, locked: bool) -> Prepared:
     from portarl.trainer.run.progress import quiet_third_party
 
     quiet_third_party()
-    from portarl.trainer.grpo import build_examples, build_policy
+    from portarl.trainer.build import build_examples, build_policy
 
     try:
         examples = build_examples(config)

@@ -35,7 +35,7 @@ import torch
 
 from portarl.runtime import blackbox
 from portarl.runtime import distributed as pdist
-from portarl.assets.data import Example, arithmetic_examples, load_examples_for
+from portarl.assets.data import Example
 from portarl.backends.device import resolve_device
 from portarl.backends.emulation import resolve_profile
 from portarl.assets.lora import is_lora
@@ -46,7 +46,7 @@ from portarl.assets.tokenizer import chat_template_option
 from portarl.vision.codec import codec_for
 from portarl.vision.models import vision_refusal
 from portarl.runtime.user_code import UserCodeGuard, agree_on_failure
-from portarl.trainer.checkpoint import CheckpointManager, seed_global_rngs
+from portarl.trainer.checkpoint import CheckpointManager
 from portarl.moe.load import router_aux_refusal
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
@@ -54,14 +54,11 @@ from portarl.trainer.guards.detectors import DegenerateDetector, GuardTripped, S
 from portarl.trainer.memory.heap import release_freed_memory
 from portarl.trainer.phases.packing import resolve_padding_free
 from portarl.trainer.guards.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
-from portarl.trainer.asynchronous.pipeline import async_rollout
 from portarl.trainer.phases.rollout import run_rollout
 from portarl.trainer.run import persistence
-from portarl.trainer.run import output_dir as run_dir
 from portarl.trainer.run import lock as run_lock
 from portarl.trainer.run.shared_dir import check_shared_output_dir
-from portarl.trainer.run.logger import RunLogger, finish_run
-from portarl.trainer.run.write_failure import writing
+from portarl.trainer.run.logger import RunLogger
 from portarl.trainer.phases.evaluation import Evaluator
 from portarl.trainer.phases.reference import maybe_sync_reference, refuse_reference_sync
 from portarl.trainer.phases.scoring import score
@@ -74,7 +71,6 @@ from portarl.trainer.guards.step_guard import (
     record_skip,
 )
 from portarl.trainer.setup import (
-    SilentLogger,
     check_demonstrations,
     check_examples,
     make_optimizer,
@@ -83,9 +79,10 @@ from portarl.trainer.setup import (
     place_model,
     sequence_parallel,
 )
-from portarl.trainer.loop import TrainingStopped, run_loop
+from portarl.trainer.loop import TrainingStopped
 from portarl.trainer.phases.update import run_update
-from portarl.trainer.run.signals import graceful_stop
+from portarl.trainer.run.session import train_run
+from portarl.trainer.build import build_examples, build_from_config, build_policy  # noqa: F401 (their home before)
 
 log = logging.getLogger("portarl.train")
 
@@ -399,60 +396,5 @@ class GRPOTrainer:
         there is refused too, unless ``start_if_none``) or ``overwrite`` (delete it first):
         see :mod:`portarl.trainer.run.output_dir`."""
         with run_lock.held(self.output_dir, self.dist.is_main):  # one run per directory (a no-op under the CLI's)
-            return self._train(resume, overwrite, start_if_none)
-
-    def _train(self, resume: bool, overwrite: bool, start_if_none: bool) -> TrainResult:
-        cfg = self.config
-        changes = run_dir.prepare_run(self, resume=resume, overwrite=overwrite)
-        seed_global_rngs(cfg.train.seed)  # user code's randomness; a checkpoint's states replace it on resume
-        if resume:
-            persistence.resume(self, start_if_none)
-            run_dir.check_steps_ahead(self.step, cfg.train.steps, self.output_dir)
-            run_dir.apply_resumed_changes(self, changes)
-        else:
-            self.checkpoints.clean_partial()
-        if self.dist.is_main:
-            with writing(self.output_dir / "config.yaml"):
-                cfg.save(self.output_dir / "config.yaml")
-            logger = RunLogger(self.output_dir, total_steps=cfg.train.steps, resume_step=self.step,
-                               tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress)
-        else:  # only rank 0 writes logs
-            logger = SilentLogger()
-        last_ckpt = self.checkpoints.latest()
-        self.stop_requested, self.stop_signal = False, None
-        if not cfg.precision.use_master and cfg.precision.dtype != "fp32":
-            logger.event(self.step, "precision_warning", f"precision.master_weights_fp32=false with {cfg.precision.dtype}: "
-                         "updates below the weights' resolution are lost (update/lost_frac)")
-        try:
-            with graceful_stop(self), async_rollout(self):  # signals: finish the step, save, stop
-                last_ckpt = run_loop(self, logger, last_ckpt)
-        finally:
-            logger.close()
-            if self.agent is not None:  # tool_isolation=process: its child, stopped and joined
-                self.agent.close()
-        if not self.dist.is_main:
-            return TrainResult(self.step, last_ckpt, "")
-        return TrainResult(self.step, last_ckpt, finish_run(self.output_dir, cfg.logging.plot))
-
-
-def build_from_config(config: TrainConfig):
-    """``(model, tokenizer, examples)`` as the config names them (built-in tiny model and
-    synthetic arithmetic by default)."""
-    model, tokenizer = build_policy(config)
-    return model, tokenizer, build_examples(config)
-
-
-def build_policy(config: TrainConfig):
-    """``(model, tokenizer)`` as ``config.model`` names them, in ``precision.dtype``."""
-    from portarl.assets.models import build_model
-    from portarl.trainer.guards.precision import DTYPES
-
-    return build_model(config.model, DTYPES[config.precision.dtype])
-
-
-def build_examples(config: TrainConfig) -> list[Example]:
-    """The training rows: ``data.path`` loaded, or the built-in synthetic arithmetic."""
-    d = config.data
-    if d.path is None:
-        return arithmetic_examples(d.synthetic_size, seed=config.train.seed, max_operand=d.max_operand, ops=d.operators)
-    return load_examples_for(d)
+            steps, last_ckpt, summary = train_run(self, resume, overwrite, start_if_none)
+        return TrainResult(steps, last_ckpt, summary)
