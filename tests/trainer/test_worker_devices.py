@@ -97,7 +97,7 @@ def test_the_async_trainer_checks_its_workers_against_the_nodes_ranks(tmp_path, 
     node, workers on cuda:6 and cuda:7 would share the devices of ranks 6 and 7."""
     import types
 
-    from portarl.trainer.asynchronous.pipeline import check_async_trainer
+    from portarl.trainer.asynchronous.checks import check_async_trainer
 
     cfg = fast_config(tmp_path, "rollout.mode=async", "rollout.num_workers=2", "rollout.worker_devices=[cuda:6, cuda:7]")
     trainer = types.SimpleNamespace(rollout_if_built=None, config=cfg, device=torch.device("cuda", 0),

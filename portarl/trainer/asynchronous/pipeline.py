@@ -82,10 +82,11 @@ from typing import NamedTuple
 import torch
 
 from portarl.runtime import distributed as pdist
-from portarl.backends.device import check_worker_devices, child_placement
+from portarl.backends.device import child_placement
 from portarl.assets.reward_runner import RewardError
-from portarl.trainer.asynchronous.client import (STARTUP_MIN_S, WORKER_LOG, RolloutWorkerError, WorkerClient, as_batch,
+from portarl.trainer.asynchronous.client import (WORKER_LOG, RolloutWorkerError, WorkerClient, as_batch,
                                           check_batch, reward_error, slice_reply, validate_batch)
+from portarl.trainer.asynchronous.checks import check_async_trainer, share_timeout_s
 from portarl.trainer.asynchronous.resume import restore_in_flight
 from portarl.trainer.asynchronous.sync import CollectiveSync
 from portarl.trainer.run.logfiles import prepare_log
@@ -106,35 +107,6 @@ class AsyncBatch(NamedTuple):
     metrics: dict
     events: list
     offset: int
-
-
-def check_async_trainer(trainer) -> None:
-    """What async mode cannot do (yet), refused before the worker starts."""
-    if trainer.rollout_if_built is not None:
-        raise ValueError("rollout.mode=async builds its own engine in a worker process: do not pass rollout_engine")
-    if trainer.config.rollout.worker_devices:  # under torchrun rank r trains on device r of this node
-        check_worker_devices(trainer.config.rollout.worker_devices, trainer.device,
-                             int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if trainer.dist.enabled else None)
-    if trainer.config.rollout.engine == "vllm":  # else the worker dies at start-up with it in its log
-        from portarl.rollout.vllm import vllm_unavailable_reason
-
-        reason = vllm_unavailable_reason()
-        if reason is not None:
-            raise ValueError(f"rollout.engine=vllm with rollout.mode=async: the rollout worker runs vLLM, but {reason}")
-    if not trainer.rewards_from_config:
-        raise ValueError("rollout.mode=async computes rewards in the worker process, which can only load the config's "
-                         "rewards (rewards: [{name: module:function}]): pass reward_fns=None")
-
-
-def share_timeout_s(cfg) -> float:
-    """How long a rank other than 0 waits for rank 0's batch. Rank 0 gives up by itself
-    (and sends its error) after its start-up wait plus at most 2 x max_staleness + 3
-    replies (a ``loaded`` per version and a batch per step in flight, one regenerated
-    batch), each within ``rollout.timeout_s``, after writing the weights (bounded like a
-    collective, ``distributed.timeout_s``); this is twice that. A backstop only: a rank 0
-    that dies ends the job through torchrun and the heartbeat."""
-    r = cfg.rollout
-    return 2 * (max(r.timeout_s, STARTUP_MIN_S) + (2 * r.max_staleness + 3) * r.timeout_s + cfg.distributed.timeout_s)
 
 
 class AsyncRollout:
