@@ -18,7 +18,8 @@ the whole sequence in one process.
   checkpointing, old log-probs recomputed, a KL reference: scoring and the update both go
   through the shards) equals the 1-process run: the same rollouts, metrics within the
   fp32 reduction-order tolerances of test_fsdp_gloo.py, parameters after 2 steps likewise;
-  and the same step in the strict HCCL stand-in's process group.
+  the same step in the strict HCCL stand-in's process group; and the same step with the
+  sequence-parallel forwards under flash varlen attention (the stand-in, the one-row layout).
 """
 
 from __future__ import annotations
@@ -110,6 +111,21 @@ def test_the_strict_hccl_standin_runs_the_same_step(single_and_sp, tmp_path):
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "process group backend 'cpu:gloo,npu:hccl'" in proc.stderr, proc.stderr[-4000:]
+    _assert_same_steps(single, tmp_path, 1)
+
+
+def test_a_step_under_flash_varlen_attention_matches_one_process(single_and_sp, tmp_path):
+    """The trainer's own path (FSDP2, scoring and update, the one-row varlen layout) with
+    the sequence-parallel forwards under flash varlen attention: the stand-in of
+    tests/varlen_standin.py (tests/distributed/ulysses_flash_trainer.py says how)."""
+    single, _ = single_and_sp
+    from test_fsdp_gloo import FAST
+
+    sets = [*FAST, "train.steps=1", *SAME, *(s for s in SP if "checkpointing" not in s)]
+    proc = subprocess.run([*local_launcher(2), str(HERE / "ulysses_flash_trainer.py"), str(tmp_path), *sets],
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "ok flash varlen" in proc.stdout, proc.stdout[-2000:]
     _assert_same_steps(single, tmp_path, 1)
 
 
