@@ -4,6 +4,7 @@ the guards in ``guards/``, the run around the steps in ``run/``, memory in ``mem
 checkpoint files in ``checkpoint/``."""
 
 from portarl.trainer.config import ConfigError, TrainConfig
-from portarl.trainer.grpo import GRPOTrainer, TrainingStopped, TrainResult, build_from_config
+from portarl.trainer.build import build_from_config
+from portarl.trainer.grpo import GRPOTrainer, TrainingStopped, TrainResult
 
 __all__ = ["ConfigError", "GRPOTrainer", "TrainConfig", "TrainResult", "TrainingStopped", "build_from_config"]

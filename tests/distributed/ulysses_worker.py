@@ -140,6 +140,21 @@ def _grads(model) -> dict:
     return {n: pdist.full(p.grad).detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _sp_step(base, batch, sp, impl: str | None = None):
+    """``(masks seen, logp, entropy, gradients summed over the SP group)`` of a copy of
+    ``base`` (its attention set to ``impl`` if given) scoring ``batch`` sequence-parallel."""
+    model = copy.deepcopy(base)
+    if impl is not None:
+        model.config._attn_implementation = impl
+    with _masks_seen() as seen:
+        logp, entropy = _score(model, batch, sp)
+    _loss(batch, logp, entropy).backward()
+    grads = _grads(model)
+    for g in grads.values():
+        dist.all_reduce(g, group=sp.group)
+    return seen, logp, entropy, grads
+
+
 def _check(name: str, got: torch.Tensor, want: torch.Tensor, tol) -> float:
     diff = (got.float() - want.float()).abs()
     bad = diff > tol.allowed(want.float())
@@ -196,29 +211,17 @@ def run(sizes: list[int], dtypes: list[torch.dtype]) -> None:
                 hidden_scale = 1.0 + float(ref_entropy.detach().abs().max())
                 for size in sizes:
                     sp = make_group(ctx, size)
-                    model = copy.deepcopy(base)
-                    with _masks_seen() as seen:
-                        logp, entropy = _score(model, batch, sp)
+                    seen, logp, entropy, grads = _sp_step(base, batch, sp)
                     if layout == "causal":  # the whole rows' attention holds no [W, W] mask either
                         assert seen == [None], seen
-                    _loss(batch, logp, entropy).backward()
-                    grads = _grads(model)
-                    for g in grads.values():
-                        dist.all_reduce(g, group=sp.group)
                     _compare(f"{dtype} {layout} {shape} SP {size} of {world}", dtype, logp, entropy, grads,
                              ref_logp, ref_entropy, ref_grads, hidden_scale, exact_grads)
                     if dtype != torch.float32 or layout == "shared":  # flash: no shared-prompt rows
                         continue
-                    model = copy.deepcopy(base)
-                    model.config._attn_implementation = "flash_attention_2"
                     del varlen_calls[:]
-                    logp, entropy = _score(model, batch, sp)
-                    _loss(batch, logp, entropy).backward()
-                    grads = _grads(model)
-                    for g in grads.values():
-                        dist.all_reduce(g, group=sp.group)
-                    # every layer, forward and backward's recomputation none: the spans of the rows
-                    assert len(varlen_calls) == model.config.num_hidden_layers and min(varlen_calls) >= 2, varlen_calls
+                    _, logp, entropy, grads = _sp_step(base, batch, sp, "flash_attention_2")
+                    # one call per layer (no activation checkpointing: no recomputation), each with the rows' spans
+                    assert len(varlen_calls) == base.config.num_hidden_layers and min(varlen_calls) >= 2, varlen_calls
                     _compare(f"{dtype} {layout} {shape} varlen SP {size} of {world}", dtype, logp, entropy, grads,
                              ref_logp, ref_entropy, ref_grads, hidden_scale)
     # FSDP2, the trainer's path: fp32, SP = every rank, packed rows on the shard boundary

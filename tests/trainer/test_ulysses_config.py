@@ -86,6 +86,16 @@ def test_attention_the_wrapper_cannot_reach_is_refused(tiny, monkeypatch):
     assert sequence_parallel_refusal(_cfg(2), tiny, 2) is None
 
 
+def test_spans_built_for_varlen_never_run_as_plain_causal_sdpa():
+    from portarl.trainer.phases.ulysses import _RowAttention
+
+    positions = torch.tensor([[0, 1, 0, 1]])
+    rows = _RowAttention(types.SimpleNamespace(size=1), 4, None, row_spans(positions, None))
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="built for varlen attention"):
+        rows.attend(q, q, q)
+
+
 def test_row_spans_are_the_sequences_and_the_padding_runs():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])  # two sequences and SP's tail; one
     cu, longest, flat = row_spans(positions, None)

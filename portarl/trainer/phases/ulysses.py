@@ -168,6 +168,9 @@ class _RowAttention:
         if query.shape[2] != self.shard:
             raise RuntimeError(f"sequence parallel: attention got {query.shape[2]} tokens on this rank, not the "
                                f"shard's {self.shard}: the activations are not split")
+        if varlen is None and self.spans is not None:  # built for varlen: sdpa would run plain causal
+            raise RuntimeError("sequence parallel: the rows' spans were built for varlen attention, but sdpa was "
+                               "called; the model's attn_implementation changed within the forward")
         self.calls += 1
         sp = self.sp
         repeat = kv_repeat(key.shape[1], sp.size)
@@ -192,6 +195,15 @@ class _RowAttention:
         return out.transpose(1, 2).contiguous(), None
 
 
+def _sequence_starts(positions: torch.Tensor) -> torch.Tensor:
+    """bool [rows, W]: the columns that start a sequence: each row's first, and where a
+    position id does not follow its left neighbour by 1 (transformers'
+    ``find_packed_sequence_indices`` rule)."""
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    return starts
+
+
 def row_spans(positions: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, int, torch.Tensor]:
     """``(cu_seq_lens, longest, position_ids)`` of whole rows [rows, W] for varlen attention:
     int32 cumulative lengths over the flattened rows of spans that start at each row's first
@@ -200,8 +212,7 @@ def row_spans(positions: torch.Tensor, valid: torch.Tensor | None) -> tuple[torc
     real token attends to); the longest span; the flattened position ids [1, rows x W].
     No [W, W] tensor: the kernel attends causally within each span."""
     rows, width = positions.shape
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    starts = _sequence_starts(positions)
     if valid is not None:
         starts[:, 1:] |= valid[:, 1:] != valid[:, :-1]
     edges = torch.cat([starts.reshape(-1).nonzero().squeeze(1),
@@ -226,8 +237,7 @@ def row_mask(positions: torch.Tensor, valid: torch.Tensor | None, explicit: torc
         out = eye.expand(rows, 1, width, width).clone()
         out[..., :w, :w] = explicit if explicit.dtype == torch.bool else explicit == 0
         return out | eye
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    starts = _sequence_starts(positions)
     real = width if real_width is None else real_width
     if not bool(starts[:, 1:real].any()) and (valid is None or bool(valid[:, :real].all())):
         return None
