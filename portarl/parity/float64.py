@@ -1,16 +1,18 @@
 """float64 references: the obviously-correct formulas, with autograd, on the CPU by default.
 
 These define the numbers every backend is held to. They are row-chunked only so that
-larger hardware cases fit in host memory; rows are independent, so chunking changes
-nothing. They implement the ops' contracts for non-finite input explicitly (a row with
-NaN or +inf is NaN throughout).
+larger hardware cases fit in memory (the input goes to float64 a chunk at a time, and the
+outputs are filled in place: one float64 copy of the result, not two); rows are
+independent, so chunking changes nothing. They implement the ops' contracts for non-finite
+input explicitly (a row with NaN or +inf is NaN throughout).
 
 Where: the CPU, unless :func:`computed_on` names a device. ``portarl hardware-check`` runs
-them on the accelerator under test for the hardware-sized cases: a 4,096 x 152,064 case is
-5 GB in float64, and a host computing it for every backend and dtype would take the whole
-device loan. IEEE float64 on a GPU rounds its basic operations exactly as the CPU does;
-exp / log may differ in the last ulp (1e-16 relative), eleven orders of magnitude below
-the tightest tolerance of :mod:`portarl.parity.tolerances`. The report records where.
+them on a GPU under test for the hardware-sized cases (:func:`reference_device_for`; an
+Ascend NPU keeps them on the CPU): a 4,096 x 152,064 case is 5 GB in float64, and a host
+computing it for every backend and dtype would take the whole device loan. IEEE float64 on a
+GPU rounds its basic operations exactly as the CPU does; exp / log may differ in the last
+ulp (1e-16 relative), eleven orders of magnitude below the tightest tolerance of
+:mod:`portarl.parity.tolerances`. The report records where.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ _DEVICE = torch.device("cpu")
 def reference_device() -> torch.device:
     """Where the float64 references (and the error measurements) run now."""
     return _DEVICE
+
+
+def reference_device_for(device: torch.device | str) -> torch.device:
+    """Where the float64 references of results on ``device`` should run: a CUDA device itself
+    (IEEE float64 at full speed, and no host copy of a 5 GB case); the CPU otherwise: an
+    Ascend NPU runs float64 slowly or not at all (many of its kernels have no double type)."""
+    device = torch.device(device)
+    return device if device.type == "cuda" else torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -51,16 +61,20 @@ def logprobs_float64(
     """float64 ``logp``, ``entropy`` (shape of labels) and, given upstream gradients,
     ``grad`` = d(sum(grad_logp * logp + grad_entropy * entropy)) / d logits (shape of logits)."""
     n_cols = logits.shape[-1]
-    x_all = logits.detach().to(_DEVICE, torch.float64).reshape(-1, n_cols)
+    x_all = logits.detach().reshape(-1, n_cols)  # converted to float64 chunk by chunk
     y_all = labels.detach().to(_DEVICE).reshape(-1)
+    n_rows = y_all.shape[0]
     want_grad = grad_logp is not None or grad_entropy is not None
     g1_all = None if grad_logp is None else grad_logp.detach().to(_DEVICE, torch.float64).reshape(-1)
     g2_all = None if grad_entropy is None else grad_entropy.detach().to(_DEVICE, torch.float64).reshape(-1)
-    logps, entropies, grads = [], [], []
-    step = max(1, _CHUNK_ELEMENTS // n_cols)
-    for start in range(0, x_all.shape[0], step):
-        x = x_all[start : start + step].clone().requires_grad_(want_grad)
-        y = y_all[start : start + step]
+    out_logp = torch.empty(n_rows, dtype=torch.float64, device=_DEVICE)
+    out_entropy = torch.empty(n_rows, dtype=torch.float64, device=_DEVICE)
+    out_grad = torch.empty(n_rows, n_cols, dtype=torch.float64, device=_DEVICE) if want_grad else None
+    step = max(1, _CHUNK_ELEMENTS // max(1, n_cols))
+    for start in range(0, n_rows, step):
+        rows = slice(start, start + step)
+        x = x_all[rows].to(_DEVICE, torch.float64, copy=True).requires_grad_(want_grad)
+        y = y_all[rows]
         valid = y != ignore_index
         bad_row = (torch.isnan(x) | (x == float("inf"))).any(dim=-1, keepdim=True)
         z = torch.where(bad_row, float("nan"), x) / temperature
@@ -74,19 +88,16 @@ def logprobs_float64(
         if want_grad:
             total = torch.zeros((), dtype=torch.float64, device=_DEVICE)
             if g1_all is not None:
-                total = total + (g1_all[start : start + step] * logp).sum()
+                total = total + (g1_all[rows] * logp).sum()
             if g2_all is not None:
-                total = total + (g2_all[start : start + step] * entropy).sum()
-            (g,) = torch.autograd.grad(total, x)
-            grads.append(g)
-        logps.append(logp.detach())
-        entropies.append(entropy.detach())
-    out = {
-        "logp": torch.cat(logps).reshape(labels.shape),
-        "entropy": torch.cat(entropies).reshape(labels.shape),
-    }
+                total = total + (g2_all[rows] * entropy).sum()
+            (grad,) = torch.autograd.grad(total, x)
+            out_grad[rows] = grad
+        out_logp[rows] = logp.detach()
+        out_entropy[rows] = entropy.detach()
+    out = {"logp": out_logp.reshape(labels.shape), "entropy": out_entropy.reshape(labels.shape)}
     if want_grad:
-        out["grad"] = torch.cat(grads).reshape(logits.shape)
+        out["grad"] = out_grad.reshape(logits.shape)
     return out
 
 

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from portarl.bench.hardware import check, plan as plan_lib
-from portarl.bench.hardware.parity_stage import read_junit
+from portarl.bench.hardware.tests_stage import read_junit
 from portarl.bench.hardware.summary import summary_markdown
 from portarl.bench.hardware.training_stage import summarise
 from portarl.cli import main
@@ -134,7 +134,7 @@ def test_summary_names_every_stage_and_the_failed_ones(tmp_path):
 def test_a_stopped_test_run_is_counted_from_its_verbose_output():
     """The hardware tests are stopped inside the stage's limit before pytest writes its JUnit
     file: what ran is read from ``pytest -v`` lines (xdist's and plain), each test once."""
-    from portarl.bench.hardware.parity_stage import read_verbose
+    from portarl.bench.hardware.tests_stage import read_verbose
 
     text = """[gw0] [  1%] PASSED tests/parity/test_a.py::test_x[cuda-gpu-bf16]
 [gw1] [  2%] FAILED tests/parity/test_b.py::test_y[cuda-gpu]

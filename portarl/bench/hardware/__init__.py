@@ -15,11 +15,13 @@ the context costs one stage, not the check):
 1. ``environment``: device, memory, versions, measured copy bandwidth and bf16 matmul
    throughput (:mod:`.environment`);
 2. ``parity``: every op of every backend usable there, in every dtype, against float64
-   (:mod:`.parity_stage`), and ``hardware-tests``: the ``gpu`` / ``npu``-marked tests;
+   (:mod:`.parity_stage`);
 3. ``kernels``: the fused ops at RL shapes against eager, ``torch.compile`` and Liger
    (:mod:`.kernels_stage`);
 4. ``training``: a short GRPO run in bf16 and fp16 with the features a real run uses, and
-   its stability record (:mod:`.training_stage`).
+   its stability record (:mod:`.training_stage`);
+5. ``hardware-tests``: the ``gpu`` / ``npu``-marked tests, the hardware-sized ones one at a
+   time beside the rest (:mod:`.tests_stage`).
 
 The orchestration, exit status and the output folder's contract are in :mod:`.check`.
 """

@@ -40,7 +40,7 @@ STAGE_MODULES = {
     "parity": ("portarl.bench.hardware.parity_stage", "run"),
     "kernels": ("portarl.bench.hardware.kernels_stage", "run"),
     "training": ("portarl.bench.hardware.training_stage", "run"),
-    "hardware-tests": ("portarl.bench.hardware.parity_stage", "hardware_tests"),
+    "hardware-tests": ("portarl.bench.hardware.tests_stage", "hardware_tests"),
 }
 
 
