@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -50,9 +51,11 @@ def test_on_the_cpu_or_without_xdist_one_run_of_every_marked_test(monkeypatch, t
 def test_a_run_past_the_deadline_is_killed_with_its_children_and_the_others_kept(tmp_path):
     """The hung run (a parent whose child also sleeps) is stopped at the deadline with its
     process group; the run that finished keeps its exit code."""
-    hang = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"
+    mark = f"hung-run-{uuid.uuid4().hex}"  # names this test's processes alone for pgrep
+    hang = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', "
+            f"'{mark}']); time.sleep(600)")
     runs = [tests_stage.PytestRun("quick", "", [sys.executable, "-c", "print('done')"], tmp_path / "q.xml", tmp_path / "q.log"),
-            tests_stage.PytestRun("hung", "", [sys.executable, "-c", hang], tmp_path / "h.xml", tmp_path / "h.log")]
+            tests_stage.PytestRun("hung", "", [sys.executable, "-c", hang, mark], tmp_path / "h.xml", tmp_path / "h.log")]
     lines: list[str] = []
     started = time.monotonic()
     codes = tests_stage._run_all(runs, {"PATH": "/usr/bin:/bin"}, deadline=10.0, log=lines.append)
@@ -60,7 +63,7 @@ def test_a_run_past_the_deadline_is_killed_with_its_children_and_the_others_kept
     assert time.monotonic() - started < 300, "the hung run was not stopped at its deadline"
     assert (tmp_path / "q.log").read_text().strip() == "done"
     assert len(lines) == 2 and all(line.startswith("$ ") for line in lines)
-    leftover = subprocess.run(["pgrep", "-f", "time.sleep\\(600\\)"], capture_output=True, text=True).stdout.split()
+    leftover = subprocess.run(["pgrep", "-f", mark], capture_output=True, text=True).stdout.split()
     assert not leftover, f"processes of the hung run left running: {leftover}"
 
 

@@ -78,12 +78,13 @@ def hardware_tests(plan, device: torch.device, out, work, log) -> dict:
         text_out = run.log.read_text(errors="replace")
         for line in [x for x in text_out.splitlines() if " PASSED" not in x][-60:]:
             log(f"[{run.name}] {line}")
-        got = read_junit(run.junit) if rc is not None and run.junit.exists() else read_verbose(text_out)
+        run_counts, run_skipped, run_failures = (read_junit(run.junit) if rc is not None and run.junit.exists()
+                                                 else read_verbose(text_out))
         for key in counts:
-            counts[key] += got[0][key]
-        for reason, n in got[1].items():
+            counts[key] += run_counts[key]
+        for reason, n in run_skipped.items():
             skipped[reason] = skipped.get(reason, 0) + n
-        failures += got[2]
+        failures += run_failures
     stopped = any(rc is None for rc in codes)
     ran = counts["passed"] + counts["failed"]
     exits = ", ".join(f"{r.name} " + (f"exit {rc}" if rc is not None else f"stopped at its {deadline:.0f} s")
