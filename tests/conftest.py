@@ -156,3 +156,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=cuda_reason))
         if npu_reason and item.get_closest_marker("npu") is not None:
             item.add_marker(pytest.mark.skip(reason=f"needs an Ascend NPU: {npu_reason}"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test marked ``compares_runs`` that passes without calling the guard of
+    tests/run_guard.py fails: its comparison could hold on runs whose weights never moved."""
+    if item.get_closest_marker("compares_runs") is None:
+        return (yield)
+    import run_guard
+
+    before = len(run_guard.calls)
+    result = yield
+    run_guard.require_guard_called(item.nodeid, before)
+    return result

@@ -1,0 +1,193 @@
+"""The guard every comparison of runs goes through (issue 58).
+
+Two runs compared prove nothing unless their weights moved. An untrained model scores 0 on
+the built-in task, so every GRPO advantage is 0, the loss and the gradient are 0, the
+weights never change, and any two such runs "agree" whatever the layout, thread count,
+resume or weight sync under test. So a test that compares runs (several steps, two layouts,
+two thread counts, a resume against the uninterrupted run, a worker's or an engine's weights
+against the trainer's) calls :func:`assert_trained` (or, for one step's gradients compared
+without an optimizer step, :func:`assert_gradient_flows`) on what it compares, and carries
+``@pytest.mark.compares_runs``. ``tests/conftest.py`` fails a marked test that passed
+without calling the guard, and ``tests/test_run_guard.py`` fails a test whose name says it
+compares runs but which is neither marked nor listed in :data:`NOT_RUN_COMPARISONS`.
+
+The guard is a plain module (several conftest.py files exist, so ``from conftest import``
+would be ambiguous); its loaders read a run directory the way a user's tools would: the GRPO
+rows of ``metrics.jsonl``, the model of a checkpoint (sharded or not, LoRA adapters applied)
+rebuilt from the run config saved in it, and the start weights rebuilt from that same config
+(the built-in models' random initial weights come from ``model.init_seed``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+#: One entry per guard call in this process (what it checked): tests/conftest.py reads it
+#: to fail a ``compares_runs`` test that never called the guard.
+calls: list[str] = []
+
+
+class NotTrained(AssertionError):
+    """The runs a test compares did not train: the comparison cannot fail, so it proves nothing."""
+
+
+def require_guard_called(test: str, calls_before: int) -> None:
+    """Fail ``test`` (marked ``compares_runs``) if it made no guard call since ``calls_before``."""
+    if len(calls) == calls_before:
+        raise NotTrained(f"{test} is marked compares_runs but never called run_guard.assert_trained / "
+                         "assert_run_trained / assert_gradient_flows: a comparison of runs must show that the "
+                         "weights it compares moved")
+
+
+def _finite_positive(values: Iterable) -> list[float]:
+    out = []
+    for v in values:
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(f) and f > 0:
+            out.append(f)
+    return out
+
+
+def moved(start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the tensors of ``end`` that differ from ``start`` (bitwise; a name missing
+    from ``start`` counts as moved only if ``end`` has it and ``start`` does not: refused)."""
+    missing = sorted(set(end) - set(start))
+    if missing:
+        raise NotTrained(f"the end weights have tensors the start weights lack ({missing[:3]}...): compare the "
+                         "same model's state before and after")
+    return [name for name, tensor in end.items()
+            if not torch.equal(torch.as_tensor(tensor).detach().cpu(), torch.as_tensor(start[name]).detach().cpu())]
+
+
+def assert_trained(grad_norms: Iterable, start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor], *,
+                   what: str) -> list[str]:
+    """Fail unless some step's gradient norm is finite and > 0 *and* some tensor of ``end``
+    differs from ``start``: the weights a comparison of runs compares moved. ``what`` names
+    the runs in the message. Returns the names of the tensors that moved."""
+    norms = list(grad_norms)
+    calls.append(f"assert_trained: {what}")
+    if not norms:
+        raise NotTrained(f"{what}: no step's grad_norm to check (no GRPO rows in metrics.jsonl?)")
+    if not _finite_positive(norms):
+        raise NotTrained(f"{what}: no step had a finite grad_norm > 0 (grad_norms {norms[:8]}): the advantages "
+                         "were all 0 (an untrained model scores 0 on the built-in task), so the runs compared "
+                         "cannot differ. Use a reward that varies within groups (trainer_fast.varied_reward, "
+                         "dist_rewards.length_and_digits) or a warm-up")
+    if not start:
+        raise NotTrained(f"{what}: no start weights to compare with")
+    changed = moved(start, end)
+    if not changed:
+        raise NotTrained(f"{what}: 0 of {len(end)} tensors moved from their start although a grad_norm was > 0 "
+                         f"(max {max(_finite_positive(norms)):.3g}): the learning rate is 0, the update was "
+                         "skipped, or the weights compared are not the trained ones")
+    return changed
+
+
+def assert_gradient_flows(grads: Iterable[torch.Tensor] | Mapping[str, torch.Tensor], *, what: str) -> float:
+    """One step's gradients compared across layouts without an optimizer step: fail unless
+    they are all finite and some element is non-zero (zero advantages give zero gradients
+    in every layout). Returns the gradients' total norm."""
+    calls.append(f"assert_gradient_flows: {what}")
+    tensors = list(grads.values()) if isinstance(grads, Mapping) else list(grads)
+    tensors = [g for g in tensors if g is not None]
+    if not tensors:
+        raise NotTrained(f"{what}: no gradients (did backward run? are the parameters trainable?)")
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().double().cpu())
+                                                 for g in tensors])).item()
+    if not math.isfinite(norm):
+        raise NotTrained(f"{what}: the gradient is not finite (norm {norm})")
+    if norm == 0:
+        raise NotTrained(f"{what}: every gradient is 0: the advantages were all 0, so every layout agrees. "
+                         "Use rewards that vary within groups")
+    return norm
+
+
+# ---------------------------------------------------------------------------- run directories
+def metrics(run: str | Path, phase: str = "grpo") -> list[dict]:
+    """The rows of ``run/metrics.jsonl`` of ``phase`` (a row without one is GRPO)."""
+    path = Path(run) / "metrics.jsonl"
+    if not path.exists():
+        raise NotTrained(f"{path} does not exist: the run wrote no metrics")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("phase", "grpo") == phase]
+
+
+def grad_norms(run: str | Path) -> list[float]:
+    """Each GRPO step's ``grad_norm`` (NaN where a row has none)."""
+    return [r.get("grad_norm", float("nan")) for r in metrics(run)]
+
+
+def _config_of(checkpoint: Path):
+    from portarl.trainer.checkpoint import CheckpointManager
+    from portarl.trainer.config import TrainConfig
+
+    return TrainConfig.from_dict(CheckpointManager.load_state(checkpoint)["config"])
+
+
+def _build(config):
+    """The model as the run built it before training: the config's model in its dtype, LoRA
+    adapters applied (the built-in models' weights and the adapters' from ``model.init_seed``)."""
+    from portarl.assets.lora import apply_lora
+    from portarl.assets.models import build_model
+    from portarl.trainer.guards.precision import DTYPES
+
+    dtype = DTYPES[config.precision.dtype]
+    model, _ = build_model(config.model, dtype)
+    if config.model.lora is not None:
+        model = apply_lora(model, config.model.lora, seed=config.model.init_seed)
+    return model.to(dtype=dtype)
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def checkpoint(run_or_checkpoint: str | Path) -> Path:
+    """A checkpoint directory, or a run directory's newest complete checkpoint."""
+    from portarl.trainer.checkpoint.export import resolve_checkpoint
+
+    return resolve_checkpoint(run_or_checkpoint)
+
+
+def checkpoint_weights(run_or_checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The model state of a checkpoint (or of a run's newest), sharded (DCP) or not, rebuilt
+    from the run config saved in it."""
+    from portarl.trainer.checkpoint import CheckpointManager
+
+    directory = checkpoint(run_or_checkpoint)
+    model = _build(_config_of(directory))
+    if CheckpointManager.is_sharded(directory):
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+        CheckpointManager.load_sharded(directory, model, optimizer)
+    else:
+        CheckpointManager.load_weights(model, directory)
+    return _state(model)
+
+
+def start_weights(run_or_checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The weights the run started from, rebuilt from the config saved in its checkpoint."""
+    return _state(_build(_config_of(checkpoint(run_or_checkpoint))))
+
+
+def assert_run_trained(run: str | Path, *, end: str | Path | None = None,
+                       start: Mapping[str, torch.Tensor] | None = None, what: str | None = None) -> list[str]:
+    """:func:`assert_trained` on a run directory: its GRPO grad norms, the weights of ``end``
+    (a checkpoint; default the run's newest) against ``start`` (default: rebuilt from the
+    saved config). Returns the names of the tensors that moved."""
+    end_dir = checkpoint(end if end is not None else run)
+    return assert_trained(grad_norms(run), start if start is not None else start_weights(end_dir),
+                          checkpoint_weights(end_dir), what=what or str(run))
+
+
+#: Tests whose names read like comparisons of runs but compare no runs, each with the reason
+#: (tests/test_run_guard.py: a test in a run folder whose name matches RUN_COMPARISON_NAME is
+#: marked ``compares_runs`` or listed here). Keys: "folder/file.py::test_name".
+NOT_RUN_COMPARISONS: dict[str, str] = {}
