@@ -71,6 +71,46 @@ def _started(out: Path, world: int) -> None:
         time.sleep(0.05)
 
 
+def _transfer_entered(out: Path, rank: int) -> Path:
+    return out / f"transfer{rank}"
+
+
+def _mark_transfers(group, out: Path, rank: int) -> None:
+    """Receiver side of the kill gate: before taking part in a bucket's transfer, say which
+    (the sender's gate waits for every receiver to be inside the bucket it dies in)."""
+    broadcast = group.broadcast
+
+    def marked(flat, peers, what):
+        tmp = _transfer_entered(out, rank).with_suffix(".tmp")
+        tmp.write_text(what)
+        os.replace(tmp, _transfer_entered(out, rank))
+        return broadcast(flat, peers, what)
+
+    group.broadcast = marked
+
+
+def _kill_inside_the_transfer(group, out: Path, world: int) -> dict:
+    """Sender side of the kill gate. Once ``armed`` holds ``(index, version)``, the next
+    broadcast is not started: the sender waits until every receiver has read that bucket's
+    header and entered its transfer, then SIGKILLs itself. A gate, not a timer (issue 58):
+    the 50 ms delay after the bucket was packed that this replaces was a 2x margin over a
+    ~0.1 s transfer, which a fast machine can finish first and a loaded one can reach
+    before any receiver read the header. No deadline: the test's limit bounds the wait."""
+    armed, start = {}, group.start_broadcast
+
+    def start_or_die(flat):
+        if armed:
+            want = f"the transfer of bucket {armed['index']} of version {armed['version']}"
+            while not all(_transfer_entered(out, r).exists() and _transfer_entered(out, r).read_text() == want
+                          for r in range(1, world)):
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return start(flat)
+
+    group.start_broadcast = start_or_die
+    return armed
+
+
 def sender(args) -> int:
     _started(Path(args.out), args.world)
     group = SyncGroup("127.0.0.1", 0, 0, args.world, timeout_s=args.timeout_s, stale_after_s=args.stale_after_s,
@@ -80,12 +120,13 @@ def sender(args) -> int:
     os.replace(tmp, Path(args.out) / "port")
     sync = WeightSender(group, bucket_mb=args.bucket_mb, checksum=args.checksum)
     log = open(Path(args.out) / "sender.jsonl", "a")
+    armed = _kill_inside_the_transfer(group, Path(args.out), args.world)
     for version in range(1, args.versions + 1):
 
         def on_bucket(index, names, version=version):
             if version == args.kill_in and "big.weight" in names:  # SIGKILL this process mid-bucket
                 (Path(args.out) / "killed_in_bucket").write_text(str(index))
-                threading.Thread(target=lambda: (time.sleep(0.05), os.kill(os.getpid(), signal.SIGKILL))).start()
+                armed.update(index=index, version=version)
             if args.pause_s and index == 1:
                 time.sleep(args.pause_s)  # a slow sender between two buckets (alive, beating)
 
@@ -106,6 +147,7 @@ def receiver(args) -> int:
     (Path(args.out) / f"started{args.rank}").write_text("")
     group = SyncGroup("127.0.0.1", _port(Path(args.out)), args.rank, args.world, timeout_s=args.timeout_s,
                       stale_after_s=args.stale_after_s, **comm)
+    _mark_transfers(group, Path(args.out), args.rank)
     sync, kept = WeightReceiver(group), {}
 
     def load(version, tensors):  # what a rollout engine does with a version that arrived whole

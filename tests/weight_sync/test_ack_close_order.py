@@ -69,3 +69,28 @@ def test_a_receiver_that_closed_without_acknowledging_is_lost(group, monkeypatch
     with pytest.raises(PeerLost, match=f"rank 2 closed the group .*acknowledgements of version {VERSION}") as err:
         wait_for_acknowledgements(sender, ROUND, VERSION)
     assert err.value.rank == 2
+
+
+def test_a_transfer_that_fails_with_its_lost_sender_is_the_loss_not_the_transport_error(group, monkeypatch):
+    """A receiver inside a bucket's transfer when the sender dies: the liveness check finds
+    the sender gone, and the re-poll of the transfer (it may have completed just before)
+    raises the transport's own error (Gloo's "Connection reset by peer"). The wait reports
+    the lost peer, so the receiver refuses the version and keeps the previous one, instead
+    of failing with the transport error (seen once the SIGKILL test's timer became a gate)."""
+    _, receivers = group
+    receiver = receivers[1]
+    polls = []
+
+    def transfer_done():
+        polls.append(1)
+        if len(polls) == 1:
+            return None  # still on the wire at the first poll
+        raise RuntimeError("pair.cc:537] Read error: Connection reset by peer")
+
+    def sender_gone(ranks, what=""):
+        raise PeerLost(f"weight sync: the sender's process is gone (while waiting for {what})", 0)
+
+    monkeypatch.setattr(receiver, "check_peers", sender_gone)
+    with pytest.raises(PeerLost, match="the sender's process is gone"):
+        receiver.wait_until(transfer_done, [0], "the transfer of bucket 0 of version 2")
+    assert len(polls) == 2

@@ -235,7 +235,12 @@ class SyncGroup:
                 try:
                     self.check_peers(peers, what)
                 except PeerLost as lost:  # it may have delivered, then left, since ready() was polled
-                    value = ready()
+                    try:
+                        value = ready()
+                    except WeightSyncError:
+                        raise
+                    except Exception:  # the transfer it was part of failed with it: the loss explains it
+                        raise lost from None
                     if value is not None:
                         return value
                     if lost.rank is None or lost.rank in peers:
