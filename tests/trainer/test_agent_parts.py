@@ -132,10 +132,19 @@ def test_environment_step_results():
             normalize_step(bad)
 
 
+#: The limit of the calls that must return: a loaded machine may pause a process for
+#: seconds, so no normal call is bounded by the short limits the hung calls are ended by.
+GENEROUS_S = 120.0
+
+
 def test_a_call_with_a_limit_never_raises_for_what_the_tool_does():
     from portarl.runtime.user_code import UserCodeGuard
 
-    with UserCodeGuard(0.2, "rollout.tool_timeout_s") as guard:
+    with UserCodeGuard(0.2, "rollout.tool_timeout_s") as short:  # the hung call's limit, and only its
+        hung = call_with_limit(short, time.sleep, (60,))  # ended from inside, not abandoned
+        assert not hung.ok and hung.kind == "timeout" and "within rollout.tool_timeout_s=0.2 s" in hung.error
+        assert hung.elapsed_s < 60
+    with UserCodeGuard(GENEROUS_S, "rollout.tool_timeout_s") as guard:
         assert call_with_limit(guard, multiply, (3, 4)).value == 12
         raised = call_with_limit(guard, divide, (1, 0))
         assert not raised.ok and raised.kind == "raised" and raised.error == "raised ZeroDivisionError: division by zero"
@@ -143,9 +152,6 @@ def test_a_call_with_a_limit_never_raises_for_what_the_tool_does():
         assert not exited.ok and exited.error == "called sys.exit(3)"
         not_json = call_with_limit(guard, lambda: {1, 2})
         assert not not_json.ok and not_json.kind == "not_json" and "returned set" in not_json.error
-        hung = call_with_limit(guard, time.sleep, (60,))  # ended from inside, not abandoned
-        assert not hung.ok and hung.kind == "timeout" and "within rollout.tool_timeout_s=0.2 s" in hung.error
-        assert hung.elapsed_s < 60
         assert json.loads(json.dumps(call_with_limit(guard, lambda: {"a": [1, 2.5, None]}).value)) == {
             "a": [1, 2.5, None]}
 
@@ -157,12 +163,14 @@ def test_the_tool_process_kills_a_hung_call_and_its_environments_are_lost():
 
     here = Path(__file__).parent
     executor = ProcessExecutor(["agent_tools:wait", "agent_tools:pid"], "agent_tools:CountEnv", [here],
-                               timeout_s=0.5)
+                               timeout_s=GENEROUS_S)  # every call that must return: no deadline a loaded machine breaks
     try:
         assert executor.run("env_reset", "a", None, {}).ok and executor.run("env_reset", "b", None, {}).ok
         assert executor.run("env_step", "a", "hi").value["observation"] == "again"
         first = executor.run("tool", "pid", {}).value
+        executor.timeout_s = 0.5  # the hung call's limit only: it sleeps 30 s, any machine ends it at 0.5 s
         hung = executor.run("tool", "wait", {"seconds": 30})
+        executor.timeout_s = GENEROUS_S
         assert hung.kind == "timeout" and "its process was killed" in hung.error and executor.restarts == 1
         lost = executor.run("env_step", "b", "hi")  # held by the killed process
         assert not lost.ok and lost.kind == "lost"
