@@ -190,4 +190,45 @@ def assert_run_trained(run: str | Path, *, end: str | Path | None = None,
 #: Tests whose names read like comparisons of runs but compare no runs, each with the reason
 #: (tests/test_run_guard.py: a test in a run folder whose name matches RUN_COMPARISON_NAME is
 #: marked ``compares_runs`` or listed here). Keys: "folder/file.py::test_name".
-NOT_RUN_COMPARISONS: dict[str, str] = {}
+NOT_RUN_COMPARISONS: dict[str, str] = {
+    'bench/test_stability_gap.py::test_replay_from_a_tar_trains_on_the_extracted_copy':
+        'the harness is faked: checks that a .tar is extracted for --replay-from and removed after; nothing trains',
+    'cli/test_first_hour_errors.py::test_resume_where_there_is_no_checkpoint_is_refused_unless_a_new_run_is_asked_for':
+        'CLI refusal of --resume without a checkpoint, and --resume-or-start starting then continuing; no results compared',
+    'cli/test_newcomer_pass.py::test_resume_with_fewer_steps_than_done_is_refused_with_both_numbers':
+        "a refused resume's one-line error and untouched config.yaml; no results compared",
+    'trainer/test_agent_observations.py::test_a_10mb_environment_observation_and_reset_text_are_cut_and_a_step_trains':
+        'one run: a 10 MB environment observation and reset text are cut and one step completes unskipped; compares no runs',
+    'trainer/test_agent_observations.py::test_a_10mb_tool_output_is_cut_and_a_step_trains_with_bounded_memory':
+        'one run: a 10 MB tool output is cut and one step completes unskipped in bounded memory; compares no runs',
+    'trainer/test_attention_masks.py::test_causal_rows_equal_padded':
+        "no-grad log-probs of fixed inputs, causal rows vs padded: numerics (the step's gradients: test_causal_rows_step_gradients_equal_padded)",
+    'trainer/test_dynamic_sampling.py::test_round_seeds_never_repeat_across_rounds_and_steps':
+        "unit test of round_seeds' uniqueness; no model, no run",
+    'trainer/test_gguf.py::test_cli_trains_from_a_gguf_file_and_names_a_missing_one':
+        'one portarl train run from a .gguf must exit 0 and write metrics, plus one-line refusals of missing/cut files; compares no runs',
+    'trainer/test_lean_decode.py::test_models_it_cannot_reproduce_keep_the_forward_and_say_why':
+        "one engine's decode-path fallback and its stated reason; no training, nothing compared",
+    'trainer/test_memory_micro_batches.py::test_no_grad_logprobs_equal_one_micro_batch':
+        'no-grad log-probs of a fixed batch, token-budget micro-batches vs one: numerics, no update compared',
+    'trainer/test_memory_micro_batches.py::test_split_to_equalises_counts_across_ranks':
+        "unit test of split_to's partition of row indices; no model, no run",
+    'trainer/test_padding_free.py::test_attention_across_sequences_is_caught':
+        'negative control: planted packing faults must break the no-grad log-prob equality of fixed inputs; no training',
+    'trainer/test_padding_free.py::test_materialised_logits_and_npu_emulation_paths_equal_padded':
+        'one no-grad forward of fixed inputs (materialised-logits and npu-emulated paths), packed vs padded: numerics, no training',
+    'trainer/test_padding_free.py::test_packed_logprobs_and_entropy_equal_padded':
+        "one no-grad forward's log-probs and entropy of fixed inputs, packed vs padded: numerics, no training or gradient",
+    'trainer/test_padding_free_smollm2.py::test_smollm2_attention_across_sequences_is_caught':
+        'negative control: a planted packing fault must break the no-grad equality of fixed sequences; no training',
+    'trainer/test_padding_free_smollm2.py::test_smollm2_packed_logprobs_and_entropy_equal_padded':
+        'one no-grad forward of SmolLM2 on fixed sequences, packed vs padded: numerics, no training or gradient',
+    'trainer/test_padding_free_smollm2.py::test_smollm2_shared_prompt_rows_equal_padded':
+        'one no-grad forward of SmolLM2 on fixed sequences, shared-prompt rows vs padded: numerics, no training',
+    'trainer/test_share_prompt.py::test_shared_logprobs_and_entropy_equal_padded':
+        "one no-grad forward's log-probs and entropy of fixed inputs, shared-prompt vs padded: numerics, no training",
+    'trainer/test_thread_count.py::test_the_engine_samples_the_same_bits_on_1_2_and_3_threads':
+        "the engine's sampling of the fixed initial weights on 1, 2, 3 threads: decode numerics, no training (the trained run is the next test)",
+    'trainer/test_train_run.py::test_rollout_and_trainer_log_probs_agree_on_cpu':
+        "one step: the rollout's KV-cache log-probs vs the trainer's forward of the same in-process weights before the update; numerics, no sync",
+}

@@ -13,6 +13,8 @@ import zlib
 import pytest
 import torch
 
+import run_guard
+
 pytest.importorskip("transformers")
 
 from portarl.bench.stability import dump_modules, locate  # noqa: E402
@@ -217,9 +219,12 @@ def test_emulated_bf16_against_fp32_at_the_start_weights_is_rounding_only(record
     assert max(r["out_err"] for r in judged) > 1e-3  # bf16 differences are there, and explained
 
 
+@pytest.mark.compares_runs
 def test_emulated_bf16_after_two_updates_names_the_kl(recorded, tmp_path):
     """Two updates in: policy and reference differ by a little, the k3 KL (about d^2 / 2)
-    cancels, and bf16 log-probs' rounding becomes a large relative KL error there."""
+    cancels, and bf16 log-probs' rounding becomes a large relative KL error there. The
+    recorded run trained (the policy moved from the start model), or they would not differ."""
+    run_guard.assert_run_trained(recorded / "runs" / "cpu_fp32", what="the recorded cpu:fp32 run")
     result = locate(_dump(recorded, 3, tmp_path / "fp32"), _dump(recorded, 3, tmp_path / "emu", "cpu:bf16:npu-emulated"))
     row = result["first"]["forward"]
     assert (row["module"], row["verdict"]) == ("portarl.kl", "amplifies") and row["amplification"] > 20

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import run_guard
+
 pytest.importorskip("transformers")
 
 from portarl.cli import main  # noqa: E402
@@ -40,6 +42,7 @@ def recorded(tmp_path_factory):
     return gpu
 
 
+@pytest.mark.compares_runs
 def test_record_replay_elsewhere_and_compare(recorded, tmp_path, capsys):
     gpu = recorded
     manifest = json.loads((gpu / "manifest.json").read_text())
@@ -58,6 +61,9 @@ def test_record_replay_elsewhere_and_compare(recorded, tmp_path, capsys):
     run = json.loads((npu / "runs" / "cpu_bf16_npu-emulated" / "run.json").read_text())
     recorded_sha = json.loads((gpu / "runs" / "cpu_fp32" / "run.json").read_text())["rollouts"]["sha256"]
     assert run["rollouts"] == {"mode": "replayed", "sha256": recorded_sha} and run["steps"] == 3
+    # the two runs compared trained (their policies moved from the shared start model)
+    run_guard.assert_run_trained(gpu / "runs" / "cpu_fp32", what="the recording (cpu:fp32)")
+    run_guard.assert_run_trained(npu / "runs" / "cpu_bf16_npu-emulated", what="the replay (cpu:bf16:npu-emulated)")
 
     report_dir = tmp_path / "report"
     assert main(["bench", "stability", "compare", str(gpu), str(npu), "--out", str(report_dir), "--threshold", "1e9"]) == 0

@@ -1,15 +1,19 @@
 """Tiny mixture-of-experts models from the command line (issue 48): Qwen3-MoE and Qwen2-MoE
 (shared expert) train 2 steps colocated, and with routing replay in the asynchronous
 rollout worker, whose recorded experts travel with its batch (compactly: int16, base64):
-at staleness 0 the trainer's log-probs equal the worker's."""
+at staleness 0 the trainer's log-probs equal the worker's, also after the trained weights
+were synced to it."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
+import run_guard
 from portarl.cli import main
 from portarl.moe.models import BUILTIN_MOES
 from portarl.moe.routing import experts_from_json, experts_json
@@ -23,16 +27,29 @@ def _grpo(run):
     return [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if m.get("phase") == "grpo"]
 
 
+@pytest.mark.compares_runs
 @pytest.mark.parametrize("name", list(BUILTIN_MOES))
 @pytest.mark.parametrize("mode", ["colocated", "async"])
-def test_tiny_moe_trains_with_routing_replay(tmp_path, name, mode):
+def test_tiny_moe_trains_with_routing_replay(tmp_path, monkeypatch, name, mode):
+    """A reward that varies within groups from the start weights (no supervised warm-up: the
+    guard's start is then the run's own, rebuilt from its config); async at staleness 0, so
+    that the second step's batch comes from the worker after the first step's trained
+    weights were synced to it."""
+    trainer_dir = str(Path(__file__).resolve().parents[1] / "trainer")  # trainer_fast, in the worker's process too
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([trainer_dir, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.syspath_prepend(trainer_dir)
     run = tmp_path / "run"
     assert main(["train", "--output-dir", str(run), "--set", f"model.path={name}", "--set", f"rollout.mode={mode}",
-                 "--set", "rollout.routing_replay=rollout", "--set", "train.old_logprobs=recompute", *SHORT]) == 0
+                 "--set", "rollout.routing_replay=rollout", "--set", "train.old_logprobs=recompute",
+                 "--set", "rewards=[{name: 'trainer_fast:varied_reward'}]", "--set", "train.sft_warmup_steps=0",
+                 *(["--set", "rollout.max_staleness=0"] if mode == "async" else []), *SHORT]) == 0
     rows = _grpo(run)
     assert [m["step"] for m in rows] == [1, 2]
+    run_guard.assert_run_trained(run, what=f"{name} {mode}")
     assert 0.0 < rows[0]["rollout/routing_agreement"] <= 1.0
-    assert rows[0]["mismatch/abs_diff_max"] <= ROLLOUT_FP32_ATOL  # staleness 0: the engine's own numbers
+    for m in rows:  # staleness 0: the engine's own numbers, at the start weights and after the first update
+        assert m.get("rollout/staleness_max", 0) == 0, m["rollout/staleness_max"]
+        assert m["mismatch/abs_diff_max"] <= ROLLOUT_FP32_ATOL, (m["step"], m["mismatch/abs_diff_max"])
 
 
 def test_recorded_experts_round_trip_through_json_and_refuse_damage():

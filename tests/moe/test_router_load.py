@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import run_guard
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 
 from portarl.assets.data import arithmetic_examples  # noqa: E402
@@ -55,9 +57,12 @@ def _step(tmp_path, monkeypatch, *overrides, tap: bool = True, spy=None):
     return metrics, grads, parts
 
 
+@pytest.mark.compares_runs
 def test_coef_zero_leaves_loss_and_gradients_bit_identical(tmp_path, monkeypatch):
     with_tap, grads, _ = _step(tmp_path / "a", monkeypatch)
     without, grads_before, _ = _step(tmp_path / "b", monkeypatch, tap=False)
+    run_guard.assert_gradient_flows(grads_before, what="the step without the router hooks")
+    run_guard.assert_gradient_flows(grads, what="the step with the router hooks")
     assert "moe/load_imbalance" in with_tap and "moe/load_imbalance" not in without
     assert "moe/aux_loss" not in with_tap
     assert with_tap["loss"] == without["loss"] and with_tap["grad_norm"] == without["grad_norm"]
@@ -65,6 +70,7 @@ def test_coef_zero_leaves_loss_and_gradients_bit_identical(tmp_path, monkeypatch
     assert all(torch.equal(grads[n], grads_before[n]) for n in grads)
 
 
+@pytest.mark.compares_runs
 def test_aux_loss_is_transformers_function_and_moves_the_router(tmp_path, monkeypatch):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -79,6 +85,7 @@ def test_aux_loss_is_transformers_function_and_moves_the_router(tmp_path, monkey
     metrics, grads, parts = _step(tmp_path / "a", monkeypatch, f"loss.router_aux_coef={coef}",
                                   "train.micro_batch_size=64", spy=spy)
     _, grads_off, _ = _step(tmp_path / "b", monkeypatch)
+    run_guard.assert_gradient_flows(grads_off, what="the step without the aux loss")
     assert len(parts) == 1 and len(logits) == 2  # one micro-batch, two MoE layers
     expected = load_balancing_loss_func(tuple(logits), 4, 2, parts[0].attention_mask)
     assert metrics["moe/aux_loss"] == float(expected.float())

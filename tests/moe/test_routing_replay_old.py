@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import run_guard
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 
 from portarl.moe import routing  # noqa: E402
@@ -127,10 +129,17 @@ def _differing(old: dict, update_tokens: dict) -> tuple[int, int]:
     return sum(update_tokens[k] != old[k] for k in common), len(common)
 
 
+@pytest.mark.compares_runs
 @pytest.mark.parametrize("name", list(BUILTIN_MOES))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_update_forward_routes_as_the_old_policy_did(tmp_path, name, layout):
-    old, updates, ref_own, metrics = _run(_trainer(tmp_path, name, *LAYOUTS[layout]))
+    trainer = _trainer(tmp_path, name, *LAYOUTS[layout])
+    negated = {id(r.weight) for r in routing.routers(trainer.model)}  # moved by _run, not by training
+    trained = {n: p for n, p in trainer.model.named_parameters() if id(p) not in negated}
+    start = {n: p.detach().clone() for n, p in trained.items()}
+    old, updates, ref_own, metrics = _run(trainer)
+    # the policy moved by training too, not only by the routers negated between the optimizer steps
+    run_guard.assert_trained([metrics["grad_norm"]], start, trained, what=f"{name} {layout}")
     assert len(updates) == 2, "two optimizer steps (train.mini_batches=2)"
     for k, tokens in enumerate(updates):
         differ, compared = _differing(old, tokens)

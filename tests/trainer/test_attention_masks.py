@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import portarl.trainer.phases.attention_masks as masks
+import run_guard
 from portarl.trainer.phases.micro_batches import micro_batches, pack
 from portarl.trainer.phases.packing import layout_of
 from portarl.trainer.phases.sequences import build_batch, completion_logprobs
@@ -288,6 +289,7 @@ def test_row_chooser_counts_the_mask(monkeypatch):
     assert len(rows) > 1 and masks.fits(len(rows), width, layout)
 
 
+@pytest.mark.compares_runs
 @pytest.mark.parametrize("setting", [[], ["train.max_tokens_per_micro_batch=30"]], ids=["plain", "budget"])
 def test_causal_rows_step_gradients_equal_padded(tmp_path, monkeypatch, setting):
     """A whole GRPO step (scoring, update) whose every micro-batch is over a (lowered)
@@ -309,6 +311,8 @@ def test_causal_rows_step_gradients_equal_padded(tmp_path, monkeypatch, setting)
     monkeypatch.setattr(mb, "pack_micro_batch", spy)
     causal, trainer = _gradients(tmp_path, monkeypatch, "train.padding_free=true", *setting, name="causal")
     assert trainer.padding_free.kind == "rows" and seen and all(seen)
+    run_guard.assert_gradient_flows(padded, what=f"the padded step's gradients ({setting})")
+    run_guard.assert_gradient_flows(causal, what=f"the causal-rows step's gradients ({setting})")
     _assert_same(padded, causal)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import run_guard
 from portarl.rollout import request_seeds
 from portarl.trainer.phases.dynamic_sampling import informative, round_seeds
 from trainer_fast import varied_reward
@@ -100,12 +101,16 @@ def test_bad_cap_is_refused(tmp_path):
         fast_config(tmp_path, "rollout.max_generation_rounds=0")
 
 
+@pytest.mark.compares_runs
 def test_one_informative_round_is_the_ordinary_step(make_trainer):
     """When round 0 is informative everywhere, dynamic sampling changes nothing: same loss."""
     results = []
     for on in ("false", "true"):
         trainer = make_trainer(f"rollout.dynamic_sampling={on}", rewards=[varied_reward])
+        start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         results.append(trainer.train_step())
+        run_guard.assert_trained([results[-1]["grad_norm"]], start, dict(trainer.model.named_parameters()),
+                                 what=f"rollout.dynamic_sampling={on}")
     off, on_ = results
     assert on_["rollout/rounds"] == 1 and on_["rollout/informative_frac"] == 1
     assert on_["loss"] == off["loss"] and on_["reward/mean"] == off["reward/mean"]

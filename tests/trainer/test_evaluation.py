@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+import run_guard
 from portarl.trainer import GRPOTrainer, build_from_config
 from portarl.trainer.config import ConfigError
 from portarl.trainer.phases.evaluation import eval_seeds
@@ -84,12 +85,20 @@ def test_bad_eval_settings(tmp_path):
         fast_config(tmp_path, "eval.best_metric=reward/mean")
 
 
+@pytest.mark.compares_runs
 def test_portarl_eval_cli(tmp_path, capsys):
+    """``portarl eval`` of the saved checkpoint gives the numbers of the trainer's own
+    weights; those moved from the start (a reward that varies within groups: with the
+    built-in ones an untrained model's step changes nothing, and the initial weights would
+    give the same numbers)."""
     data = _eval_file(tmp_path, 3)
-    trainer = _trainer(tmp_path, "train.steps=1")
+    trainer = _trainer(tmp_path, "train.steps=1", "rewards=[{name: 'trainer_fast:varied_reward'}]")
     trainer.train()
     ckpt = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run_guard.assert_run_trained(ckpt, what="the run portarl eval reads")
+    here_dir = os.path.dirname(__file__)  # trainer_fast, for the evaluation in its own process
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([here_dir, os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "portarl", "eval", "--checkpoint", str(ckpt), "--data", str(data),
                           "--device", "cpu", "--out", str(tmp_path / "m.json")], capture_output=True, text=True, env=env,
                          timeout=600)

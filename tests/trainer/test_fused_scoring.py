@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import run_guard
 from portarl.assets.models import tiny_qwen2
 from portarl.parity.errors import assert_close
 from portarl.parity.tolerances import Tolerance, fp32_result
@@ -40,6 +41,7 @@ def _score(model, batch, monkeypatch, materialize):
     return logp.detach(), ent.detach(), grads
 
 
+@pytest.mark.compares_runs
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_fused_scoring_matches_materialised_logits(monkeypatch, dtype, tied):
@@ -48,6 +50,8 @@ def test_fused_scoring_matches_materialised_logits(monkeypatch, dtype, tied):
     logp_m, ent_m, g_m = _score(model, batch, monkeypatch, materialize=True)
     assert_close(logp_f, logp_m.double(), fp32_result(20.0), "logp")
     assert_close(ent_f, ent_m.double(), fp32_result(20.0), "entropy")
+    run_guard.assert_gradient_flows(g_m, what="the materialised-logits path's gradients")
+    run_guard.assert_gradient_flows(g_f, what="the fused path's gradients")
     assert set(g_f) == set(g_m)
     rtol = 1e-4 if dtype == torch.float32 else 2.0**-7  # bf16 gradients: two roundings apart
     for name in g_f:

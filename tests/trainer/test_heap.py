@@ -100,12 +100,14 @@ def test_a_small_models_step_does_not_trim(make_trainer, monkeypatch):
     assert len(calls) == 3, calls
 
 
+@pytest.mark.compares_runs
 def test_gradients_first_gives_the_same_gradients_and_drops_untouched_ones():
     """The step's gradients exist (zeros) before the forward; the backward adds into them
     and gives bitwise the gradients autograd would have allocated itself; a parameter no
     backward reached is back to None (an optimizer skips it, as before)."""
     import torch
 
+    import run_guard
     from portarl.trainer.memory.heap import GradientsFirst
 
     torch.manual_seed(0)
@@ -119,6 +121,7 @@ def test_gradients_first_gives_the_same_gradients_and_drops_untouched_ones():
         for chunk in x.chunk(micro_batches):
             used(chunk).pow(2).sum().backward()
         want = [None if p.grad is None else p.grad.clone() for p in params]
+        run_guard.assert_gradient_flows(want, what=f"autograd's own gradients ({micro_batches} micro-batches)")
         for p in params:
             p.grad = None
         grads = GradientsFirst(params)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import portarl.trainer.phases.micro_batches as mb
+import run_guard
 from portarl.trainer.phases.micro_batches import micro_batches, pack, split_to
 from portarl.trainer.phases.scoring import no_grad_logprobs
 from portarl.trainer.phases.sequences import build_batch
@@ -64,6 +65,7 @@ def test_fixed_slices_without_a_budget():
     assert [r for r, _ in micro_batches(_fake_trainer(None, rows=2), batch)] == [slice(0, 2), slice(2, 4), slice(4, 6)]
 
 
+@pytest.mark.compares_runs
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("budget", [12, 30])
 def test_any_budget_gives_the_one_micro_batch_gradient(tmp_path, monkeypatch, budget, lora):
@@ -72,6 +74,8 @@ def test_any_budget_gives_the_one_micro_batch_gradient(tmp_path, monkeypatch, bu
                         *extra, name="one")
     packed, trainer = _gradients(tmp_path, monkeypatch, f"train.max_tokens_per_micro_batch={budget}", *extra,
                                  name=f"b{budget}")
+    run_guard.assert_gradient_flows(one, what="one micro-batch's gradients")
+    run_guard.assert_gradient_flows(packed, what=f"the gradients over budget-{budget} micro-batches")
     _assert_same(one, packed)
 
 

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+import run_guard
 from portarl.trainer import GRPOTrainer, build_from_config
 from portarl.trainer.phases.update import lr_lambda, mini_batch_rows, optimizer_steps_total
 from trainer_fast import fast_config, varied_reward
@@ -43,12 +44,16 @@ def test_lr_schedule_counts_optimizer_steps(tmp_path):
     assert factor(total) == pytest.approx(cfg.optim.min_lr_ratio)
 
 
+@pytest.mark.compares_runs
 def test_clip_fractions_bind_and_respond_to_the_clip_range(tmp_path):
     runs = {}
     for eps in ("0.28", "0.02"):
         trainer = _trainer(tmp_path, "train.mini_batches=4", "train.steps=1", f"loss.clip_eps_high={eps}",
                            "optim.lr=3e-3", name=eps)
+        start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         runs[eps] = trainer.train_step()
+        run_guard.assert_trained([runs[eps]["grad_norm"]], start, dict(trainer.model.named_parameters()),
+                                 what=f"loss.clip_eps_high={eps}")
     for metrics in runs.values():
         assert metrics["update/applied_steps"] == 4
         assert metrics["pg/clip_frac_high/first"] == 0.0  # on-policy: ratio 1
@@ -63,6 +68,7 @@ def _state(trainer):
             copy.deepcopy(trainer.optimizer.state_dict()))
 
 
+@pytest.mark.compares_runs
 def test_nan_in_second_epoch_keeps_exactly_the_first_step(tmp_path):
     """ppo_epochs=2 with a NaN gradient in epoch 2: the weights and optimizer state equal
     those of the same run with ppo_epochs=1 (the first step applied, the second not), and
@@ -79,7 +85,9 @@ def test_nan_in_second_epoch_keeps_exactly_the_first_step(tmp_path):
         return grad
 
     two.hooks["grad"].append(nan_on_second_call)
+    start = {n: p.detach().clone() for n, p in one.model.named_parameters()}
     m2, m1 = two.train_step(), one.train_step()
+    run_guard.assert_trained([m1["grad_norm"]], start, dict(one.model.named_parameters()), what="ppo_epochs=1")
     assert m1["skipped"] == 0 and m2["skipped"] == 0 and m2["update/applied_steps"] == 1
     assert m2["guard/nonfinite_tensor"] == "gradient" and m2["guard/consecutive_skips"] == 1
     event = next(msg for kind, msg, _ in m2["_events"] if kind == "partial_update")

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import portarl.trainer.phases.packing as packing
+import run_guard
 from portarl.assets.models import tiny_qwen2
 from portarl.parity.errors import assert_close
 from portarl.parity.tolerances import fp32_result, low_precision_forward
@@ -255,6 +256,7 @@ STEP_SETTINGS = pytest.mark.parametrize("setting", [[], ["train.gradient_checkpo
                                         ids=["plain", "checkpointing", "lora", "budget"])
 
 
+@pytest.mark.compares_runs
 @STEP_SETTINGS
 def test_gradients_equal_padded(tmp_path, monkeypatch, setting):
     if "model.lora.r=4" in setting:
@@ -266,9 +268,12 @@ def test_gradients_equal_padded(tmp_path, monkeypatch, setting):
     assert trainer.padding_free is None and not seen
     packed, trainer = _gradients(tmp_path, monkeypatch, "train.padding_free=true", *setting, name="packed")
     assert trainer.padding_free.kind == "varlen" and max(seen) > 1
+    run_guard.assert_gradient_flows(padded, what=f"the padded step's gradients ({setting})")
+    run_guard.assert_gradient_flows(packed, what=f"the packed step's gradients ({setting})")
     _assert_same(padded, packed)
 
 
+@pytest.mark.compares_runs
 def test_step_metrics_with_reference_and_entropy_equal_padded(make_trainer, monkeypatch):
     """A whole step with KL to a reference copy, old log-probs recomputed, entropy logged:
     every metric and the updated weights, packed vs padded, within fp32 tolerance."""
@@ -278,21 +283,24 @@ def test_step_metrics_with_reference_and_entropy_equal_padded(make_trainer, monk
     assert_steps_equal(want, got)
 
 
-def step_with_reference(make_trainer, setting: str) -> tuple[dict, dict]:
-    """``(metrics row, parameters)`` after one step with ``setting``, KL to a reference
-    copy, old log-probs recomputed and entropy logged."""
+def step_with_reference(make_trainer, setting: str) -> tuple[dict, dict, dict]:
+    """``(metrics row, parameters, parameters before the step)`` after one step with
+    ``setting``, KL to a reference copy, old log-probs recomputed and entropy logged."""
     from trainer_fast import varied_reward
 
     trainer = make_trainer(setting, "loss.kl_coef=0.05", "train.old_logprobs=recompute", "data.max_operand=999",
                            "rollout.max_new_tokens=6", rewards=[varied_reward])
+    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     row = trainer.train_step()
-    return row, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return row, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, start
 
 
 def assert_steps_equal(want_run, got_run) -> None:
-    """Two runs of :func:`step_with_reference`: every metric (timings aside) and every
-    updated weight within the fp32 tolerance."""
-    (want, want_params), (got, got_params) = want_run, got_run
+    """Two runs of :func:`step_with_reference`: both trained (tests/run_guard.py), and every
+    metric (timings aside) and every updated weight within the fp32 tolerance."""
+    (want, want_params, want_start), (got, got_params, got_start) = want_run, got_run
+    run_guard.assert_trained([want["grad_norm"]], want_start, want_params, what="the reference step")
+    run_guard.assert_trained([got["grad_norm"]], got_start, got_params, what="the step compared")
     keys = {k for k in want if not k.startswith("time/") and k != "_events"}
     assert {"kl", "entropy", "loss", "grad_norm", "mismatch/abs_diff_max"} <= keys, sorted(keys)
     for key in sorted(keys):

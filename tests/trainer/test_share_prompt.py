@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import portarl.trainer.phases.share_prompt as share_prompt
+import run_guard
 from portarl.parity.errors import assert_close
 from portarl.parity.tolerances import fp32_result
 from portarl.trainer.config.fields import ConfigError
@@ -104,6 +105,7 @@ def _loss_and_grads(model, part, weights):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.compares_runs
 def test_loss_and_gradients_equal_padded():
     """Gradients through the shared prompt are the sum over its group, as in the padded layout."""
     batch = _groups_batch(2)
@@ -111,6 +113,8 @@ def test_loss_and_gradients_equal_padded():
     weights = torch.randn(batch.labels.shape, generator=torch.Generator().manual_seed(0)) * batch.mask
     want_loss, want = _loss_and_grads(model, _part(None, batch), weights)
     got_loss, got = _loss_and_grads(model, _part(_shared(), batch), weights)
+    run_guard.assert_gradient_flows(want, what="the padded layout's gradients")
+    run_guard.assert_gradient_flows(got, what="the shared layout's gradients")
     assert abs(float(got_loss - want_loss)) <= fp32_result(abs(float(want_loss))).atol
     _assert_same(want, got)
 
@@ -202,6 +206,7 @@ def _spy_shared(monkeypatch) -> list[bool]:
     return seen
 
 
+@pytest.mark.compares_runs
 @STEP_SETTINGS
 def test_step_gradients_equal_padded(tmp_path, monkeypatch, setting):
     if "model.lora.r=4" in setting:
@@ -211,9 +216,12 @@ def test_step_gradients_equal_padded(tmp_path, monkeypatch, setting):
     assert not seen
     shared, trainer = _gradients(tmp_path, monkeypatch, "train.share_prompt=true", *setting, name="shared")
     assert trainer.padding_free.share_prompt and any(seen)
+    run_guard.assert_gradient_flows(padded, what=f"the padded step's gradients ({setting})")
+    run_guard.assert_gradient_flows(shared, what=f"the shared-prompt step's gradients ({setting})")
     _assert_same(padded, shared)
 
 
+@pytest.mark.compares_runs
 def test_step_with_reference_equal_unshared(make_trainer, monkeypatch):
     """A whole step (KL to a reference copy, old log-probs recomputed, entropy): every
     metric and the updated weights, shared vs unshared rows, within fp32 tolerance."""

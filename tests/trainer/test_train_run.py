@@ -7,11 +7,15 @@ import json
 import pytest
 import torch
 
+import run_guard
 from portarl.trainer.checkpoint import CheckpointManager
+from trainer_fast import varied_reward
 
 
 def test_three_steps_change_every_trainable_parameter(make_trainer):
-    trainer = make_trainer("loss.kl_coef=0.01", "optim.weight_decay=0.0")
+    """A reward with spread within groups: with the built-in ones the first step's gradient is
+    0 and "every parameter changed" rested on a later step's chance hit of the format reward."""
+    trainer = make_trainer("loss.kl_coef=0.01", "optim.weight_decay=0.0", rewards=[varied_reward])
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     result = trainer.train()
     assert result.steps == 3
@@ -54,11 +58,17 @@ def test_fp16_with_master_weights_and_loss_scaling(make_trainer):
         assert torch.equal(p, m.to(torch.float16))
 
 
+@pytest.mark.compares_runs
 def test_gradient_accumulation_matches_one_micro_batch(make_trainer):
-    """Micro-batching changes nothing but rounding: the same update with 1 or 4 micro-batches."""
-    whole = make_trainer("train.micro_batch_size=16", "optim.grad_clip=null")
-    split = make_trainer("train.micro_batch_size=4", "optim.grad_clip=null")
+    """Micro-batching changes nothing but rounding: the same update with 1 or 4 micro-batches
+    (a reward that varies within groups: the built-in ones give an untrained model 0, a zero
+    gradient, and any two layouts the same update)."""
+    whole = make_trainer("train.micro_batch_size=16", "optim.grad_clip=null", rewards=[varied_reward])
+    split = make_trainer("train.micro_batch_size=4", "optim.grad_clip=null", rewards=[varied_reward])
+    starts = [{n: p.detach().clone() for n, p in t.model.named_parameters()} for t in (whole, split)]
     m1, m2 = whole.train_step(), split.train_step()
+    for t, m, start, what in ((whole, m1, starts[0], "1 micro-batch"), (split, m2, starts[1], "4 micro-batches")):
+        run_guard.assert_trained([m["grad_norm"]], start, dict(t.model.named_parameters()), what=what)
     assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
     for a, b in zip(whole.model.parameters(), split.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
