@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,11 +191,18 @@ def test_modules_filter_and_report(model_and_batch, tmp_path):
 # ---- the CLI on a recorded GRPO step: fp32 against the bf16 NPU-numerics emulation ----
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
+    """A recorded 3-step fp32 run whose every step has a gradient: a reward with spread within
+    groups (``trainer_fast.varied_reward``; the built-in rewards give the untrained model 0,
+    so step 1's loss and every gradient were 0 and the backward comparisons compared zeros)."""
     out = tmp_path_factory.mktemp("record") / "gpu"
-    sets = [a for item in TINY for a in ("--set", item)]
-    assert main(["bench", "stability", "--runs", "cpu:fp32", "--steps", "3", "--replay-rollouts", "--out", str(out),
-                 *sets]) == 0
-    return out
+    trainer_tests = str(Path(__file__).resolve().parents[1] / "trainer")
+    sets = [a for item in (*TINY, "rewards=[{name: 'trainer_fast:varied_reward'}]") for a in ("--set", item)]
+    with pytest.MonkeyPatch.context() as mp:  # for the module's tests too: a dump loads the run's rewards
+        mp.syspath_prepend(trainer_tests)
+        mp.setenv("PYTHONPATH", os.pathsep.join([trainer_tests, os.environ.get("PYTHONPATH", "")]))
+        assert main(["bench", "stability", "--runs", "cpu:fp32", "--steps", "3", "--replay-rollouts", "--out",
+                     str(out), *sets]) == 0
+        yield out
 
 
 def _dump(recorded, step, out, run=None):
@@ -202,20 +211,31 @@ def _dump(recorded, step, out, run=None):
     return out
 
 
+@pytest.mark.compares_runs
 def test_emulated_bf16_against_fp32_at_the_start_weights_is_rounding_only(recorded, tmp_path, capsys):
+    """At the start weights every module's forward and backward differ by rounding only; the
+    one amplification is the loss's own cancellation (on-policy, ratio 1, each group's
+    advantages summing to 0: the fp32 loss is ~1e-9, so bf16's rounding of the log-probs is
+    all of it). With the built-in rewards this step's advantages, loss and gradients were 0,
+    and the test held for zeros (issue 58)."""
+    run_guard.assert_gradient_flows([torch.tensor(run_guard.grad_norms(recorded / "runs" / "cpu_fp32")[:1])],
+                                    what="the recorded step 1")
     a = _dump(recorded, 1, tmp_path / "fp32")
     b = _dump(recorded, 1, tmp_path / "emu", run="cpu:bf16:npu-emulated")
     assert Dump(b).index["emulation"] == ["bf16_logprobs", "entropy_no_upcast"]
     assert main(["bench", "stability", "locate", str(a), str(b), "--out", str(tmp_path / "r")]) == 0
     verdict = capsys.readouterr().out.splitlines()[-2]
-    assert verdict.startswith("first amplification: none beyond rounding; first non-finite: none"), verdict
+    assert verdict.startswith("first amplification: portarl.loss (forward)"), verdict
+    assert "backward: none beyond what the forward explains; first non-finite: none" in verdict, verdict
     rows = json.loads((tmp_path / "r" / "locate.json").read_text())["rows"]
     assert {r["module"] for r in rows} >= {"model.embed_tokens", DOWN, "portarl.logprobs", "portarl.kl", "portarl.loss"}
     # One forward per module: the recorded start model is a directory, where checkpointing
     # is on by default, and a recomputed layer used to appear twice (issue 33 item 13).
     assert [(r["module"], r["call"]) for r in rows if r["call"]] == []
-    judged = [r for r in rows if r["judged"]]
+    judged = [r for r in rows if r["judged"] and r["module"] != "portarl.loss"]
     assert max(r["out_err"] / r["expected"] for r in judged) < 0.5  # a 2x margin under the flag everywhere
+    backward = [r for r in judged if r["direction"] == "backward"]
+    assert len(backward) > 20 and min(r["out_err"] for r in backward) > 1e-3  # real gradients, differing by rounding
     assert max(r["out_err"] for r in judged) > 1e-3  # bf16 differences are there, and explained
 
 
