@@ -201,14 +201,26 @@ NOT_RUN_COMPARISONS: dict[str, str] = {
         'one run: a 10 MB environment observation and reset text are cut and one step completes unskipped; compares no runs',
     'trainer/test_agent_observations.py::test_a_10mb_tool_output_is_cut_and_a_step_trains_with_bounded_memory':
         'one run: a 10 MB tool output is cut and one step completes unskipped in bounded memory; compares no runs',
+    'trainer/test_async_resume.py::test_a_checkpoint_of_a_failed_pipeline_holds_no_batches_in_flight_and_its_resume_says_so':
+        'one run stopped by a dying worker then resumed: checks its checkpoint holds no batch in flight, the log line and the staleness sequence; no second run compared',
+    'trainer/test_async_weight_sync.py::test_a_sender_stopped_mid_version_leaves_the_worker_on_its_previous_one_and_resume_goes_on':
+        'a torn weight version is refused and --resume finishes the steps: checks versions loaded, exit codes and steps; no weights or numbers compared between runs',
     'trainer/test_attention_masks.py::test_causal_rows_equal_padded':
         "no-grad log-probs of fixed inputs, causal rows vs padded: numerics (the step's gradients: test_causal_rows_step_gradients_equal_padded)",
+    'trainer/test_checkpoint_safety.py::test_a_step_saved_again_keeps_the_checkpoint_this_run_wrote_or_resumed_from':
+        'a re-save of a step keeps the existing checkpoint (inode, mtime) and which directory is kept; no run compared',
+    'trainer/test_detectors.py::test_configs_saved_with_the_retired_collapse_entropy_still_load_and_resume':
+        'config loading with a retired field (from_dict, check_resume_config); no training',
     'trainer/test_dynamic_sampling.py::test_round_seeds_never_repeat_across_rounds_and_steps':
         "unit test of round_seeds' uniqueness; no model, no run",
     'trainer/test_gguf.py::test_cli_trains_from_a_gguf_file_and_names_a_missing_one':
         'one portarl train run from a .gguf must exit 0 and write metrics, plus one-line refusals of missing/cut files; compares no runs',
     'trainer/test_lean_decode.py::test_models_it_cannot_reproduce_keep_the_forward_and_say_why':
         "one engine's decode-path fallback and its stated reason; no training, nothing compared",
+    'trainer/test_logs_append_only.py::test_rows_past_the_resumed_step_and_a_torn_line_are_dropped':
+        'unit test of prepare_log on a hand-written metrics file; no training',
+    'trainer/test_lora.py::test_cli_resume_continues_a_lora_run_and_refuses_a_changed_rank':
+        'a changed LoRA rank is refused on --resume and the unchanged resume writes its adapter file; compares no runs',
     'trainer/test_memory_micro_batches.py::test_no_grad_logprobs_equal_one_micro_batch':
         'no-grad log-probs of a fixed batch, token-budget micro-batches vs one: numerics, no update compared',
     'trainer/test_memory_micro_batches.py::test_split_to_equalises_counts_across_ranks':
@@ -225,10 +237,24 @@ NOT_RUN_COMPARISONS: dict[str, str] = {
         'one no-grad forward of SmolLM2 on fixed sequences, packed vs padded: numerics, no training or gradient',
     'trainer/test_padding_free_smollm2.py::test_smollm2_shared_prompt_rows_equal_padded':
         'one no-grad forward of SmolLM2 on fixed sequences, shared-prompt rows vs padded: numerics, no training',
+    'trainer/test_precision_guard.py::test_fp16_adamw_update_is_undone_bitwise_and_blamed':
+        'one refused fp16 step: weights and optimizer state must stay as they were (a non-finite update undone); not two runs compared',
+    'trainer/test_reference_sync.py::test_resume_of_a_run_saved_before_these_sections_existed':
+        'config compatibility of an old config.yaml (check_resume_config); no training at all',
+    'trainer/test_run_dir.py::test_library_resume_without_a_checkpoint_is_refused_unless_start_if_none':
+        'refusal of a resume without a checkpoint, and start_if_none starting fresh; no comparison',
+    'trainer/test_run_dir.py::test_resume_applies_lr_and_steps_and_says_so':
+        'a resume with a new lr and step count: checks the logged lr, the steps and the log line; no comparison with another run',
+    'trainer/test_run_dir.py::test_resume_refuses_other_changes_naming_the_fields':
+        'a refused config change on --resume (one error line); no second run trains',
+    'trainer/test_run_dir.py::test_reusing_an_output_dir_is_refused_then_overwrite_and_resume':
+        "refusal of a reused output directory, then --overwrite and --resume: checks checkpoint names and logged steps; no runs' numbers or weights compared",
     'trainer/test_share_prompt.py::test_shared_logprobs_and_entropy_equal_padded':
         "one no-grad forward's log-probs and entropy of fixed inputs, shared-prompt vs padded: numerics, no training",
     'trainer/test_thread_count.py::test_the_engine_samples_the_same_bits_on_1_2_and_3_threads':
         "the engine's sampling of the fixed initial weights on 1, 2, 3 threads: decode numerics, no training (the trained run is the next test)",
     'trainer/test_train_run.py::test_rollout_and_trainer_log_probs_agree_on_cpu':
         "one step: the rollout's KV-cache log-probs vs the trainer's forward of the same in-process weights before the update; numerics, no sync",
+    'trainer/test_write_failures.py::test_a_full_file_system_names_the_file_keeps_the_checkpoints_and_resumes':
+        'a failing checkpoint write: checks the error line, the checkpoints kept and that the printed resume command finishes; no run compared with another',
 }

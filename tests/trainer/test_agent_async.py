@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import run_guard
 from agent_tiny import save_agent_run_files
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL
 from portarl.trainer import GRPOTrainer, build_from_config
@@ -41,11 +42,15 @@ def _run(path: Path, model_dir, *overrides: str) -> GRPOTrainer:
     return trainer
 
 
+@pytest.mark.compares_runs
 def test_async_staleness_0_reproduces_colocated_episodes_bitwise(tmp_path, model_dir, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     env = "environment=agent_tools:CountEnv"
-    colocated = _jsonl(_run(tmp_path / "colocated", model_dir, env).output_dir / "metrics.jsonl")
+    colocated_run = _run(tmp_path / "colocated", model_dir, env).output_dir
+    colocated = _jsonl(colocated_run / "metrics.jsonl")
     run = _run(tmp_path / "async", model_dir, env, "rollout.mode=async", "rollout.max_staleness=0").output_dir
+    run_guard.assert_run_trained(colocated_run, what="the colocated episodes")
+    run_guard.assert_run_trained(run, what="the async episodes at max_staleness 0")
     rows = _jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and colocated[0]["agent/turns_mean"] > 1
     for ref, got in zip(colocated, rows):

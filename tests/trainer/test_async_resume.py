@@ -23,11 +23,13 @@ from safetensors.torch import load_file
 from portarl.rollout.async_worker import FAULT_ENV
 from portarl.trainer.checkpoint import CheckpointManager
 
-from test_async_rollout import _jsonl, _start, _wait_rows
+import run_guard
+from test_async_rollout import VARIED, _jsonl, _start, _wait_rows
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the worker dies with the trainer on Linux")
 
-SETS = ("train.steps=6", "checkpoint.every=2", "checkpoint.keep_last=5")
+#: VARIED: a reward that differs within every group, so that the runs compared train.
+SETS = ("train.steps=6", "checkpoint.every=2", "checkpoint.keep_last=5", VARIED)
 
 
 def _finish(proc) -> None:
@@ -79,6 +81,7 @@ def _sigterm(proc, out: Path) -> int:
     return CheckpointManager.load_state(CheckpointManager(out).latest())["step"]
 
 
+@pytest.mark.compares_runs
 @pytest.mark.parametrize("fault, stop", [("hang@4", _kill_between_checkpoints),
                                          ("hang@5", _kill_while_a_checkpoint_waits_for_its_batch_in_flight),
                                          ("hang@6", _kill_right_after_a_checkpoint),
@@ -94,6 +97,8 @@ def test_async_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, uninter
         proc.communicate()
     assert 2 <= resumed_from < 6
     _finish(_start(out, *SETS, resume=True))
+    run_guard.assert_run_trained(uninterrupted, what="the uninterrupted run")
+    run_guard.assert_run_trained(out, what=f"the run resumed from step {resumed_from}")
 
     want, got = _jsonl(uninterrupted / "metrics.jsonl"), _jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
@@ -165,9 +170,10 @@ def test_a_worker_that_dies_during_a_periodic_checkpoint_leaves_that_checkpoint_
 
 
 MOE_SETS = ("model.path=tiny-qwen3-moe", "rollout.routing_replay=rollout", "train.steps=4", "checkpoint.every=2",
-            "checkpoint.keep_last=5")
+            "checkpoint.keep_last=5", VARIED)
 
 
+@pytest.mark.compares_runs
 def test_an_moe_run_resumed_with_a_batch_in_flight_replays_its_routed_experts(tmp_path):
     """Mixture of experts with routing replay (issue 48): the checkpoint of step 2 holds step
     3's batch in flight with the experts the worker recorded, and the resumed run replays
@@ -190,6 +196,8 @@ def test_an_moe_run_resumed_with_a_batch_in_flight_replays_its_routed_experts(tm
     experts = experts_from_json(entry["reply"]["routed_experts"])
     assert entry["step"] == 3 and len(experts) == len(entry["reply"]["completion_ids"])
     _finish(_start(out, *MOE_SETS, resume=True))
+    run_guard.assert_run_trained(whole, what="the uninterrupted MoE run")
+    run_guard.assert_run_trained(out, what="the resumed MoE run")
 
     want, got = _jsonl(whole / "metrics.jsonl"), _jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in got] == [1, 2, 3, 4]

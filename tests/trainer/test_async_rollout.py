@@ -23,11 +23,21 @@ from portarl.trainer.asynchronous.pipeline import BATCH_LOG, RolloutWorkerError,
 from portarl.rollout.async_worker import FAULT_ENV
 from portarl.trainer.config import ConfigError, TrainConfig
 
+import run_guard
 from proc_tree import alive, children, supervised
 from trainer_fast import FAST, fast_config
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the worker")
+#: A reward that differs within every group from step 1 on (the default rewards score an
+#: untrained model 0: no gradient, and runs compared would agree whatever they did). The
+#: worker imports it by name: this directory is on the PYTHONPATH of the runs that use it.
+VARIED = "rewards=[{name: 'trainer_fast:varied_reward'}]"
+
+
+def _pythonpath() -> str:
+    """This directory on the path, for a reward or a module of it imported by name."""
+    return os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
 
 
 def _run(path: Path, *overrides: str) -> GRPOTrainer:
@@ -43,20 +53,30 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def colocated(tmp_path_factory):
+def colocated_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("colocated")
-    _run(out, "train.steps=3")
-    return _jsonl(out / "run" / "metrics.jsonl")
+    _run(out, "train.steps=3", VARIED)
+    return out / "run"
+
+
+@pytest.fixture(scope="module")
+def colocated(colocated_run):
+    return _jsonl(colocated_run / "metrics.jsonl")
 
 
 @pytest.fixture(scope="module")
 def async_s0(tmp_path_factory):
     out = tmp_path_factory.mktemp("async0")
-    _run(out, "train.steps=3", "rollout.mode=async", "rollout.max_staleness=0")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", _pythonpath())
+        _run(out, "train.steps=3", "rollout.mode=async", "rollout.max_staleness=0", VARIED)
     return out / "run"
 
 
-def test_staleness_0_reproduces_colocated_bitwise(colocated, async_s0):
+@pytest.mark.compares_runs
+def test_staleness_0_reproduces_colocated_bitwise(colocated_run, colocated, async_s0):
+    run_guard.assert_run_trained(colocated_run, what="the colocated run")
+    run_guard.assert_run_trained(async_s0, what="the async run at max_staleness 0")
     rows = _jsonl(async_s0 / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for ref, got in zip(colocated, rows):
@@ -68,9 +88,12 @@ def test_staleness_0_reproduces_colocated_bitwise(colocated, async_s0):
     assert not children(os.getpid()), "the worker outlived the run"
 
 
-def test_model_directory_with_chat_data_reproduces_colocated_at_staleness_0(tmp_path):
+@pytest.mark.compares_runs
+def test_model_directory_with_chat_data_reproduces_colocated_at_staleness_0(tmp_path, monkeypatch):
     """The path of examples/smollm2-arith.yaml: a local model directory (a tiny Llama with a
-    ChatML tokenizer), conversational JSONL, generation stopped at <|im_end|>."""
+    ChatML tokenizer), conversational JSONL, generation stopped at <|im_end|>. Beside
+    math_exact (0 for every sample of the untrained model), trainer_fast.varied_reward: the
+    runs compared train."""
     from chat_tiny import chat_tokenizer, tiny_llama
 
     tok = chat_tokenizer()
@@ -80,10 +103,13 @@ def test_model_directory_with_chat_data_reproduces_colocated_at_staleness_0(tmp_
         for a in range(1, 9):
             row = {"prompt": [{"role": "user", "content": f"What is {a} plus 1 ?"}], "answer": str(a + 1)}
             f.write(json.dumps(row) + "\n")
+    monkeypatch.setenv("PYTHONPATH", _pythonpath())
     sets = (f"model.path={tmp_path / 'model'}", f"data.path={tmp_path / 'data.jsonl'}", "train.steps=2",
-            "rewards=[{name: math_exact}]", "rollout.max_new_tokens=6")
+            "rewards=[{name: math_exact}, {name: 'trainer_fast:varied_reward'}]", "rollout.max_new_tokens=6")
     _run(tmp_path / "colocated", *sets)
     _run(tmp_path / "async", *sets, "rollout.mode=async", "rollout.max_staleness=0")
+    for mode in ("colocated", "async"):
+        run_guard.assert_run_trained(tmp_path / mode / "run", what=f"the {mode} run")
     ref, got = (_jsonl(tmp_path / m / "run" / "metrics.jsonl") for m in ("colocated", "async"))
     assert len(ref) == len(got) == 2
     for a, b in zip(ref, got):
@@ -159,6 +185,7 @@ def test_a_batch_older_than_max_staleness_is_dropped_and_regenerated(tmp_path, m
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[1]["rollout/staleness_max"] <= 1
 
 
+@pytest.mark.compares_runs
 def test_async_with_lora_samples_the_merged_adapter_of_each_version(tmp_path, monkeypatch):
     """model.lora: the worker's plain model gets W + scaling * B @ A of every published
     version (portarl.trainer.asynchronous.weights); its behaviour log-probs are the LoRA model's
@@ -172,6 +199,9 @@ def test_async_with_lora_samples_the_merged_adapter_of_each_version(tmp_path, mo
     trainer = _run(tmp_path, "rollout.mode=async", "rollout.max_staleness=0", "model.lora.r=4", "optim.lr=5e-2",
                    "rewards=[{name: 'trainer_fast:varied_reward'}]")
     assert [(s, v) for s, v, _ in batches] == [(1, 0), (2, 1), (3, 2)]
+    # the versions published (and compared with the worker's log-probs) moved by training
+    run_guard.assert_trained(run_guard.grad_norms(tmp_path / "run"), snapshots[0], snapshots[max(snapshots)],
+                             what="the published LoRA versions")
     for step, version, rollout in batches:
         gap = behaviour_gap(trainer, snapshots[version], rollout)
         assert gap < ROLLOUT_FP32_ATOL, f"step {step}: not the LoRA model of version {version}"
@@ -241,7 +271,7 @@ def _start(out: Path, *sets: str, resume: bool = False, **env_extra: str) -> sub
     cmd += ["--resume"] if resume else []
     for item in (*FAST, "rollout.mode=async", *sets):
         cmd += ["--set", item]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()}  # VARIED finds trainer_fast
     env.pop(FAULT_ENV, None)
     env.update(env_extra)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -275,8 +305,10 @@ def test_a_stop_signal_stops_trainer_and_worker(tmp_path, sig, code):
     assert not alive(workers[0]), "the rollout worker outlived the trainer"
 
 
-def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path):
-    sets = ("train.steps=6", "checkpoint.every=3")
+@pytest.mark.compares_runs
+def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", _pythonpath())
+    sets = ("train.steps=6", "checkpoint.every=3", VARIED)
     _run(tmp_path / "whole", *sets, "rollout.mode=async")  # uninterrupted
 
     # The worker holds step 5's batch, so the trainer is certainly mid-run when it is killed.
@@ -300,6 +332,8 @@ def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path):
     def trained(run: Path) -> list[tuple[int, int]]:
         return sorted((row["step"], p) for row in _jsonl(run / BATCH_LOG) for p in row["prompts"])
 
+    run_guard.assert_run_trained(tmp_path / "whole" / "run", what="the uninterrupted run")
+    run_guard.assert_run_trained(out, what="the killed and resumed run")
     assert trained(out) == trained(tmp_path / "whole" / "run")
     assert [r["step"] for r in _jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in _jsonl(out / BATCH_LOG)] == [1, 2, 3, 4, 5, 6]

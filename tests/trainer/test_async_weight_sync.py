@@ -24,6 +24,7 @@ from portarl.trainer.asynchronous.weights import WeightSlots
 from portarl.rollout.async_worker import DUMP_ENV
 from portarl.trainer.asynchronous.sync import FAULT_ENV as SYNC_FAULT_ENV
 
+import run_guard
 from proc_tree import children
 from test_async_rollout import _jsonl, _run, _start
 
@@ -54,6 +55,7 @@ def _device_comm_standin(monkeypatch, log_dir: Path) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(STANDIN / "standin_site"), os.environ["PYTHONPATH"]]))
 
 
+@pytest.mark.compares_runs
 @pytest.mark.parametrize("sync", ["collective", "file", "collective-nccl-standin"])
 def test_the_workers_weights_equal_the_trainers_bitwise_at_every_version(tmp_path, monkeypatch, sync):
     from async_capture import capture_async
@@ -84,8 +86,9 @@ def test_the_workers_weights_equal_the_trainers_bitwise_at_every_version(tmp_pat
         assert worker.keys() == ours.keys()
         differ = [name for name in ours if not torch.equal(worker[name], ours[name])]
         assert not differ, f"version {version}: the worker's {differ[:3]} differ from the trainer's"
-    newest = snapshots[max(loaded)]
-    assert any(not torch.equal(snapshots[0][k], newest[k]) for k in newest), "the versions are equal: vacuous check"
+    # the versions compared moved by training (equal versions would make the check vacuous)
+    run_guard.assert_trained(run_guard.grad_norms(tmp_path / "run"), snapshots[0], snapshots[max(loaded)],
+                             what=f"the versions sent over {sync}")
     log = (tmp_path / "run" / "rollout_worker.log").read_text()
     if sync == "collective":
         arrived = [line for line in log.splitlines() if "arrived whole" in line]
@@ -135,6 +138,7 @@ def test_config_checks_weight_sync():
 
 
 
+@pytest.mark.compares_runs
 @pytest.mark.parametrize("sync", ["collective", "file"])
 def test_two_workers_share_the_steps_and_each_holds_the_trainers_weights_bitwise(tmp_path, monkeypatch, sync):
     """rollout.num_workers=2: worker (s - 1) mod 2 generates the batch of step s, every
@@ -155,11 +159,16 @@ def test_two_workers_share_the_steps_and_each_holds_the_trainers_weights_bitwise
     assert [(b["step"], b["worker"], b["version"]) for b in log] == [(1, 0, 0), (2, 1, 0), (3, 0, 1), (4, 1, 2)]
     rows = _jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1, 1]
+    compared = set()
     for prefix in ("", "w1-"):
         loaded = sorted(int(p.stem.split("v")[-1]) for p in dumps.glob(f"{prefix}v*.safetensors"))
         assert loaded, f"worker {prefix or 'w0'} loaded nothing"
+        compared.update(loaded)
         for version in loaded:
             worker = load_file(dumps / f"{prefix}v{version}.safetensors")
             assert [k for k in snapshots[version] if not torch.equal(worker[k], snapshots[version][k])] == []
+    # the versions compared moved by training (equal versions would make the check vacuous)
+    run_guard.assert_trained(run_guard.grad_norms(tmp_path / "run"), snapshots[0], snapshots[max(compared)],
+                             what=f"the versions sent to two workers over {sync}")
     assert (tmp_path / "run" / "rollout_worker-1.log").exists()
     assert not children(os.getpid()), "a worker outlived the run"

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from portarl.trainer import GRPOTrainer, build_from_config
+
+import run_guard
 from trainer_fast import fast_config
 
 HERE = Path(__file__).parent
@@ -37,6 +39,7 @@ def _stir() -> None:
     random.random(), np.random.rand(3), torch.rand(5)
 
 
+@pytest.mark.compares_runs
 @pytest.mark.parametrize("mode", ["colocated", "async"])
 def test_two_runs_of_one_config_draw_the_same_global_randomness(tmp_path, monkeypatch, mode):
     if mode == "async":  # the reward runs in the worker, which finds trainer_fast on its path
@@ -44,12 +47,18 @@ def test_two_runs_of_one_config_draw_the_same_global_randomness(tmp_path, monkey
     first = _train(tmp_path / "a", "train.steps=2", f"rollout.mode={mode}")
     _stir()
     second = _train(tmp_path / "b", "train.steps=2", f"rollout.mode={mode}")
+    # the random reward varies within every group: both runs train
+    for run in ("a", "b"):
+        run_guard.assert_run_trained(tmp_path / run / "run", what=f"{mode} run {run}")
     assert first == second and len(set(first)) == 2, (first, second)
 
 
+@pytest.mark.compares_runs
 def test_a_resumed_run_continues_the_checkpoints_global_randomness(tmp_path):
     whole = _train(tmp_path / "whole", "train.steps=3")
     _train(tmp_path / "cut", "train.steps=2")
     _stir()
     resumed = _train(tmp_path / "cut", "train.steps=3", resume=True)
+    run_guard.assert_run_trained(tmp_path / "whole" / "run", what="the uninterrupted run")
+    run_guard.assert_run_trained(tmp_path / "cut" / "run", what="the resumed run")
     assert resumed == whole, (resumed, whole)

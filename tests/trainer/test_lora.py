@@ -21,6 +21,7 @@ from portarl.trainer.phases.reference import reference_model  # noqa: E402
 from portarl.trainer.phases.scoring import no_grad_logprobs  # noqa: E402
 from portarl.trainer.phases.sequences import build_batch  # noqa: E402
 
+import run_guard  # noqa: E402
 from trainer_fast import FAST, fast_config, varied_reward  # noqa: E402
 
 LORA = ("model.lora.r=4", "loss.kl_coef=0.1")
@@ -142,6 +143,7 @@ def test_reference_is_the_base_model_with_the_adapter_disabled(make_trainer):
 
 
 # ------------------------------------------------------------------ checkpoints and resume
+@pytest.mark.compares_runs
 def test_checkpoint_holds_the_adapter_only_and_resume_is_bitwise(tmp_path):
     from portarl.trainer import GRPOTrainer
     from portarl.trainer.checkpoint import CheckpointManager
@@ -155,6 +157,7 @@ def test_checkpoint_holds_the_adapter_only_and_resume_is_bitwise(tmp_path):
     straight = make("straight", 3)
     base0 = _base(straight.model)
     straight.train()
+    run_guard.assert_run_trained(straight.output_dir, what="the uninterrupted LoRA run")
     assert all(torch.equal(straight.model.state_dict()[k], v) for k, v in base0.items()), "a base weight changed"
 
     first = make("resumed", 2)
@@ -178,6 +181,7 @@ def test_checkpoint_holds_the_adapter_only_and_resume_is_bitwise(tmp_path):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(got[i][key], want[key]), f"optimizer state {i}.{key} differs after resume"
     second.train(resume=True)
+    run_guard.assert_run_trained(second.output_dir, what="the resumed LoRA run")
     final, expected = _adapter(second.model), _adapter(straight.model)
     for k, v in expected.items():
         assert torch.equal(final[k], v), f"{k}: resumed run differs from the uninterrupted one"
@@ -307,9 +311,12 @@ def test_a_model_wrapped_by_the_caller_is_refused(tmp_path):
         GRPOTrainer(apply_lora(model, cfg.model.lora), tok, None, examples, cfg, device="cpu")
 
 
+@pytest.mark.compares_runs
 def test_bf16_lora_resume_restores_masters_bitwise(make_trainer):
     trainer = make_trainer(*LORA, "precision.dtype=bf16", "train.steps=1", rewards=[varied_reward])
     trainer.train()
+    # the saved adapter moved (else a resume that restored nothing would hold the same start)
+    run_guard.assert_run_trained(trainer.output_dir, what="the bf16 LoRA run that saved")
     masters = [m.detach().clone() for m in trainer.precision.masters]
     adapter = _adapter(trainer.model)
     again = make_trainer(*LORA, "precision.dtype=bf16", "train.steps=2", rewards=[varied_reward])

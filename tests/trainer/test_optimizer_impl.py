@@ -13,6 +13,8 @@ import torch
 from portarl.parity.tolerances import fp32_result
 from portarl.trainer.config import ConfigError
 from portarl.trainer.phases.optimizer import make_adamw, resolve_implementation
+
+import run_guard
 from trainer_fast import fast_config, varied_reward
 
 
@@ -60,25 +62,34 @@ def _trainer(tmp_path, name: str, *overrides: str):
     return GRPOTrainer(model, tokenizer, [varied_reward], examples, cfg, device="cpu")
 
 
+def _weights(trainer) -> dict:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.compares_runs
 def test_trainer_steps_equal_across_implementations(tmp_path):
     runs = {}
     for impl in ("single", "foreach"):
         trainer = _trainer(tmp_path, impl, f"optim.implementation={impl}")
         assert trainer.optimizer.param_groups[0]["foreach"] is (impl == "foreach")
-        for _ in range(2):
-            trainer.train_step()
+        start = _weights(trainer)
+        norms = [trainer.train_step()["grad_norm"] for _ in range(2)]
         runs[impl] = dict(trainer.model.named_parameters())
+        run_guard.assert_trained(norms, start, _weights(trainer), what=f"2 steps with optim.implementation={impl}")
     for name, p in runs["single"].items():
         _assert_close(runs["foreach"][name].detach(), p.detach(), name)
 
 
+@pytest.mark.compares_runs
 @pytest.mark.parametrize("saved, resumed", [("foreach", "single"), ("single", "fused"), ("fused", "foreach")])
 def test_checkpoint_resumes_in_another_implementation(tmp_path, saved, resumed):
     writer = _trainer(tmp_path, "run", f"optim.implementation={saved}")
-    writer.train_step()
+    start = _weights(writer)
+    norms = [writer.train_step()["grad_norm"]]
     writer.save_checkpoint()
-    writer.train_step()  # the step a resumed run must reproduce
+    norms.append(writer.train_step()["grad_norm"])  # the step a resumed run must reproduce
     expected = {n: p.detach().clone() for n, p in writer.model.named_parameters()}
+    run_guard.assert_trained(norms, start, expected, what=f"the optim.implementation={saved} run that saved")
 
     reader = _trainer(tmp_path, "run", f"optim.implementation={resumed}")
     assert reader.resume() == 1
@@ -86,6 +97,8 @@ def test_checkpoint_resumes_in_another_implementation(tmp_path, saved, resumed):
     assert (group["foreach"], group["fused"]) == (resumed == "foreach", resumed == "fused")
     steps = [s["step"] for s in reader.optimizer.state.values()]
     assert steps and all(s.dtype == torch.float32 and s.device.type == "cpu" for s in steps)
-    reader.train_step()
+    resumed_from = _weights(reader)
+    norm = reader.train_step()["grad_norm"]
+    run_guard.assert_trained([norm], resumed_from, _weights(reader), what=f"the step resumed with {resumed}")
     for name, p in reader.model.named_parameters():
         _assert_close(p.detach(), expected[name], name)

@@ -10,6 +10,8 @@ from portarl.parity.errors import assert_close
 from portarl.parity.tolerances import fp32_result
 from portarl.trainer.config import ConfigError
 from portarl.trainer.phases.reference import mix_into_reference
+
+import run_guard
 from trainer_fast import fast_config, varied_reward
 
 SYNC = ("loss.kl_coef=0.1", "reference.sync=true", "reference.sync_steps=2", "reference.mixup_alpha=0.25")
@@ -45,12 +47,15 @@ def test_reference_follows_the_policy_every_sync_steps(make_trainer):
     assert m3["reference/synced"] == 0
 
 
+@pytest.mark.compares_runs
 def test_synced_reference_survives_resume(make_trainer, tmp_path):
     trainer = make_trainer(*SYNC, "checkpoint.every=1", rewards=[varied_reward])
-    trainer.train_step()
-    trainer.train_step()
+    start = _params(trainer.model)
+    norms = [trainer.train_step()["grad_norm"] for _ in range(2)]
     trainer.save_checkpoint()
     synced = _params(trainer.ref_model)
+    # the reference compared moved from the start weights (a fresh trainer's own reference is those)
+    run_guard.assert_trained(norms, start, synced, what="the reference synced at step 2")
     again = make_trainer(*SYNC, "checkpoint.every=1", rewards=[varied_reward])
     assert again.resume() == 2
     for name, r in again.ref_model.named_parameters():

@@ -11,8 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from portarl.trainer.checkpoint import CheckpointManager
 
+import run_guard  # noqa: E402
 from trainer_fast import FAST  # noqa: E402
 
 COMPARED = ("reward/mean", "loss", "grad_norm", "kl", "completion/len_mean")
@@ -30,11 +33,15 @@ def _steps(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.compares_runs
 def test_sigkill_then_resume(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)
     reference = tmp_path / "uninterrupted"
     subprocess.run(_cmd(reference), check=True, env=env, capture_output=True, timeout=600)
+    # The default rewards train here: over 30 steps the format reward and the KL term give
+    # gradients (the compared numbers would agree trivially if the weights never moved).
+    run_guard.assert_run_trained(reference, what="the uninterrupted 30-step run")
 
     out = tmp_path / "killed"
     proc = subprocess.Popen(_cmd(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -57,6 +64,7 @@ def test_sigkill_then_resume(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 31)), "metrics must continue without gaps or duplicates"
     assert not list((out / "checkpoints").glob(".tmp-*"))
     assert len(manager.complete()) == 2  # keep_last
+    run_guard.assert_run_trained(out, what="the killed and resumed run")
     expected = _steps(reference)
     for got, want in zip(rows, expected):
         for key in COMPARED:

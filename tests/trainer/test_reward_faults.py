@@ -18,6 +18,8 @@ import torch
 
 from portarl.trainer.checkpoint import CheckpointManager
 from portarl.trainer.checkpoint import manifest as mf
+
+import run_guard
 from trainer_fast import FAST
 
 HERE = Path(__file__).parent
@@ -90,6 +92,7 @@ def _final_weights(out: Path) -> dict:
     return load_file(str(CheckpointManager(out).latest() / "model.safetensors"))
 
 
+@pytest.mark.compares_runs
 def test_sigterm_while_a_reward_hangs_saves_exits_143_and_resumes_exactly(tmp_path):
     """The default time limit (300 s) is far away: the signal itself ends the hung call,
     the half-done step 2 is dropped, and resuming gives the uninterrupted run's weights."""
@@ -115,6 +118,9 @@ def test_sigterm_while_a_reward_hangs_saves_exits_143_and_resumes_exactly(tmp_pa
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     straight = tmp_path / "straight"
     assert _run(straight, "hangs", "train.steps=3", FAULT_AFTER="1000000").returncode == 0
+    # the reward scores like trainer_fast.varied_reward until it hangs: the runs compared train
+    run_guard.assert_run_trained(straight, what="the uninterrupted run")
+    run_guard.assert_run_trained(out, what="the run stopped by SIGTERM and resumed")
     want, got = _final_weights(straight), _final_weights(out)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 

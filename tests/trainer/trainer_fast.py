@@ -3,8 +3,6 @@ files exist, so ``from conftest import`` would be ambiguous)."""
 
 from __future__ import annotations
 
-from portarl.trainer import TrainConfig
-
 FAST = [
     "train.steps=3",
     "train.prompts_per_step=4",
@@ -22,7 +20,11 @@ FAST = [
 ]
 
 
-def fast_config(tmp_path, *overrides: str) -> TrainConfig:
+def fast_config(tmp_path, *overrides: str):
+    """The config of ``FAST`` plus ``overrides``, writing under ``tmp_path`` (portarl.trainer is
+    imported here, not at the top: async workers import this module for its rewards)."""
+    from portarl.trainer import TrainConfig
+
     return TrainConfig.load(None, [*FAST, f"output_dir={tmp_path / 'run'}", *overrides])
 
 
