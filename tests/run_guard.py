@@ -197,6 +197,18 @@ NOT_RUN_COMPARISONS: dict[str, str] = {
         'CLI refusal of --resume without a checkpoint, and --resume-or-start starting then continuing; no results compared',
     'cli/test_newcomer_pass.py::test_resume_with_fewer_steps_than_done_is_refused_with_both_numbers':
         "a refused resume's one-line error and untouched config.yaml; no results compared",
+    'distributed/test_async_torchrun.py::test_a_dying_worker_stops_both_ranks_with_one_checkpoint_and_resume_regenerates':
+        'a worker fault stops both ranks with one checkpoint and the resume regenerates the lost batch: steps and batches counted, no results compared with an uninterrupted run',
+    'distributed/test_async_torchrun.py::test_async_on_two_ranks_trains_with_staleness_wait_and_mismatch_metrics':
+        "one async run's own schedule (staleness, versions, waits, sharded checkpoint, worker gone), compared with no other run",
+    'distributed/test_async_torchrun.py::test_the_gathered_lora_shards_are_one_process_merged_weights':
+        'publishes a fixed LoRA model (adapter B randomised, no training step) gathered from shards vs merged on one process: a bitwise gather/merge of given weights, no run trained',
+    'distributed/test_fsdp_gloo.py::test_save_on_two_ranks_resume_on_one':
+        'a 2-rank sharded checkpoint loads into one process, which runs on to step 3: step bookkeeping of one run, no results compared with another run',
+    'distributed/test_strict_hccl.py::test_train_and_resume_in_the_npu_process_group':
+        'a run and its resume complete in the stand-in HCCL process group (every collective accepted): step bookkeeping, no results compared with another run',
+    'distributed/test_vlm_fsdp.py::test_a_two_rank_vlm_checkpoint_resumes_on_one_process':
+        'a 2-rank VLM DCP checkpoint loads into one process, which trains on to step 2: step bookkeeping, no results compared with another run',
     'trainer/test_agent_observations.py::test_a_10mb_environment_observation_and_reset_text_are_cut_and_a_step_trains':
         'one run: a 10 MB environment observation and reset text are cut and one step completes unskipped; compares no runs',
     'trainer/test_agent_observations.py::test_a_10mb_tool_output_is_cut_and_a_step_trains_with_bounded_memory':

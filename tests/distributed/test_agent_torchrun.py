@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from test_fsdp_gloo import ATOL, RTOL, _env, _rows, _train  # noqa: E402
+from test_fsdp_gloo import ATOL, RTOL, _env, _rows, _train, assert_trained  # noqa: E402
 
 TRAINER_TESTS = Path(__file__).parents[1] / "trainer"
 sys.path.insert(0, str(TRAINER_TESTS))
@@ -40,7 +40,9 @@ def agent_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.compares_runs
 def test_one_multiturn_step_on_two_ranks_matches_one_process(agent_runs):
+    assert_trained(agent_runs[1], agent_runs[2])
     one, two = (_rows(agent_runs[r])[0] for r in (1, 2))
     assert one["agent/turns_mean"] > 1 and 0 < one["agent/finish_done_frac"] < 1  # episodes of unequal lengths
     for key in ("reward/mean", "agent/turns_mean", "agent/env_steps", "agent/model_token_frac", "kl", "loss",

@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
 
+import run_guard  # noqa: E402
 from portarl.parity.errors import assert_close  # noqa: E402
 from portarl.parity.float64 import linear_logprobs_float64  # noqa: E402
 from portarl.parity.tolerances import contracted_gradient, fp32_result  # noqa: E402
@@ -64,10 +65,14 @@ def _labels():
     return build_batch(worker.PROMPTS, worker.COMPLETIONS, pad_id=0, device="cpu").labels
 
 
+@pytest.mark.compares_runs
 @pytest.mark.parametrize("tie", ["tied", "untied"])
 def test_two_gloo_ranks_match_one_process(runs, tie):
     one = safetensors.load_file(str(runs[0] / f"{tie}.safetensors"))
     two = safetensors.load_file(str(runs[1] / f"{tie}.safetensors"))
+    for name, run in (("1 process", one), ("2 ranks", two)):  # the gradients compared flow (the guard)
+        run_guard.assert_gradient_flows({k: run[k] for k in ("grad_hidden", "grad_weight")},
+                                        what=f"{tie}: the op's gradients on {name}")
     labels = _labels()
     valid = labels != -100
     assert valid.sum() > 8 and (~valid).any(), "the batch must hold scored and padded positions"

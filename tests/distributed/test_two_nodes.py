@@ -31,6 +31,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+import run_guard  # noqa: E402
 from portarl.trainer.checkpoint import CheckpointManager  # noqa: E402
 from proc_tree import children  # noqa: E402
 from test_fsdp_gloo import FAST, _env, _params_from, _rows  # noqa: E402
@@ -136,10 +137,12 @@ def _run(logs: Path, outs: list[Path], *sets: str, resume: bool = False) -> list
     return outputs
 
 
+@pytest.mark.compares_runs
 def test_two_nodes_train_save_sharded_checkpoints_and_resume_as_the_uninterrupted_run(tmp_path):
     whole = tmp_path / "whole"
     _run(tmp_path / "whole", [whole, whole], "train.steps=4", "checkpoint.keep_last=4")
     assert [row["step"] for row in _rows(whole)] == [1, 2, 3, 4]
+    run_guard.assert_run_trained(whole, what="the uninterrupted two-node run")
     manager = CheckpointManager(whole)
     assert [CheckpointManager.load_state(c)["step"] for c in manager.complete()] == [1, 2, 3, 4]
     for checkpoint in manager.complete():  # DCP: both nodes' shards, in the one directory
@@ -161,6 +164,10 @@ def test_two_nodes_train_save_sharded_checkpoints_and_resume_as_the_uninterrupte
 
     rows, expected = _rows(resumed), _rows(whole)
     assert [row["step"] for row in rows] == [1, 2, 3, 4], "metrics continue without gaps or duplicates"
+    # the steps compared trained: the resumed steps 3 and 4 moved the weights they resumed from
+    run_guard.assert_trained(run_guard.grad_norms(resumed)[2:],
+                             run_guard.checkpoint_weights(resumed / "checkpoints" / "step-000002"),
+                             run_guard.checkpoint_weights(resumed), what="the resumed steps 3-4")
     for got, want in zip(rows[2:], expected[2:]):
         for key in COMPARED:
             assert got[key] == want[key], f"step {got['step']} {key}: resumed {got[key]} vs uninterrupted {want[key]}"

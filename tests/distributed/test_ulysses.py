@@ -24,6 +24,7 @@ the whole sequence in one process.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -32,10 +33,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import run_guard  # noqa: E402
 from portarl.runtime.distributed import local_launcher  # noqa: E402
 from portarl.trainer.checkpoint import CheckpointManager  # noqa: E402
-from test_fsdp_gloo import ATOL, RTOL, _env, _params_from, _params_from_init, _rows, _train  # noqa: E402
-from test_fsdp_gloo import assert_params_close  # noqa: E402
+from test_fsdp_gloo import ATOL, RTOL, _env, _params_from, _rows, _train  # noqa: E402
+from test_fsdp_gloo import assert_params_close, assert_trained  # noqa: E402
 
 HERE = Path(__file__).parent
 WORKER = HERE / "ulysses_worker.py"
@@ -48,23 +50,43 @@ SAME = ("rollout.lean_decode=false", "train.share_prompt=false")
 SP = ("train.sequence_parallel_size=2", "train.gradient_checkpointing=true", "train.old_logprobs=recompute")
 
 
-def _worker(ranks: int, sizes: str, dtypes: str) -> str:
-    proc = subprocess.run([*local_launcher(ranks), str(WORKER), sizes, dtypes], env=_env(), capture_output=True,
-                          text=True, timeout=900)
+def _worker(ranks: int, sizes: str, dtypes: str, saved: Path) -> str:
+    """The worker's output; every case it compared passed the guard (its gradients flow)."""
+    proc = subprocess.run([*local_launcher(ranks), str(WORKER), sizes, dtypes, str(saved)], env=_env(),
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    _assert_gradients_flow(saved, proc.stdout)
     return proc.stdout
 
 
-def test_two_ranks_sp2_equal_the_whole_sequence_fp32_and_bf16():
-    out = _worker(2, "2", "float32,bfloat16")
+def _assert_gradients_flow(saved: Path, out: str) -> None:
+    """Each case's gradients, the whole sequence's and SP's (a loss of log-probs and entropy of
+    fixed rows, no optimizer step), are finite and not all 0 (tests/run_guard.py): zero
+    gradients would agree in every layout."""
+    from safetensors.torch import load_file
+
+    labels = json.loads((saved / "cases.json").read_text())
+    grads = load_file(str(saved / "gradients.safetensors"))
+    assert labels and all(f"ok {label}:" in out for label in labels), (labels, out)
+    for i, label in enumerate(labels):
+        for side in ("whole", "sp"):
+            prefix = f"{i}/{side}/"
+            run_guard.assert_gradient_flows({k: v for k, v in grads.items() if k.startswith(prefix)},
+                                            what=f"{label}: the {side} gradients")
+
+
+@pytest.mark.compares_runs
+def test_two_ranks_sp2_equal_the_whole_sequence_fp32_and_bf16(tmp_path):
+    out = _worker(2, "2", "float32,bfloat16", tmp_path)
     # 2 dtypes x padded / packed / shared / causal rows x boundary / odd widths, and fp32 flash
     # varlen (no shared-prompt rows) on the other three
     assert out.count("ok torch.") == 2 * 4 * 2 + 3 * 2 and out.count("varlen SP 2") == 3 * 2, out
     assert "ok fsdp2 SP 2" in out and "ok refused unwrapped attention" in out, out
 
 
-def test_four_ranks_sp2_and_sp4_equal_the_whole_sequence():
-    out = _worker(4, "2,4", "float32")
+@pytest.mark.compares_runs
+def test_four_ranks_sp2_and_sp4_equal_the_whole_sequence(tmp_path):
+    out = _worker(4, "2,4", "float32", tmp_path)
     for size in (2, 4):
         assert out.count(f"SP {size} of 4") == 4 * 2 + 3 * 2, out  # 4 layouts x 2 widths; varlen on 3 of them
     assert "ok fsdp2 SP 4" in out and "ok refused unwrapped attention" in out, out
@@ -82,22 +104,24 @@ def single_and_sp(tmp_path_factory):
 
 
 def _assert_same_steps(single: Path, other: Path, steps: int) -> None:
+    """``other``'s first ``steps`` steps equal ``single``'s, and both runs trained (the guard)."""
+    assert_trained(single, other)
     a, b = _rows(single), _rows(other)
     assert [r["step"] for r in b] == list(range(1, steps + 1))
     for ra, rb in zip(a[:steps], b):
         assert ra["reward/mean"] == rb["reward/mean"], "both runs must roll out the same completions"
-        assert ra["grad_norm"] > 0
         for key in ("loss", "pg/loss", "kl/loss", "grad_norm", "entropy", "kl"):
             assert rb[key] == pytest.approx(ra[key], rel=RTOL, abs=ATOL), (rb["step"], key)
 
 
+@pytest.mark.compares_runs
 def test_a_two_step_grpo_run_at_sp2_matches_one_process(single_and_sp):
     single, sp = single_and_sp
     _assert_same_steps(single, sp, 2)
-    assert_params_close(_params_from(CheckpointManager(single).latest()), _params_from(CheckpointManager(sp).latest()),
-                        _params_from_init())
+    assert_params_close(_params_from(CheckpointManager(single).latest()), _params_from(CheckpointManager(sp).latest()))
 
 
+@pytest.mark.compares_runs
 def test_the_strict_hccl_standin_runs_the_same_step(single_and_sp, tmp_path):
     single, _ = single_and_sp
     from test_fsdp_gloo import FAST
@@ -114,6 +138,7 @@ def test_the_strict_hccl_standin_runs_the_same_step(single_and_sp, tmp_path):
     _assert_same_steps(single, tmp_path, 1)
 
 
+@pytest.mark.compares_runs
 def test_a_step_under_flash_varlen_attention_matches_one_process(single_and_sp, tmp_path):
     """The trainer's own path (FSDP2, scoring and update, the one-row varlen layout) with
     the sequence-parallel forwards under flash varlen attention: the stand-in of

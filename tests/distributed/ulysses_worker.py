@@ -23,12 +23,20 @@ varlen attention (fp32): the stand-in of tests/varlen_standin.py gets the rows' 
 every layer. Tolerances from :mod:`portarl.parity.tolerances` (fp32, and bf16 for a bf16
 model; bf16 gradients against float64, :func:`low_precision_path`). Then the negative check: a model whose attention does not go through the wrapper
 (eager) must raise, not silently score the shards alone. Prints one ``ok`` line per case.
+
+    torchrun --nproc-per-node N ulysses_worker.py SIZES DTYPES OUT_DIR
+
+Rank 0 saves every case's gradients compared (the whole sequence's and SP's) to
+``OUT_DIR/gradients.safetensors`` (keys ``<case>/whole/<param>``, ``<case>/sp/<param>``) and
+the cases' labels to ``OUT_DIR/cases.json``: the test holds them to tests/run_guard.py's
+:func:`assert_gradient_flows` (gradients that are all 0 would agree in every layout).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import sys
 
@@ -164,8 +172,14 @@ def _check(name: str, got: torch.Tensor, want: torch.Tensor, tol) -> float:
     return float(diff.max())
 
 
+#: (case label, the whole sequence's gradients, SP's) of every case compared, on rank 0 (saved by main).
+COMPARED: list[tuple[str, dict, dict]] = []
+
+
 def _compare(label: str, dtype, logp, entropy, grads, ref_logp, ref_entropy, ref_grads, scale: float,
              exact_grads: dict | None = None) -> None:
+    if dist.get_rank() == 0:
+        COMPARED.append((label, ref_grads, grads))
     tol = fp32_result(scale) if dtype == torch.float32 else low_precision_forward(scale, dtype)
     worst = [_check(f"{label} logp", logp, ref_logp, tol), _check(f"{label} entropy", entropy, ref_entropy, tol)]
     assert grads.keys() == ref_grads.keys() and grads, (label, sorted(grads), sorted(ref_grads))
@@ -248,6 +262,17 @@ def run(sizes: list[int], dtypes: list[torch.dtype]) -> None:
         raise AssertionError("a model whose attention bypasses the all-to-all scored without an error")
 
 
+def save_compared(out: str) -> None:
+    """Rank 0: the gradients of every case compared, for the test's guard (module docstring)."""
+    from safetensors.torch import save_file
+
+    tensors = {f"{i}/{side}/{name}": g.detach().clone() for i, (_, whole, sp) in enumerate(COMPARED)
+               for side, grads in (("whole", whole), ("sp", sp)) for name, g in grads.items()}
+    save_file(tensors, os.path.join(out, "gradients.safetensors"))
+    with open(os.path.join(out, "cases.json"), "w") as f:
+        json.dump([label for label, _, _ in COMPARED], f)
+
+
 def main(argv: list[str]) -> int:
     torch.manual_seed(0)
     dist.init_process_group("gloo")
@@ -255,6 +280,8 @@ def main(argv: list[str]) -> int:
         sizes = [int(s) for s in argv[0].split(",")]
         dtypes = [getattr(torch, d) for d in argv[1].split(",")]
         run(sizes, dtypes)
+        if dist.get_rank() == 0:
+            save_compared(argv[2])
     finally:
         dist.destroy_process_group()
     return 0
