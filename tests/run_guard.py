@@ -269,4 +269,10 @@ NOT_RUN_COMPARISONS: dict[str, str] = {
         "one step: the rollout's KV-cache log-probs vs the trainer's forward of the same in-process weights before the update; numerics, no sync",
     'trainer/test_write_failures.py::test_a_full_file_system_names_the_file_keeps_the_checkpoints_and_resumes':
         'a failing checkpoint write: checks the error line, the checkpoints kept and that the printed resume command finishes; no run compared with another',
+    'vision/test_vlm_plan.py::test_tower_activations_follow_what_trains':
+        "the memory plan's estimate of the vision tower's activations under settings: arithmetic on a config, no model runs",
+    'weight_sync/test_weight_sync.py::test_two_receivers_get_every_version_bitwise':
+        "the wire protocol on synthetic versions (version_tensors(v): each version's tensors drawn from its own seed, so they differ by construction); no training",
+    'weight_sync/test_wire_format.py::test_pack_then_unpack_is_bitwise':
+        'the bucket codec on fixed tensors (special values, strides, dtypes): packing then unpacking is the identity; no training',
 }

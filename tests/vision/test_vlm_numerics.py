@@ -17,6 +17,8 @@ import dataclasses
 import pytest
 import torch
 
+import run_guard
+
 from portarl.assets.data import Example
 from portarl.parity.errors import assert_close
 from portarl.parity.tolerances import ROLLOUT_FP32_ATOL, fp32_result, low_precision_forward
@@ -235,6 +237,7 @@ def test_freezing_the_vision_tower_keeps_the_projector_when_asked(projector):
                    if not n.startswith(("merger", "deepstack_merger_list")))
 
 
+@pytest.mark.compares_runs
 def test_activation_checkpointing_gives_the_same_gradients(images):
     """``train.gradient_checkpointing`` (on by default for a model directory) recomputes the
     language model's layers in the backward, with the same M-RoPE positions and image
@@ -255,5 +258,7 @@ def test_activation_checkpointing_gives_the_same_gradients(images):
         (-(logp * batch.mask).sum()).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and any("merger" in n for n in grads[0])
+    for checkpointing, g in zip((False, True), grads):
+        run_guard.assert_gradient_flows(g, what=f"the VLM step's gradients (checkpointing {checkpointing})")
     for name, g in grads[0].items():
         assert_close(grads[1][name], g, fp32_result(float(g.abs().max())), what=f"checkpointed gradient of {name}")
