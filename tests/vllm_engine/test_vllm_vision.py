@@ -4,11 +4,12 @@ expanded prompts are the trainer's tokens; image placeholders are never sampled 
 log-probs are those of the full distribution (equal to the trainer's within the fp32
 rollout tolerance, while vLLM's own renormalised ones are not, and rows sent with other
 images are not); the frozen vision tower is sent once, not every version; the CLI trains
-with ``rollout.engine=vllm``."""
+with ``rollout.engine=vllm``, and vLLM's log-probs equal the trainer's at a step whose
+weights were synced after an optimizer step that moved them (issue 58: a reward with spread
+within groups and the guard of tests/run_guard.py; the colours reward gave every sample 0)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import run_guard
 from vllm_tiny import NO_VLLM
+from vllm_trained import SPREAD, assert_step_1_moved, checkpoints, pythonpath
 
 pytest.importorskip("vllm.entrypoints.llm", reason=NO_VLLM)
 PIL = pytest.importorskip("PIL.Image")
@@ -169,45 +172,76 @@ def test_the_frozen_tower_is_sent_once(engine, vlm, monkeypatch):
 
 
 def _train_grpo_rows(tmp_path, sets: list[str]) -> list[dict]:
-    """``portarl train`` on the colours example with ``sets``, in a subprocess; its GRPO metric rows."""
+    """``portarl train`` on the colours example with ``sets``, scored by a reward with spread
+    within groups (``trainer_fast:varied_reward``: the colours reward is 0 for every sample of
+    a model with a 2-step warm-up, so every advantage and gradient would be 0) and a checkpoint
+    after each step, in a subprocess; its GRPO metric rows."""
     cmd = [sys.executable, "-m", "portarl", "train", "--config", str(EXAMPLE), "--device", "cpu",
            "--output-dir", str(tmp_path / "run")]
-    for item in sets:
+    for item in (*sets, SPREAD, *checkpoints(2)):
         cmd += ["--set", item]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": pythonpath()})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r.get("phase") == "grpo"]
+    return run_guard.metrics(tmp_path / "run")
 
 
+@pytest.mark.compares_runs
 def test_portarl_train_with_the_vllm_engine_and_images(vlm, tmp_path):
+    """Colocated: the engine takes the trainer's weights before every rollout, so step 2
+    samples the weights of step 1's optimizer step (the guard: they moved), and vLLM's
+    log-probs equal the trainer's at both steps. Tried once against a broken sync: see the
+    next test (this one failed with step 2's max |d logp| 0.77; its earlier version passed)."""
     path = vlm[0]
     sets = [f"model.path={path}", "rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=0.1",
             "train.steps=2", "train.sft_warmup_steps=2", "train.prompts_per_step=2", "rollout.group_size=2",
             "eval.every=2", "eval.max_prompts=2", "logging.tensorboard=false", "logging.progress=false"]
     grpo = _train_grpo_rows(tmp_path, sets)
     assert [r["step"] for r in grpo] == [1, 2]
+    assert_step_1_moved(tmp_path / "run", "the colocated Qwen2.5-VL run's step 1")
     for r in grpo:
-        assert r["mismatch/abs_diff_max"] <= ROLLOUT_FP32_ATOL, r["mismatch/abs_diff_max"]
+        assert r["mismatch/abs_diff_max"] <= ROLLOUT_FP32_ATOL, (r["step"], r["mismatch/abs_diff_max"])
 
 
+@pytest.mark.compares_runs
 @pytest.mark.parametrize("name,mode", [("tiny-qwen3-vl", "colocated"), ("tiny-qwen3-vl", "async"),
                                        ("tiny-qwen2.5-vl", "async")])
 def test_each_family_trains_with_the_vllm_engine_colocated_and_async(name, mode, tmp_path):
     """Qwen3-VL (deepstack, interleaved M-RoPE) as well as Qwen2.5-VL, colocated and with
     the engine in the asynchronous rollout worker: vLLM's log-probs equal the trainer's at
-    every step."""
+    every step, step 2 included, whose rollout runs on the weights of step 1's optimizer
+    step (the guard: step 1 had a grad_norm > 0 and moved them). Async runs at
+    ``rollout.max_staleness=0``: the worker takes version 1 before step 2's batch (at the
+    default staleness 1 it would sample step 2 on version 0, and a 2-step run would never
+    sync a trained version), and ``train.old_logprobs=recompute`` makes the mismatch metrics
+    compare vLLM's log-probs with the trainer's own forward on the same weights.
+
+    Issue 58: the earlier version scored with the colours reward, 0 for every sample after a
+    2-step warm-up, so every grad_norm was 0.0, the weights synced after step 1 were those
+    the engine already held, and it checked step 1 only. Tried once by hand against a
+    broken vLLM vision sync (``VLLMRollout.sync_weights`` sending only ``model.visual.*``
+    once the frozen tower is held, i.e. every sync after the first skips the language
+    model): this test failed in all three variants at step 2's ``mismatch/abs_diff_max``
+    (0.55 for Qwen3-VL colocated and async, 0.77 for Qwen2.5-VL async; the fp32 bound is
+    1e-4), as did :func:`test_portarl_train_with_the_vllm_engine_and_images` (0.77), while
+    the earlier versions of both tests passed against the same breakage (grad_norm 0.0 at
+    every step, max |d logp| <= 9.6e-7). The breakage was made in a copy of the tree and
+    removed."""
     model, processor = build_tiny_vlm(name, seed=0, hidden_size=WIDTH)
     save_vlm(model, processor, tmp_path / "model")
     sets = [f"model.path={tmp_path / 'model'}", "rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=0.1",
             f"rollout.mode={mode}", "train.steps=2", "train.sft_warmup_steps=2", "train.prompts_per_step=2",
             "rollout.group_size=2", "eval.data=null", "logging.tensorboard=false", "logging.progress=false"]
     if mode == "async":
-        sets.append("train.old_logprobs=recompute")  # the mismatch metrics then compare with the trainer's own forward
+        sets += ["rollout.max_staleness=0",  # step 2 samples version 1: the weights of step 1's update
+                 "train.old_logprobs=recompute"]  # the mismatch metrics then compare with the trainer's own forward
     grpo = _train_grpo_rows(tmp_path, sets)
     assert [r["step"] for r in grpo] == [1, 2]
-    first = grpo[0]  # staleness 0: the engine sampled the weights the trainer scores with
-    assert first["mismatch/abs_diff_max"] <= ROLLOUT_FP32_ATOL, first["mismatch/abs_diff_max"]
+    assert_step_1_moved(tmp_path / "run", f"{name} {mode}: step 1")
+    if mode == "async":  # each batch sampled the weights the trainer scores it with
+        assert [(r["rollout/version"], r["rollout/staleness_max"]) for r in grpo] == [(0, 0), (1, 0)], grpo
+    for r in grpo:  # step 1: the warm-up's weights; step 2: step 1's optimizer step's
+        assert r["mismatch/abs_diff_max"] <= ROLLOUT_FP32_ATOL, (r["step"], r["mismatch/abs_diff_max"])
 
 
 def test_what_the_vllm_engine_cannot_do_with_images_is_refused():
