@@ -52,6 +52,13 @@ FULL_ONLY: dict[str, tuple[list[str], str]] = {
     f"{_LINEAR}[cuda-interpreted-v32000_h8-bf16]": (
         [f"{_LINEAR}[cuda-interpreted-v32000_h8-fp16]", f"{_LINEAR}[cuda-interpreted-v4099_h64_batch-bf16]"],
         "the 32000-token vocabulary in fp16; bf16 on V 4099"),
+    # The linear heads' invariance gate at 4095-8192 rows under the interpreter (minutes per
+    # head): make test gates 1-128 rows on every head, dtype and tile, several chunks included.
+    **{f"parity/test_linear_heads.py::test_invariance_gate_at_thousands_of_rows[cuda-interpreted-{head}]": (
+        [f"parity/test_linear_heads.py::test_invariance_gate[cuda-interpreted-{head}-bf16-big-tile]",
+         f"parity/test_linear_heads.py::test_invariance_gate[cuda-interpreted-{head}-fp32-small-tile]"],
+        "the same head's gate on 1-128 rows in several chunks, both tiles and dtypes")
+       for head in ("split", "cublas", "tile")},
     # Two-rank async runs: each property stays covered on two ranks or by its one-process twin.
     f"{_ASYNC2}test_lora_async_on_two_ranks_matches_one_process": (
         [f"{_ASYNC2}test_lora_async_on_two_ranks_publishes_the_merged_weights_of_every_version_bitwise[collective]",
@@ -138,7 +145,8 @@ FULL_ONLY: dict[str, tuple[list[str], str]] = {
     # Hopper tile's HGMMA, no spills) in make test; sm_80's HMMA and spills in make test-full,
     # and on the GPU (docs/hardware-ci.md). The fixture compiles only the targets whose tests run.
     **{f"{_AOT}{test}[80]": ([f"{_AOT}{test}[90]"], "the same variants compiled for sm_90")
-       for test in ("test_variants_compile_without_spills", "test_linear_tile_runs_on_tensor_cores")},
+       for test in ("test_variants_compile_without_spills", "test_linear_tile_runs_on_tensor_cores",
+                    "test_split_head_runs_on_tensor_cores")},
 }
 
 

@@ -34,6 +34,9 @@ class ChunkMath:
 
     #: Most rows a chunk may hold (an operator's limit), or None for the chunk budget alone.
     max_rows: int | None = None
+    #: Whether every chunk has the same number of rows whatever N (a GEMM library picks its
+    #: algorithm from the shape: the ``cublas`` head pads the last chunk to it).
+    fixed_rows: bool = False
 
     def start(self, step: int, vocab: int, device: torch.device) -> None:
         """Called once per pass, before the first chunk of at most ``step`` rows."""
@@ -56,6 +59,8 @@ class ChunkMath:
 
 
 def _step(math: ChunkMath, n_rows: int, vocab: int) -> int:
+    if math.fixed_rows:
+        return chunk_rows(vocab, max_rows=math.max_rows)
     cap = n_rows if math.max_rows is None else min(n_rows, math.max_rows)
     return chunk_rows(vocab, max_rows=cap)
 

@@ -63,8 +63,9 @@ def reports(request, tmp_path_factory):
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the JIT's default in triton 3.9, without its warning
-    targets = sorted({cap for (cap,) in running_params(request, "test_variants_compile_without_spills", ("cap",))
-                      | running_params(request, "test_linear_tile_runs_on_tensor_cores", ("cap",))}) or [TARGETS[-1]]
+    targets = sorted({cap for test in ("test_variants_compile_without_spills", "test_linear_tile_runs_on_tensor_cores",
+                                       "test_split_head_runs_on_tensor_cores")
+                      for (cap,) in running_params(request, test, ("cap",))}) or [TARGETS[-1]]
     procs = {}
     for cap in targets:
         env_cap = dict(env, TRITON_CACHE_DIR=str(tmp_path_factory.mktemp(f"triton-cache-sm{cap}")))
@@ -128,3 +129,15 @@ def test_linear_tile_runs_on_tensor_cores(reports, cap):
     assert not slow, f"sm_{cap}: linear tiles without {_MMA[cap]}: {slow}"
     forward = [v for v in tiles if v["signature"]["a_ptr"] == "*bf16" and v["attrs"]]
     assert forward and all(v["sass"][_MMA[cap]] > 0 for v in forward)
+
+
+@pytest.mark.parametrize("cap", TARGETS)
+def test_split_head_runs_on_tensor_cores(reports, cap):
+    """The split-vocabulary head's 16-bit tile kernels (forward and gradient, both tiles) hold
+    tensor-core MMAs; its fp32 ones stay on the FMA units (the op's exact-products contract)."""
+    split = [v for v in reports[cap]["variants"] if v["kernel"] in ("split_forward_kernel", "split_grad_logits_kernel")]
+    assert len(split) == 48, len(split)  # 2 kernels x 3 dtypes x 2 tiles x bias x entropy
+    sixteen = [v for v in split if v["signature"]["h_ptr"] in ("*bf16", "*fp16")]
+    assert sixteen and all(v["sass"][_MMA[cap]] > 0 for v in sixteen), [v["constexprs"] for v in sixteen
+                                                                         if not v["sass"][_MMA[cap]]]
+    assert all(v["sass"][_MMA[cap]] == 0 for v in split if v["signature"]["h_ptr"] == "*fp32")

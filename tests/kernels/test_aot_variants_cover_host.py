@@ -124,3 +124,33 @@ def test_linear_logprob_launches_are_covered(monkeypatch):
     _check(log, kernels_lin.AOT_VARIANTS)
     tiles = {_key(v) for v in kernels_lin.AOT_VARIANTS if v["kernel"].__name__ == "linear_tile_kernel"}
     assert {e[:4] for e in log if e[0] == "linear_tile_kernel"} == tiles  # both tile sizes launched, none idle
+
+
+def test_split_head_launches_are_covered(monkeypatch):
+    """The split-vocabulary head (portarl.backends.cuda.linear_split): its forward, merge and
+    gradient kernels over both tiles (H and V multiples of 16 or not), every dtype, bias and
+    entropy on and off, several row chunks; the contractions are the tile kernel's (above)."""
+    import portarl.backends.cuda.linear_logprobs as host_lin
+    import portarl.backends.cuda.linear_split as host_split
+    from portarl.kernels import linear_logprobs as kernels_lin
+    from portarl.kernels import linear_split as kernels_split
+
+    log = []
+    for name in ("split_forward_kernel", "split_merge_kernel", "split_grad_logits_kernel"):
+        monkeypatch.setattr(host_split, name, Recorder(getattr(kernels_split, name), log))
+    monkeypatch.setattr(host_lin, "linear_tile_kernel", Recorder(kernels_lin.linear_tile_kernel, []))
+    monkeypatch.setenv("PORTARL_CHUNK_ELEMENTS", "4096")
+    for width, v in [(8, 17), (8, 4099), (16, 2048), (16, 151_936)]:
+        for dtype in DTYPES:
+            for entropy in (False, True):
+                for with_bias in (False, True):
+                    hidden = torch.zeros(3, width, dtype=dtype, requires_grad=True)
+                    weight = torch.zeros(v, width, dtype=dtype, requires_grad=True)
+                    bias = torch.zeros(v, dtype=dtype, requires_grad=True) if with_bias else None
+                    logp, ent = host_split.SplitLinearLogprobs.apply(hidden, weight, bias,
+                                                                     torch.zeros(3, dtype=torch.int64), 1.0, -100,
+                                                                     entropy)
+                    (logp.sum() + (ent.sum() if entropy else 0)).backward()
+    assert {e[0] for e in log} == {"split_forward_kernel", "split_merge_kernel", "split_grad_logits_kernel"}
+    _check(log, kernels_split.AOT_VARIANTS)
+    assert {e[:4] for e in log} == {_key(v) for v in kernels_split.AOT_VARIANTS}  # every variant launched

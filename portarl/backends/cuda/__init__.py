@@ -44,9 +44,9 @@ class CudaBackend(Backend):
         )
 
     def linear_logprobs(self, hidden, weight, bias, labels, *, temperature, ignore_index, return_entropy):
-        from portarl.backends.cuda.linear_logprobs import triton_linear_logprobs
+        from portarl.backends.cuda.linear_heads import linear_logprobs
 
-        return triton_linear_logprobs(
+        return linear_logprobs(
             hidden, weight, bias, labels, temperature=temperature, ignore_index=ignore_index,
             return_entropy=return_entropy,
         )

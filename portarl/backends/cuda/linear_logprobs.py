@@ -72,8 +72,12 @@ class TritonChunkMath(ChunkMath):
 
 
 class TritonLinearLogprobs(torch.autograd.Function):
+    """The chunked heads: ``math`` (a :class:`ChunkMath` class) computes and contracts each
+    chunk's logits tile (``TritonChunkMath``: the Triton tile; the ``cublas`` head's
+    ``FixedChunkMath``: cuBLAS on fixed-shape chunks); the Triton row kernels do the rest."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, inv_t, ignore_index, with_entropy):
+    def forward(ctx, hidden, weight, bias, labels, inv_t, ignore_index, with_entropy, math=TritonChunkMath):
         n_rows, vocab = hidden.shape[0], weight.shape[0]
         logp = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
@@ -86,9 +90,9 @@ class TritonLinearLogprobs(torch.autograd.Function):
                 r1 - r0, vocab, ignore_index, WITH_ENTROPY=with_entropy, **config,
             )
 
-        forward_chunks(TritonChunkMath(), hidden, weight, bias, inv_t, row_forward)
+        forward_chunks(math(), hidden, weight, bias, inv_t, row_forward)
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
-        ctx.inv_t, ctx.ignore_index, ctx.with_entropy = inv_t, ignore_index, with_entropy
+        ctx.inv_t, ctx.ignore_index, ctx.with_entropy, ctx.math = inv_t, ignore_index, with_entropy, math
         return logp, entropy
 
     @staticmethod
@@ -106,11 +110,11 @@ class TritonLinearLogprobs(torch.autograd.Function):
             )
             return z
 
-        grads = backward_chunks(TritonChunkMath(), hidden, weight, bias, ctx.inv_t, row_backward,
-                                ctx.needs_input_grad[:3])
-        return (*grads, None, None, None, None)
+        grads = backward_chunks(ctx.math(), hidden, weight, bias, ctx.inv_t, row_backward, ctx.needs_input_grad[:3])
+        return (*grads, None, None, None, None, None)
 
 
-def triton_linear_logprobs(hidden, weight, bias, labels, *, temperature, ignore_index, return_entropy):
+def triton_linear_logprobs(hidden, weight, bias, labels, *, temperature, ignore_index, return_entropy,
+                           math=TritonChunkMath):
     return TritonLinearLogprobs.apply(hidden, weight, bias, labels.contiguous(), 1.0 / temperature, ignore_index,
-                                      return_entropy)
+                                      return_entropy, math)
