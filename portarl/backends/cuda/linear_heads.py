@@ -44,6 +44,8 @@ MEASURE_REPEATS = 3
 
 #: (device, dtype, H, V) -> head, for this process.
 _CHOSEN: dict[tuple, str] = {}
+#: A head forced for the process by :func:`force` (``train.linear_head``); the environment's wins.
+_FORCED: list[str | None] = [None]
 #: (device, dtype, H, V) -> {head: seconds or None}, the measurements behind _CHOSEN (logged).
 TIMINGS: dict[tuple, dict] = {}
 
@@ -62,11 +64,20 @@ def _run(name: str) -> Callable:
     return triton_linear_logprobs
 
 
+def force(name: str | None) -> None:
+    """Force ``name`` (one of :data:`HEADS`) for this process, or ``None`` / ``"auto"`` to
+    measure (``train.linear_head``; ``PORTARL_LINEAR_HEAD`` still wins)."""
+    if name not in (None, "auto", *HEADS):
+        raise ValueError(f"linear head {name!r}: must be one of auto, {', '.join(HEADS)}")
+    _FORCED[0] = None if name == "auto" else name
+
+
 def forced_head() -> str | None:
-    """The head ``PORTARL_LINEAR_HEAD`` names, None for ``auto`` / unset; a bad value is refused."""
+    """The head ``PORTARL_LINEAR_HEAD`` names, else the one :func:`force` set; None for
+    ``auto`` / unset; a bad value is refused."""
     raw = os.environ.get(HEAD_ENV, "auto").strip().lower()
     if raw in ("", "auto"):
-        return None
+        return _FORCED[0]
     if raw not in HEADS:
         raise ValueError(f"{HEAD_ENV}={raw!r}: must be one of auto, {', '.join(HEADS)} (or unset)")
     return raw
@@ -156,6 +167,24 @@ def reset() -> None:
     """Forget this process's choices (tests)."""
     _CHOSEN.clear()
     TIMINGS.clear()
+    _FORCED[0] = None
+
+
+def remember(hidden: torch.Tensor, weight: torch.Tensor, head: str) -> None:
+    """Take ``head`` for these operands' (device, dtype, H, V) without measuring: another
+    rank's choice under torchrun, so that every rank runs the same head."""
+    if head not in HEADS:
+        raise ValueError(f"linear head {head!r}: must be one of {', '.join(HEADS)}")
+    _CHOSEN[_key(hidden, weight)] = head
+
+
+def choice_line(hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    """One line for the run's log: the head these operands get, and why."""
+    key = _key(hidden, weight)
+    head = head_for(hidden, weight)
+    why = ("forced" if forced_head() is not None else
+           f"measured: {describe(TIMINGS[key])}" if key in TIMINGS else "cached or another rank's choice")
+    return f"linear log-probs head on {key[0]} ({key[1]}, H={key[2]}, V={key[3]}): {head} ({why})"
 
 
 # ------------------------------------------------------------------------- the disk cache

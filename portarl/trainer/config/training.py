@@ -39,6 +39,13 @@ class TrainSection:
     #: one optimizer step (ppo_epochs x mini_batches = 1), saving a no-grad forward per
     #: step; "recompute" always runs that forward. See portarl.trainer.phases.scoring.
     old_logprobs: str = "auto"
+    #: The fused linear log-probs head on a CUDA GPU (:mod:`portarl.backends.cuda.linear_heads`):
+    #: "auto" times the split-vocabulary Triton head, cuBLAS on fixed-shape chunks and the
+    #: chunked Triton tile once per (GPU, dtype, H, V) at the run's start, keeps the fastest
+    #: (cached across runs) and logs the timings; "split", "cublas" or "tile" forces one.
+    #: Every head is batch invariant and held to the same float64 contract; other devices
+    #: ignore it.
+    linear_head: str = "auto"
     #: Activation checkpointing per decoder layer (non-reentrant; :mod:`portarl.trainer.memory.checkpointing`):
     #: "auto" (on for every model not built in by portarl, off for the tiny demo model),
     #: true or false. Saves about layers x the activations for about one more forward.
@@ -97,6 +104,8 @@ class TrainSection:
                                        else []))
         _check(self.old_logprobs in ("auto", "recompute"), "train.old_logprobs", "must be 'auto' or 'recompute'",
                self.old_logprobs)
+        _check(self.linear_head in ("auto", "split", "cublas", "tile"), "train.linear_head",
+               "must be auto, split, cublas or tile", self.linear_head)
         _positive_int(self, "train", "steps", "prompts_per_step", "ppo_epochs", "mini_batches", "micro_batch_size",
                       "sft_batch_size", "sequence_parallel_size")
         _positive_int(self, "train", "sft_warmup_steps", "seed", allow_zero=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 from portarl.trainer.asynchronous.pipeline import async_rollout
 from portarl.trainer.checkpoint import seed_global_rngs
 from portarl.trainer.loop import run_loop
+from portarl.trainer.phases.linear_head import pick_linear_head
 from portarl.trainer.run import output_dir as run_dir
 from portarl.trainer.run import persistence
 from portarl.trainer.run.logger import RunLogger, finish_run
@@ -41,6 +42,9 @@ def train_run(trainer, resume: bool, overwrite: bool, start_if_none: bool) -> tu
         logger = SilentLogger()
     last_ckpt = trainer.checkpoints.latest()
     trainer.stop_requested, trainer.stop_signal = False, None
+    head = pick_linear_head(trainer)  # on a GPU: timed now, not inside the first step
+    if head is not None:
+        logger.event(trainer.step, "linear_head", head)
     if not cfg.precision.use_master and cfg.precision.dtype != "fp32":
         logger.event(trainer.step, "precision_warning", f"precision.master_weights_fp32=false with {cfg.precision.dtype}: "
                      "updates below the weights' resolution are lost (update/lost_frac)")
