@@ -145,9 +145,23 @@ def _write_bench(name: str, run, args) -> int:
 
 
 def _cmd_bench_step(args) -> int:
+    if args.device is not None:
+        return _write_bench("step", _bench_step_device, args)
     from portarl.bench.step import main as bench_step
 
     return _write_bench("step", bench_step, args)
+
+
+def _bench_step_device(args, progress=lambda line: None):
+    """``bench step --device``: portarl's whole step beside the plain one, in this process."""
+    from portarl.bench.step_device import markdown, run
+
+    if args.vs or args.with_async:
+        raise ValueError("--device runs portarl against the plain step in one process; leave out --vs / --async")
+    result = run(args.device, args.shapes or (["tiny"] if args.device == "cpu" else ["qwen2.5-0.5b", "qwen2.5-1.5b"]),
+                 progress=progress, steps=args.device_steps, warmup=args.device_warmup,
+                 new_tokens=args.device_new_tokens)
+    return result, markdown(result)
 
 
 def _cmd_bench_async(args) -> int:
@@ -228,6 +242,13 @@ def add_parser(commands) -> None:
                     "otherwise; peak RSS per side with its increase over the resident set after load. Set "
                     "MALLOC_MMAP_THRESHOLD_ in the environment to fix glibc's threshold in the workers (docs/memory.md).")
     sp.add_argument("--vs", choices=["trl"], help="also run TRL's GRPOTrainer (pip install 'portarl[bench]')")
+    sp.add_argument("--device", help="cuda (or cpu): a whole step of a real-size model (--shapes) against the plain "
+                    "step (full logits, log_softmax, gather) in one process, instead of the CPU runs below")
+    sp.add_argument("--shapes", nargs="+", metavar="SHAPE",
+                    help="with --device: qwen2.5-0.5b, qwen2.5-1.5b (the default on cuda), tiny (cpu's default)")
+    sp.add_argument("--device-steps", type=int, help="with --device: steps per shape (default 3 on cuda)")
+    sp.add_argument("--device-warmup", type=int, help="with --device: steps left out of the medians (default 1)")
+    sp.add_argument("--device-new-tokens", type=int, help="with --device: tokens per completion (default 512 on cuda)")
     sp.add_argument("--steps", type=int, default=6, help="steps per run (fresh process each)")
     sp.add_argument("--warmup", type=int, default=1, help="first steps of each run left out of the medians")
     sp.add_argument("--rounds", type=int, default=5, help="rounds; each runs every side once, order alternated")
