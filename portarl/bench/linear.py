@@ -17,6 +17,8 @@ CUDA) is measured on the untimed warm-up call.
 
 from __future__ import annotations
 
+import os
+
 import statistics
 import time
 from typing import Callable
@@ -75,8 +77,35 @@ def fused(backend):
     return lambda hidden, weight, labels: ops.linear_logprobs(hidden, weight, labels, backend=backend)
 
 
+def fused_head(head: str):
+    """The cuda backend with ``head`` forced (:mod:`portarl.backends.cuda.linear_heads`)."""
+    from portarl.backends.cuda import linear_heads
+
+    def call(hidden, weight, labels):
+        saved = os.environ.get(linear_heads.HEAD_ENV)
+        os.environ[linear_heads.HEAD_ENV] = head
+        try:
+            return ops.linear_logprobs(hidden, weight, labels, backend="cuda")
+        finally:
+            if saved is None:
+                del os.environ[linear_heads.HEAD_ENV]
+            else:
+                os.environ[linear_heads.HEAD_ENV] = saved
+
+    return call
+
+
 def linear_methods(device: torch.device, compile: bool = False) -> dict[str, Callable]:
-    methods = {f"portarl:{name}": fused(name) for name in benchmarked_backends(device)}
+    """Every method timed; on a GPU the cuda backend once per head (split, cublas, tile), so a
+    loan times each head the run-time choice picks between."""
+    methods = {}
+    for name in benchmarked_backends(device):
+        if name == "cuda" and device.type == "cuda":
+            from portarl.backends.cuda.linear_heads import HEADS
+
+            methods.update({f"portarl:cuda/{head}": fused_head(head) for head in HEADS})
+        else:
+            methods[f"portarl:{name}"] = fused(name)
     methods["eager"] = eager
     methods["chunked"] = chunked
     if compile:

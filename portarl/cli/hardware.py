@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-STAGE_HELP = "environment, parity, kernels, training, hardware-tests"
+STAGE_HELP = "environment, parity, kernels, training, step, hardware-tests"
 
 
 def add_parser(commands) -> None:

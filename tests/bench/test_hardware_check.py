@@ -122,9 +122,19 @@ def test_summary_names_every_stage_and_the_failed_ones(tmp_path):
     outcomes = {"environment": {"status": "ok", "line": "H100", "seconds": 3.0},
                 "parity": {"status": "failed", "line": "2 of 900 parity checks out of tolerance", "seconds": 80.0,
                            "failed": ["cuda bf16 logprobs hw_n4096 grad: worst error 1.50x the tolerance"]},
+                "step": {"status": "ok", "line": "qwen2.5-0.5b: step 7.00 s vs plain 9.00 s (1.29x)", "seconds": 60.0,
+                         "command": "portarl bench step --device cuda --shapes qwen2.5-0.5b",
+                         "settings": {"prompts": 4, "group": 4, "new_tokens": 512},
+                         "shapes": [{"shape": "qwen2.5-0.5b", "rollout_s": 6.0, "scoring_s": 0.01, "step_speedup": 1.29,
+                                     "update_speedup": 3.0,
+                                     "portarl": {"step_s": 7.0, "update_s": 1.0, "update_peak_mib": 5000.0,
+                                                 "tokens_per_s": 1170.0},
+                                     "plain": {"step_s": 9.0, "update_s": 3.0, "update_peak_mib": 31000.0,
+                                               "tokens_per_s": 910.0}}]},
                 "hardware-tests": {"status": "ok", "line": "280 passed", "seconds": 50.0,
                                    "skipped": {"needs flash-attn": 3}}}
     text = summary_markdown(p, tmp_path, outcomes, 133.0)
+    assert "| qwen2.5-0.5b | 6.00 | 1.00 | 3.00 | 1.29x | 1170 / 910 | 5000 / 31000 |" in text
     assert "**FAILED (parity)**" in text
     for name in outcomes:
         assert f"| {name} |" in text

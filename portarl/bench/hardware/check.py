@@ -40,6 +40,7 @@ STAGE_MODULES = {
     "parity": ("portarl.bench.hardware.parity_stage", "run"),
     "kernels": ("portarl.bench.hardware.kernels_stage", "run"),
     "training": ("portarl.bench.hardware.training_stage", "run"),
+    "step": ("portarl.bench.hardware.step_stage", "run"),
     "hardware-tests": ("portarl.bench.hardware.tests_stage", "hardware_tests"),
 }
 

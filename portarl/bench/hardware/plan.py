@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 #: Stage names, in the order they run.
-STAGES = ("environment", "parity", "kernels", "training", "hardware-tests")
+STAGES = ("environment", "parity", "kernels", "training", "step", "hardware-tests")
 
 #: Log-prob / KL shapes (N rows x V vocabulary) timed on an accelerator: Qwen2.5's vocabulary
 #: at 4,096 tokens and Llama-3's at 8,192 (the issue's RL shapes).
@@ -52,6 +52,13 @@ class CheckPlan:
     compile_dtypes: tuple = ("bf16",)  # torch.compile's compile time is the stage's budget: one dtype
     training_steps: int = 30
     fsdp_steps: int = 10
+    #: The step stage (:mod:`portarl.bench.step_device`): shapes, steps (the first a warm-up),
+    #: tokens per completion, prompts x samples per step.
+    step_shapes: tuple = ("tiny",)
+    step_steps: int = 2
+    step_new_tokens: int = 8
+    step_prompts: int = 2
+    step_group: int = 2
 
     @property
     def device_type(self) -> str:
@@ -63,7 +70,8 @@ class CheckPlan:
     @classmethod
     def from_json(cls, path: str | Path) -> "CheckPlan":
         data = json.loads(Path(path).read_text())
-        for key in ("kernel_shapes", "kernel_dtypes", "linear_shapes", "linear_dtypes", "compile_dtypes"):
+        for key in ("kernel_shapes", "kernel_dtypes", "linear_shapes", "linear_dtypes", "compile_dtypes",
+                    "step_shapes"):
             data[key] = tuple(tuple(x) if isinstance(x, list) else x for x in data[key])
         return cls(**data)
 
@@ -83,11 +91,16 @@ def make_plan(device: str, *, quick: bool = False, total_s: float | None = None)
             kernel_shapes=((64, 512), (256, 4096)), kernel_dtypes=("bf16", "fp32"), kernel_repeats=2,
             linear_shapes=((64, 32, 512),), linear_dtypes=("bf16", "fp32"), compile_dtypes=("fp32",),
             training_steps=4, fsdp_steps=2,
-            limits_s={"environment": 120, "parity": 300, "kernels": 240, "training": 420, "hardware-tests": 300},
+            limits_s={"environment": 120, "parity": 300, "kernels": 240, "training": 420, "step": 120,
+                      "hardware-tests": 300},
         )
         return plan
     return CheckPlan(
         device=device, quick=False, total_s=total_s or 480.0, parity_large=True, parity_repeats=3,
         kernel_shapes=RL_LOGPROB_SHAPES, linear_shapes=RL_LINEAR_SHAPES, training_steps=30, fsdp_steps=10,
-        limits_s={"environment": 30, "parity": 120, "kernels": 180, "training": 130, "hardware-tests": 150},
+        step_shapes=("qwen2.5-0.5b", "qwen2.5-1.5b"), step_steps=2, step_new_tokens=512, step_prompts=4, step_group=4,
+        # Not yet measured whole on a GPU (the one loan ran without the step stage, and its
+        # parity, kernels and tests ran past the limits of then): sized from its stage times.
+        limits_s={"environment": 30, "parity": 100, "kernels": 150, "training": 100, "step": 100,
+                  "hardware-tests": 150},
     )

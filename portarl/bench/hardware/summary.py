@@ -30,7 +30,8 @@ def summary_markdown(plan, out: Path, outcomes: dict, seconds: float) -> str:
     for name, o in outcomes.items():
         lines.append(f"| {name} | {o['status']} | {o.get('seconds', 0):.0f} | {_cell(o['line'])} |")
     lines += ["", *_environment(env), *_parity(outcomes.get("parity")), *_kernels(out),
-              *_training(outcomes.get("training")), *_tests(outcomes.get("hardware-tests")), *_next(plan)]
+              *_training(outcomes.get("training")), *_step(outcomes.get("step")), *_tests(outcomes.get("hardware-tests")),
+              *_next(plan)]
     return "\n".join(lines) + "\n"
 
 
@@ -127,6 +128,24 @@ def _training(o: dict | None) -> list[str]:
         st = f"{r['step_s_median']:.2f}" if r.get("step_s_median") is not None else "-"
         lines.append(f"| {r['label']} | {r['steps_done']}/{r['steps_asked']} | {reward} | {loss} | {gn} | "
                      f"{r.get('skipped_steps', '-')} | {st} | {_cell(r['problem'] or '')} |")
+    return lines + [""]
+
+
+def _step(o: dict | None) -> list[str]:
+    if not o or "shapes" not in o:
+        return []
+    s = o["settings"]
+    lines = ["## A whole GRPO step against the plain one (`check.json`: step)", "",
+             f"`{o['command']}`: {s['prompts']} prompts x {s['group']} samples, {s['new_tokens']} new tokens; the plain "
+             "step's update: full logits, fp32 log_softmax, gather, on the same batches.", "",
+             "| shape | rollout s | portarl update s | plain update s | step speed-up | tokens/s portarl / plain "
+             "| update peak MiB portarl / plain |", "|---|---|---|---|---|---|---|"]
+    for r in o["shapes"]:
+        p, q = r["portarl"], r["plain"]
+        peak = (f"{p['update_peak_mib']:.0f} / {q['update_peak_mib']:.0f}" if p.get("update_peak_mib") is not None
+                else "-")
+        lines.append(f"| {r['shape']} | {r['rollout_s']:.2f} | {p['update_s']:.2f} | {q['update_s']:.2f} | "
+                     f"{r['step_speedup']:.2f}x | {p['tokens_per_s']:.0f} / {q['tokens_per_s']:.0f} | {peak} |")
     return lines + [""]
 
 
