@@ -179,6 +179,11 @@ class Worker:
             sync = spec["weight_sync"]
             self.inbox = VersionInbox(sync["host"], int(sync["port"]), int(sync["rank"]), int(sync["world_size"]),
                                       float(sync["timeout_s"]), comm=sync.get("comm", "gloo"), device=self.device)
+        self.partial = None
+        if r.partial:  # partial rollouts: one pool of sequences in flight across steps (portarl.rollout.partial)
+            from portarl.rollout.partial_schedule import PartialSchedule
+
+            self.partial = PartialSchedule(cfg)
         self.index = int(spec.get("index", 0))  # its number among rollout.num_workers
         self.fault, self.fault_step = parse_fault(os.environ.get(FAULT_ENV))
         self.idle_since = time.perf_counter()
@@ -204,6 +209,8 @@ class Worker:
             del tensors
         self.engine.sync_weights(self.model)  # hf: a no-op (it samples self.model); vllm: into vLLM, in memory
         self.version = version
+        if self.partial is not None:  # sequences in flight that would span too many versions: restarted or cut
+            self.partial.pool.on_version(version)
         if os.environ.get(DUMP_ENV):
             from safetensors.torch import save_file
 
@@ -249,13 +256,18 @@ class Worker:
             episode = {"model_mask": batch.model_mask, "episodes": batch.episodes, "agent_metrics": metrics,
                        "agent_events": [list(e) for e in events]}
         gen_s = time.perf_counter() - started
+        reply = {"op": "batch", "step": step, "version": self.version, "seeds": seeds, **episode}
+        return self.scored_reply(reply, step, rows, texts, batch, gen_s, idle, started)
+
+    def scored_reply(self, reply: dict, step: int, rows, texts, batch, gen_s: float, idle: float, started: float):
+        """``reply`` with ``batch`` (its texts ``texts``, reward rows ``rows``) and its rewards:
+        the reply itself, or a :class:`Deferred` one while judges answer."""
         blackbox.note(phase="scoring")
         judging = self.rewards.has_judges  # judged by a thread while this process takes the next request
         values = self.rewards.values(rows, texts, skip_judges=judging)
-        reply = {"op": "batch", "step": step, "version": self.version, "seeds": seeds, **episode,
-                 "prompt_ids": batch.prompt_ids, "completion_ids": batch.completion_ids, "logprobs": batch.logprobs,
-                 "finished": batch.finished, "texts": texts, "gen_s": gen_s, "idle_s": idle,
-                 "cpu_s": time.process_time() - self.cpu_mark}
+        reply.update({"prompt_ids": batch.prompt_ids, "completion_ids": batch.completion_ids,
+                      "logprobs": batch.logprobs, "finished": batch.finished, "texts": texts, "gen_s": gen_s,
+                      "idle_s": idle, "cpu_s": time.process_time() - self.cpu_mark})
 
         def scored(values: dict) -> dict:
             scores = self.rewards.finish(rows, values)
@@ -263,7 +275,7 @@ class Worker:
                          reward_metrics=scores.metrics, score_s=time.perf_counter() - started - gen_s)
             return reply
         self.cpu_mark = time.process_time()
-        if batch.routed_experts is not None:  # MoE routing replay: the experts of every token fed, compactly
+        if getattr(batch, "routed_experts", None) is not None:  # MoE routing replay: every token fed's experts
             from portarl.moe.routing import experts_json
 
             reply["routed_experts"] = experts_json(batch.routed_experts)
@@ -281,10 +293,14 @@ class Worker:
         try:
             if op == "weights":
                 return self.load_weights(int(request["version"]), request.get("path"))
+            if op == "generate" and self.partial is not None:  # into the pool; the batches owed that can go, go
+                return self.partial.request(self, request)
             if op == "generate":
                 reply = self.generate(request)
                 self.idle_since = time.perf_counter()
                 return reply
+            if op in ("pool_state", "pool_restore") and self.partial is not None:
+                return self.partial.state_reply() if op == "pool_state" else self.partial.restore(request["state"])
             return {"op": "error", "kind": "worker", "message": f"unknown request {op!r}"}
         except Exception as err:  # noqa: BLE001  (a reply: failed_reply says whose fault)
             return failed_reply(op, err)
@@ -356,14 +372,15 @@ def main(argv: list[str] | None = None) -> int:
             request = json.loads(line)
             if request.get("op") == "stop":
                 break
-            reply = worker.handle(request)
-            if pending is not None:  # the batch before this request is replied to first
-                pending.join()
-                pending = None
-            if isinstance(reply, Deferred):
-                pending = reply.start(write)
-            else:
-                write(reply)
+            replies = worker.handle(request)  # partial rollouts: none, or the batches owed that are ready
+            for reply in replies if isinstance(replies, list) else [replies]:
+                if pending is not None:  # the batch before this one is replied to first
+                    pending.join()
+                    pending = None
+                if isinstance(reply, Deferred):
+                    pending = reply.start(write)
+                else:
+                    write(reply)
     finally:
         if pending is not None:  # its judges end within their timeouts
             pending.join()

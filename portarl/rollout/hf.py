@@ -121,6 +121,8 @@ def _last_logits_kwargs(model) -> dict:
 
 class HFRollout(RolloutEngine):
     name = "hf"
+    #: ``generate`` takes ``row_limits`` and ``stop_when`` (partial rollouts: :mod:`portarl.rollout.partial`).
+    supports_stop_when = True
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
                  stop_token_ids: tuple[int, ...] | list[int] | None = None, lean_decode: bool = True,
@@ -159,15 +161,39 @@ class HFRollout(RolloutEngine):
         """It samples from the module it was given: the trainer's own model, always current."""
         return self.model is model
 
-    def generate(self, prompts, seeds, params: SamplingParams, media=None) -> RolloutBatch:
+    def generate(self, prompts, seeds, params: SamplingParams, media=None, row_limits=None,
+                 stop_when=None, end_at=None) -> RolloutBatch:
         """``media`` (a vision-language model): the prompts' :class:`portarl.vision.inputs.
         VisionBatch`; the prefill then runs the vision tower and M-RoPE positions, decoding
         continues each row from its prompt's largest position plus one, and the image
-        placeholder tokens are never drawn (``VisionBatch.unsampleable``)."""
+        placeholder tokens are never drawn (``VisionBatch.unsampleable``).
+
+        Partial rollouts (:mod:`portarl.rollout.partial`): ``row_limits``, each row's own
+        token limit (at most ``params.max_new_tokens``: a row at it is done, unfinished);
+        ``stop_when(done) -> bool``, called after each token with the rows' done flags (a
+        bool tensor on the device): decoding stops where it says so, the rows not done
+        returned with the tokens they have (``finished`` False). Both take one call over
+        every row (at most ``rollout.max_batch_size`` rows). ``end_at``: per row, the token
+        count after which it ends with the end-of-sequence token, or None (benchmark lengths:
+        :mod:`portarl.rollout.bench_lengths`; by default read from ``PORTARL_BENCH_LENGTHS``)."""
+        from portarl.rollout import bench_lengths
+
+        if end_at is None and bench_lengths.spec():
+            end_at = [bench_lengths.target_length(s) for s in seeds]
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if media is not None and len(media) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but vision inputs for {len(media)}")
+        if row_limits is not None or stop_when is not None:
+            if media is not None or self.record_routing:
+                raise ValueError("row_limits / stop_when (partial rollouts) take no vision inputs or routing replay")
+            if self.max_batch_size is not None and len(prompts) > self.max_batch_size:
+                raise ValueError(f"row_limits / stop_when take one call over every row: {len(prompts)} rows, "
+                                 f"rollout.max_batch_size {self.max_batch_size} (the pool sends at most that many)")
+            if row_limits is not None and len(row_limits) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(row_limits)} row limits")
+            with _without_autograd(self.model):
+                return self._sample(prompts, seeds, params, None, row_limits, stop_when, end_at)
         size = self.max_batch_size or max(1, len(prompts))
         parts = []
         with _without_autograd(self.model):
@@ -176,7 +202,8 @@ class HFRollout(RolloutEngine):
             # hold equal numbers of prompts, so lock-step ranks run equal numbers of chunks.
             for start in range(0, len(prompts), size):
                 chunk = None if media is None else media.take(range(start, min(start + size, len(prompts))))
-                parts.append(self._generate(prompts[start:start + size], seeds[start:start + size], params, chunk))
+                parts.append(self._generate(prompts[start:start + size], seeds[start:start + size], params, chunk,
+                                            None if end_at is None else end_at[start:start + size]))
         if len(parts) == 1:
             return parts[0]
         merged = RolloutBatch(*(sum((getattr(p, f) for p in parts), []) for f in
@@ -185,17 +212,18 @@ class HFRollout(RolloutEngine):
             merged.routed_experts = sum((p.routed_experts for p in parts), [])
         return merged
 
-    def _generate(self, prompts, seeds, params: SamplingParams, media=None) -> RolloutBatch:
+    def _generate(self, prompts, seeds, params: SamplingParams, media=None, end_at=None) -> RolloutBatch:
         if self.record_routing:  # a mixture-of-experts model: the experts of every token fed (routing replay)
             from portarl.moe.routing import recording
 
             with recording(self.model) as calls:
-                batch = self._sample(prompts, seeds, params, media)
+                batch = self._sample(prompts, seeds, params, media, end_at=end_at)
             batch.routed_experts = _per_sample_experts(calls, batch)
             return batch
-        return self._sample(prompts, seeds, params, media)
+        return self._sample(prompts, seeds, params, media, end_at=end_at)
 
-    def _sample(self, prompts, seeds, params: SamplingParams, media=None) -> RolloutBatch:
+    def _sample(self, prompts, seeds, params: SamplingParams, media=None, row_limits=None,
+                stop_when=None, end_at=None) -> RolloutBatch:
         model = self.model
         was_training = model.training
         model.eval()
@@ -212,6 +240,10 @@ class HFRollout(RolloutEngine):
             logps = torch.zeros((n, params.max_new_tokens), dtype=torch.float32, device=device)
             done = torch.zeros(n, dtype=torch.bool, device=device)
             length = torch.zeros(n, dtype=torch.long, device=device)  # tokens kept per row
+            limits = None if row_limits is None else torch.tensor(row_limits, dtype=torch.long, device=device)
+            at_limit = torch.zeros(n, dtype=torch.bool, device=device)  # done by its own limit, not a stop token
+            ends = None if end_at is None else torch.tensor([-1 if e is None else e for e in end_at],
+                                                            dtype=torch.long, device=device)
             vocab = logits.shape[-1]
             span = max(1, NOISE_WORDS_PER_CALL // (n * -(-vocab // 4)))
             noise, pending = None, []
@@ -222,21 +254,28 @@ class HFRollout(RolloutEngine):
                                     keys, t, temperature=params.temperature, top_k=params.top_k,
                                     top_p=params.top_p, greedy=params.greedy,
                                     u=None if params.greedy else noise[:, t % span])
+                if ends is not None:  # benchmark lengths: the row's last token is the end-of-sequence token
+                    tok = torch.where(length + 1 == ends, torch.full_like(tok, self.eos_token_id), tok)
                 tokens[:, t] = tok
                 pending.append(logits)
                 if len(pending) >= span:
                     self._score(pending, tokens, logps, t + 1, params.temperature)
                 length += (~done).long()
                 done |= (tok[:, None] == stops).any(-1)
+                if limits is not None:
+                    at_limit |= ~done & (length >= limits)
+                    done |= at_limit
                 # The last position's token needs no forward after it (nothing samples from
                 # its logits); every rank skips it alike, so lock-step ranks stay matched.
                 if t + 1 == params.max_new_tokens or self.finished_everywhere(bool(done.all())):
+                    break
+                if stop_when is not None and stop_when(done):
                     break
                 logits = decode(tok[:, None], next_pos)
                 next_pos = next_pos + 1
             self._score(pending, tokens, logps, t + 1, params.temperature)
             # One host transfer each, then plain list slicing (no per-row tensor ops).
-            tokens, logps, length, done = tokens.tolist(), logps.tolist(), length.tolist(), done.tolist()
+            tokens, logps, length, done = tokens.tolist(), logps.tolist(), length.tolist(), (done & ~at_limit).tolist()
             completions = [row[:k] for row, k in zip(tokens, length)]
             logprobs = [row[:k] for row, k in zip(logps, length)]
             return RolloutBatch([list(p) for p in prompts], completions, logprobs, done)

@@ -23,6 +23,13 @@ def check_async_trainer(trainer) -> None:
         reason = vllm_unavailable_reason()
         if reason is not None:
             raise ValueError(f"rollout.engine=vllm with rollout.mode=async: the rollout worker runs vLLM, but {reason}")
+    if trainer.config.rollout.partial:
+        if trainer.agent is not None or trainer.config.tools or trainer.config.environment:
+            raise ValueError("rollout.partial with tools or an environment (multi-turn episodes) is not supported yet: "
+                             "set rollout.partial=false")
+        if trainer.vision_inputs(trainer.examples[:1], 1) is not None:
+            raise ValueError("rollout.partial with a vision-language model is not supported yet: set "
+                             "rollout.partial=false")
     if not trainer.rewards_from_config:
         raise ValueError("rollout.mode=async computes rewards in the worker process, which can only load the config's "
                          "rewards (rewards: [{name: module:function}]): pass reward_fns=None")

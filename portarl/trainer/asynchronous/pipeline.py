@@ -87,6 +87,7 @@ from portarl.assets.reward_runner import RewardError
 from portarl.trainer.asynchronous.client import (WORKER_LOG, RolloutWorkerError, WorkerClient, as_batch,
                                           check_batch, reward_error, slice_reply, validate_batch)
 from portarl.trainer.asynchronous.checks import check_async_trainer, share_timeout_s
+from portarl.trainer.asynchronous.partial import partial_examples, partial_metrics
 from portarl.trainer.asynchronous.resume import restore_in_flight
 from portarl.trainer.asynchronous.sync import CollectiveSync
 from portarl.trainer.run.logfiles import prepare_log
@@ -121,6 +122,7 @@ class AsyncRollout:
         cfg = trainer.config
         self.dist = trainer.dist
         self.max_staleness = cfg.rollout.max_staleness
+        self.partial = cfg.rollout.partial  # a pool of sequences in flight in the worker (portarl.rollout.partial)
         self.dtype = DTYPES[cfg.precision.dtype]
         self.dir = Path(trainer.output_dir) / "async_weights"
         self.index = {id(ex): i for i, ex in enumerate(trainer.examples)}
@@ -129,6 +131,8 @@ class AsyncRollout:
         self.pending: tuple[int, Path | None] | None = None  # published, not yet announced to the worker
         self.next_request = trainer.step + 1  # --resume: after the checkpoint's batches in flight
         self.batches: dict[int, dict] = {}    # replies that arrived before they were due
+        self.pool_state: dict | None = None   # rollout.partial: the worker's pool, asked for by a checkpoint
+        self.restored = False                 # rollout.partial: a resumed run's pool is back in the worker
         self.failure: Exception | None = None  # the error that stopped the pipeline (no batch is waited for after it)
         self.group = None
         if self.dist.enabled:  # the batch's way to every rank; created by all ranks, in order
@@ -249,7 +253,8 @@ class AsyncRollout:
         examples = self.trainer_prompts(step)
         self.worker_of(step).send({"op": "generate", "step": step,
                                    "prompts": [self.trainer.encoded_prompt(ex) for ex in examples],
-                          "examples": [example_json(ex) for ex in examples]})
+                                   "examples": [example_json(ex) for ex in examples],
+                                   "indices": [self.index.get(id(ex)) for ex in examples]})
 
     def trainer_prompts(self, step: int):
         from portarl.trainer.phases.rollout import prompts_for_step
@@ -263,6 +268,10 @@ class AsyncRollout:
             client.loaded = max(client.loaded, int(reply["version"]))  # its slot may be rewritten from now on
         elif reply.get("op") == "batch" and isinstance(reply.get("step"), int):
             self.batches[reply["step"]] = {**reply, "worker": client.index}
+        elif reply.get("op") == "pool" and isinstance(reply.get("state"), dict):  # rollout.partial: for a checkpoint
+            self.pool_state = reply["state"]
+        elif reply.get("op") == "restored":  # rollout.partial: a resumed run's pool is back
+            self.restored = True
         else:
             raise RolloutWorkerError(f"the {client.name} sent an unexpected message {reply.get('op')!r} while the "
                                      f"trainer waited for {what}")
@@ -301,6 +310,8 @@ class AsyncRollout:
             reply = self._await_batch(step)
             stale = (step - 1) - int(reply.get("version", -1))
         train_wait = time.perf_counter() - waited
+        if self.partial:  # the first complete groups, whichever steps asked for them
+            examples = partial_examples(self.trainer, reply, name)
         check_batch(reply, step, len(examples) * self.trainer.config.rollout.group_size, name)
         if not 0 <= stale <= self.max_staleness:
             raise RolloutWorkerError(f"the {name} returned the batch of step {step} from weights version "
@@ -311,11 +322,13 @@ class AsyncRollout:
                    "train/wait_s": train_wait, "rollout/gen_s": float(reply["gen_s"]),
                    "rollout/score_s": float(reply["score_s"]), "rollout/cpu_s": float(reply["cpu_s"]),
                    "rollout/publish_s": publish_s, "rollout/worker": float(reply.get("worker", 0)),
-                   **reply.get("agent_metrics", {})}  # multi-turn episodes: agent/* (portarl.multiturn.report)
+                   **reply.get("agent_metrics", {}),  # multi-turn episodes: agent/* (portarl.multiturn.report)
+                   **(partial_metrics(reply, step) if self.partial else {})}
         events += reply.get("agent_events", [])
         with self.batch_log_path.open("a") as f:
             f.write(json.dumps({"step": step, "version": reply["version"], "worker": reply.get("worker", 0),
-                                "prompts": [self.index.get(id(ex)) for ex in examples]}) + "\n")
+                                "prompts": [self.index.get(id(ex)) for ex in examples],
+                                **({"asked_at": reply["origin_steps"]} if self.partial else {})}) + "\n")
         return {"reply": reply, "metrics": metrics, "events": events}
 
     def _shared(self, step: int, examples: list, publish_s: float) -> dict:
@@ -355,6 +368,8 @@ class AsyncRollout:
         except Exception as err:  # the run stops: its checkpoint must not wait for this pipeline's batches
             self.failure = self.failure or err
             raise
+        if self.partial:  # the groups the worker completed first (their prompts, from the reply's indices)
+            everyone = [self.trainer.examples[i] for i in got["reply"]["indices"]]
         per_rank = len(everyone) // self.dist.world_size
         offset = self.dist.rank * per_rank
         g = self.trainer.config.rollout.group_size

@@ -57,8 +57,27 @@ def _wait_in_flight(pipeline) -> list[dict] | None:
 def in_flight_state(pipeline) -> list[dict] | None:
     """Every rank (a collective under torchrun, on the pipeline's own Gloo group, whose
     timeout covers rank 0's waits): the batches in flight, as the checkpoint stores them."""
-    saved = _wait_in_flight(pipeline) if pipeline.client is not None else None
+    if pipeline.client is None:
+        saved = None
+    elif pipeline.partial:  # the worker's pool holds the steps in flight (portarl.trainer.asynchronous.partial)
+        saved = _pool_or_none(pipeline)
+    else:
+        saved = _wait_in_flight(pipeline)
     return pdist.broadcast_json(pipeline.dist, saved, pipeline.group)
+
+
+def _pool_or_none(pipeline):
+    from portarl.trainer.asynchronous.partial import pool_state
+
+    if pipeline.failure is not None:
+        return None
+    try:
+        return pool_state(pipeline)
+    except Exception as err:  # as _wait_in_flight: raised again at the step that needs the worker
+        pipeline.failure = err
+        log.warning("the checkpoint of step %d does not hold the partial-rollout pool (%s): a resume from it "
+                    "starts an empty pool", pipeline.trainer.step, err)
+        return None
 
 
 def restore_in_flight(pipeline, saved: list[dict] | None) -> None:
@@ -67,6 +86,13 @@ def restore_in_flight(pipeline, saved: list[dict] | None) -> None:
     those steps draw now); requests go out from the step after the last one."""
     trainer = pipeline.trainer
     if trainer.step == 0:
+        return
+    if pipeline.partial:
+        from portarl.trainer.asynchronous.partial import restore_pool
+
+        if not restore_pool(pipeline, saved) and trainer.step < trainer.config.train.steps:
+            log.info("resumed partial rollouts from step %d without the worker's pool: the sequences that were in "
+                     "flight are sampled again from their prompts", trainer.step)
         return
     expected = trainer.step + 1
     for entry in saved or []:

@@ -95,6 +95,22 @@ class RolloutConfig:
     #: t - 1 - max_staleness or later (0: no overlap, reproduces colocated; 1: one step of
     #: overlap). Older batches are dropped, logged and regenerated.
     max_staleness: int = 1
+    #: mode "async": partial rollouts. The worker keeps the groups of every step it was asked
+    #: for in one pool and hands the trainer a step's batch as soon as prompts_per_step groups
+    #: are complete; the others stay in flight, their tokens kept, and go on under the newer
+    #: weights (re-prefilled: every later token is the new policy's). Each token carries the
+    #: version that sampled it; the mismatch correction weighs it (docs/async.md). Peers:
+    #: verl partial_rollout, slime --partial-rollout, OpenRLHF partial_rollout_enable.
+    partial: bool = False
+    #: rollout.partial: a sequence that would span more than max_staleness + 1 weight versions
+    #: is "restart"ed (its tokens dropped; sampled again from its prompt with the new weights:
+    #: every token trained is at most max_staleness versions old, at the cost of the tokens
+    #: thrown away) or "cut" (ended where it is, unfinished, as at the token limit: no token
+    #: lost, but long samples are cut more often than short ones).
+    partial_overflow: str = "restart"
+    #: rollout.partial with an engine that cannot stop mid-call (vllm): tokens per decode
+    #: call of the pool (the hf engine stops where enough groups are complete).
+    partial_segment: int = 64
     #: mode "async": how each weight version reaches the worker. "collective": the trainer's
     #: rank 0 broadcasts it in buckets over a process group of its own with the worker
     #: (rollout.sync_comm), the worker stages it and loads it only once it arrived whole (a
@@ -201,6 +217,7 @@ class RolloutConfig:
                "must be 'off', 'rollout' (R3: the engine's experts replayed in the trainer) or 'old' (R2: the old "
                "policy's experts replayed in the update)", self.routing_replay)
         _positive_int(self, "rollout", "max_staleness", allow_zero=True)
+        self._check_partial()
         _number(self, "rollout", "timeout_s", low=0.0)
         _check(self.weight_sync in ("collective", "file"), "rollout.weight_sync", "must be 'collective' or 'file'",
                self.weight_sync)
@@ -241,6 +258,21 @@ class RolloutConfig:
             _check(self.top_k == 0 and self.top_p == 1, "rollout.top_k / rollout.top_p",
                    "must be 0 / 1 with engine 'vllm' (its log-probs are renormalised over the kept tokens, the "
                    "trainer's are not); sample from the full distribution", (self.top_k, self.top_p))
+
+    def _check_partial(self) -> None:
+        """``rollout.partial``: what it needs and what it cannot do yet, from the config alone."""
+        _check(self.partial_overflow in ("restart", "cut"), "rollout.partial_overflow", "must be 'restart' or 'cut'",
+               self.partial_overflow)
+        _positive_int(self, "rollout", "partial_segment")
+        if not self.partial:
+            return
+        _check(self.mode == "async", "rollout.partial", "keeps sequences in flight in the async rollout worker: set "
+               "rollout.mode=async, or rollout.partial=false", self.partial)
+        _check(self.num_workers == 1, "rollout.partial", "keeps one pool of sequences in one worker: set "
+               "rollout.num_workers=1, or rollout.partial=false", self.partial)
+        _check(self.routing_replay == "off", "rollout.partial", "with routing replay is not supported yet (a sample's "
+               "experts would span two decode calls): set rollout.routing_replay=off, or rollout.partial=false",
+               self.partial)
 
     def _check_worker_devices(self) -> None:
         from portarl.backends.device import parse_device
