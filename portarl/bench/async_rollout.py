@@ -42,8 +42,11 @@ import tempfile
 import time
 from pathlib import Path
 
-#: The runs: (name, rollout.mode, threads per process as a multiple of --threads).
-RUNS = (("colocated", "colocated", 1), ("async", "async", 1), ("colocated_same_cores", "colocated", 2))
+#: The runs: (name, rollout.mode, threads per process as a multiple of --threads, extra settings).
+RUNS = (("colocated", "colocated", 1, ()), ("async", "async", 1, ()),
+        ("partial", "async", 1, ("rollout.partial=true",)), ("colocated_same_cores", "colocated", 2, ()))
+#: The runs with a rollout worker (its threads are the trainer's again).
+WORKER_RUNS = ("async", "partial")
 QUIET = ["logging.progress=false", "logging.tensorboard=false", "logging.plot=false", "logging.samples_every=0",
          "checkpoint.every=1000000", "train.steps=1000000"]
 
@@ -67,13 +70,19 @@ def _budget_used(rows: list[dict]) -> float:
 
 
 def run_mode(mode: str, config: str | None, sets: list[str], budget_s: float, threads: int, out: Path,
-             progress=print) -> list[dict]:
-    """One ``portarl train`` in ``mode`` until ``budget_s`` of steps; its GRPO rows inside the budget."""
+             progress=print, lengths: str | None = None) -> list[dict]:
+    """One ``portarl train`` in ``mode`` until ``budget_s`` of steps; its GRPO rows inside the
+    budget. ``lengths``: benchmark completion lengths (:mod:`portarl.rollout.bench_lengths`)."""
+    from portarl.rollout.bench_lengths import ENV
+
     cmd = [sys.executable, "-m", "portarl", "train", "--output-dir", str(out), "--overwrite"]
     cmd += ["--config", config] if config else []
     for item in [*sets, *QUIET, f"rollout.mode={mode}"]:
         cmd += ["--set", item]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env.pop(ENV, None)
+    if lengths:
+        env[ENV] = lengths
     log = (out.parent / f"{mode}.log").open("w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
@@ -132,6 +141,7 @@ def summarize(rows: list[dict], samples_per_step: int) -> dict:
             "publish_s_median": _median(rows, "rollout/publish_s"),
             "train_wait_s_median": _median(rows, "train/wait_s"),
             "staleness_mean": statistics.fmean(r.get("rollout/staleness_mean", 0.0) for r in rows),
+            "token_staleness_mean": statistics.fmean(r.get("rollout/token_staleness_mean", 0.0) for r in rows),
             "mismatch_abs_diff_mean": statistics.fmean(r.get("mismatch/abs_diff_mean", 0.0) for r in rows)}
 
 
@@ -154,6 +164,9 @@ def comparisons(summaries: dict) -> dict:
         out["cpu_of_ideal"] = out["speedup_cpu"] / out["speedup_ideal_cpu"]
     if "colocated_same_cores" in summaries:
         out["speedup_same_cores"] = asy["samples_per_s"] / summaries["colocated_same_cores"]["samples_per_s"]
+    if "partial" in summaries:  # partial rollouts against today's async mode, the same processes and cores
+        out["partial_vs_async"] = summaries["partial"]["samples_per_s"] / asy["samples_per_s"]
+        out["partial_vs_colocated"] = summaries["partial"]["samples_per_s"] / col["samples_per_s"]
     return out
 
 
@@ -172,24 +185,26 @@ def main(args, progress=print) -> tuple[dict, str]:
     if args.reuse and not args.work_dir:
         raise ValueError("--reuse reports on the runs in --work-dir: give --work-dir")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="portarl-bench-async-"))
-    runs = [r for r in RUNS if r[0] != "colocated_same_cores" or getattr(args, "same_cores", True)]
-    if args.reuse:  # an older work dir may hold no same-cores run
-        runs = [r for r in runs if r[0] != "colocated_same_cores" or (work / r[0] / "run").exists()]
+    runs = [r for r in RUNS if (r[0] != "colocated_same_cores" or getattr(args, "same_cores", True))
+            and (r[0] != "partial" or getattr(args, "partial", True))]
+    if args.reuse:  # an older work dir may hold no same-cores or partial run
+        runs = [r for r in runs if r[0] not in ("colocated_same_cores", "partial") or (work / r[0] / "run").exists()]
     results, threads = {}, {}
-    for name, mode, times in runs:
+    for name, mode, times, extra in runs:
         (work / name).mkdir(parents=True, exist_ok=True)
         threads[name] = args.threads * times
         if args.reuse:  # report on the runs already in --work-dir
             rows = budget_rows(work / name / "run", args.budget_s)
         else:
-            rows = run_mode(mode, args.config, list(args.set or []), args.budget_s, threads[name],
-                            work / name / "run", progress)
+            rows = run_mode(mode, args.config, [*(args.set or []), *extra], args.budget_s, threads[name],
+                            work / name / "run", progress, lengths=getattr(args, "lengths", None))
         if len(rows) < 3:
             raise RuntimeError(f"the {name} run trained {len(rows)} steps in {args.budget_s:g} s: raise --budget-s")
         results[name] = {"summary": {**summarize(rows, samples_per_step), "threads": threads[name]}, "rows": rows}
     summaries = {name: r["summary"] for name, r in results.items()}
     common = min(s["steps"] for s in summaries.values())
     result = {"config": args.config or "demo", "sets": list(args.set or []), "budget_s": args.budget_s,
+              "lengths": getattr(args, "lengths", None),
               "threads": args.threads, "cpus": os.cpu_count(),
               "load_avg_1m": {name: _load(work / name) for name in results},
               "samples_per_step": samples_per_step, **summaries, **comparisons(summaries),
@@ -229,9 +244,10 @@ def _s(v) -> str:
 
 
 def table(res: dict) -> str:
-    names = [n for n, _, _ in RUNS if n in res]
+    names = [n for n, *_ in RUNS if n in res]
     col = res["colocated"]
-    lines = [f"# bench async: {res['config']} {' '.join(res['sets'])}".rstrip(), "",
+    lines = [f"# bench async: {res['config']} {' '.join(res['sets'])}".rstrip()
+             + (f" (completion lengths {res['lengths']}, set by the benchmark)" if res.get("lengths") else ""), "",
              f"{res['budget_s']:g} s of GRPO steps per run, {res['cpus']} CPUs, 1-min load average at the end of "
              "each run: " + ", ".join(f"{m} {v if v is not None else 'n/a'}" for m, v in res["load_avg_1m"].items()),
              "", "Per step, medians (s; CPU: process CPU time; the async run's rollout is the worker's batch: "
@@ -241,7 +257,7 @@ def table(res: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in names:
         s = res[name]
-        asy = name == "async"
+        asy = name in WORKER_RUNS
         threads = f"{s['threads']} + {s['threads']}" if asy else str(s["threads"])
         lines.append(
             f"| {name} | {threads} | {s['steps']} | {s['samples']} | {s['samples_per_s']:.2f} | "
@@ -260,6 +276,13 @@ def table(res: dict) -> str:
                       f"({res['cpu_of_ideal']:.2f} of it; colocated step {col['step_cpu_s_median']:.3f} s with "
                       f"rollout {col['rollout_cpu_s_median']:.3f} s; async trainer step "
                       f"{res['async']['step_cpu_s_median']:.3f} s, worker batch {res['async']['worker_cpu_s_median']:.3f} s).")
+    if "partial_vs_async" in res:
+        part = res["partial"]
+        lines += ["", f"**Partial rollouts** (rollout.partial, {res['threads']} + {res['threads']} threads): "
+                  f"{res['partial_vs_async']:.2f}x async's samples per second and {res['partial_vs_colocated']:.2f}x "
+                  f"colocated's ({part['samples_per_s']:.2f} against {res['async']['samples_per_s']:.2f} and "
+                  f"{col['samples_per_s']:.2f}); reward per sample {part['reward_mean']:.3f} against async's "
+                  f"{res['async']['reward_mean']:.3f}; mean token staleness {part['token_staleness_mean']:.2f}."]
     if "speedup_same_cores" in res:
         same = res["colocated_same_cores"]
         lines += ["", f"**The same cores** (async {res['threads']} + {res['threads']} threads against colocated "

@@ -277,6 +277,11 @@ def add_parser(commands) -> None:
                          "many; the same-cores colocated run twice as many")
     sa.add_argument("--no-same-cores", dest="same_cores", action="store_false",
                     help="leave out the colocated run on the async run's cores (2 x --threads threads)")
+    sa.add_argument("--no-partial", dest="partial", action="store_false",
+                    help="leave out the partial-rollout run (rollout.partial)")
+    sa.add_argument("--lengths", metavar="SPEC",
+                    help="completion lengths set by the benchmark, the same for every run: tail:MIN:MAX (a heavy tail "
+                    "drawn from each sample's seed) or even:N (PORTARL_BENCH_LENGTHS; hf engine)")
     sa.add_argument("--work-dir", help="where the runs go (default: a temporary directory)")
     sa.add_argument("--reuse", action="store_true", help="no new runs: report on those already in --work-dir")
     sa.add_argument("--out", help="JSON output (a .md table is written beside it)")

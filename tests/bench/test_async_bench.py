@@ -68,3 +68,14 @@ def test_both_comparisons_in_wall_and_cpu_time(tmp_path):
     assert "In process CPU time: 1.20x against an ideal 1.50x (0.80 of it" in table
     assert "**The same cores** (async 1 + 1 threads against colocated 2): 0.62x" in table
     assert result["colocated_same_cores"]["threads"] == 2
+
+
+def test_the_partial_run_is_compared_with_async_and_colocated(tmp_path):
+    _write_run(tmp_path / "colocated" / "run", [5.0] + [1.0] * 6, rollout_s=0.4, rewards=[0.1] * 7)
+    _write_run(tmp_path / "async" / "run", [5.0] + [0.8] * 8, rewards=[0.2] * 9)
+    _write_run(tmp_path / "partial" / "run", [5.0] + [0.5] * 12, rewards=[0.2] * 13)
+    result, table = main(_args(tmp_path, partial=True, lengths="tail:8:512"), progress=lambda _: None)
+    assert result["partial_vs_async"] == pytest.approx((12 / 6.0) / (7 / 5.6))
+    assert result["partial_vs_colocated"] == pytest.approx((12 / 6.0) / (6 / 6.0))
+    assert "**Partial rollouts**" in table and "1.60x async's samples per second" in table
+    assert "(completion lengths tail:8:512, set by the benchmark)" in table
