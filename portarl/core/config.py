@@ -23,7 +23,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
     # --- advantages (compute_advantages) ---
-    #: Estimator name in ADVANTAGE_ESTIMATORS: "grpo", "rloo", "reinforce_pp".
+    #: Estimator name in ADVANTAGE_ESTIMATORS: "grpo", "rloo", "reinforce_pp"; or "gae": PPO
+    #: with a value model (the trainer's ``critic`` section; :mod:`portarl.core.gae`).
     advantage_estimator: str = "grpo"
     #: grpo only: "group" (GRPO), "batch", or "none" (Dr. GRPO: no std division).
     advantage_scale: str = "group"
@@ -98,6 +99,14 @@ class GRPOConfig:
     mismatch_mask_low: float = 0.5
     mismatch_mask_high: float = 2.0
 
+    # --- on-policy distillation ---
+    #: A frozen teacher's per-token reverse KL as a dense advantage: ``{teacher: PATH, coef:
+    #: 1.0, estimator: k1, rewards: true}``. teacher: a causal LM directory (or a built-in
+    #: model name) with the student's tokenizer; each sampled token's advantage gets
+    #: ``- coef * kl_t``, kl_t = logp_student(t) - logp_teacher(t) (k1) or its k3 form,
+    #: beside the rewards' advantage (``rewards: true``) or alone (false). None: off.
+    distill: dict | None = None
+
     # --- stability guard ---
     #: Leave out of the loss (and count) valid tokens whose logp / old_logp is not finite,
     #: instead of letting one NaN poison the step. False raises instead.
@@ -128,7 +137,9 @@ class GRPOConfig:
 
         if (bad := non_bool_field(self)) is not None:
             raise ValueError(f"GRPOConfig.{bad[0]} must be true or false, got {bad[1]!r}")
-        choice("advantage_estimator", ADVANTAGE_ESTIMATORS.names())
+        choice("advantage_estimator", (*ADVANTAGE_ESTIMATORS.names(), "gae"))
+        if self.distill is not None:
+            object.__setattr__(self, "distill", distill_options(self.distill))
         choice("advantage_scale", ("group", "batch", "none"))
         choice("policy_loss", POLICY_LOSSES.names())
         choice("kl_estimator", KL_ESTIMATORS)
@@ -201,3 +212,31 @@ class GRPOConfig:
         if self.advantage_estimator == "reinforce_pp":
             return dict(eps=self.advantage_eps)
         return {}
+
+
+#: ``loss.distill`` keys and their defaults.
+DISTILL_DEFAULTS = {"teacher": None, "coef": 1.0, "estimator": "k1", "rewards": True}
+
+
+def distill_options(value) -> dict:
+    """``loss.distill`` checked and completed with :data:`DISTILL_DEFAULTS`."""
+    if not isinstance(value, dict):
+        raise ValueError(f"GRPOConfig.distill must be a mapping {{teacher: PATH, coef: 1.0, estimator: k1, rewards: "
+                         f"true}} or null, got {value!r}")
+    unknown = sorted(set(value) - set(DISTILL_DEFAULTS))
+    if unknown:
+        raise ValueError(f"GRPOConfig.distill: unknown keys {unknown}; known: {', '.join(DISTILL_DEFAULTS)}")
+    out = {**DISTILL_DEFAULTS, **value}
+    if not isinstance(out["teacher"], str) or not out["teacher"]:
+        raise ValueError(f"GRPOConfig.distill.teacher must name the teacher (a model directory or a built-in model), "
+                         f"got {out['teacher']!r}")
+    coef = number_from_yaml_string(out["coef"], False)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef <= 0:
+        raise ValueError(f"GRPOConfig.distill.coef must be a number > 0, got {out['coef']!r}")
+    out["coef"] = float(coef)
+    if out["estimator"] not in ("k1", "k3"):
+        raise ValueError(f"GRPOConfig.distill.estimator must be 'k1' (logp_student - logp_teacher) or 'k3', got "
+                         f"{out['estimator']!r}")
+    if not isinstance(out["rewards"], bool):
+        raise ValueError(f"GRPOConfig.distill.rewards must be true or false, got {out['rewards']!r}")
+    return out

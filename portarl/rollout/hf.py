@@ -292,8 +292,8 @@ class HFRollout(RolloutEngine):
         if vision:
             reason = "a vision-language model (M-RoPE)"
         path = "lean" if reason is None else f"hf ({reason})"
-        if path != self.decode_path:
-            log.info("hf engine decode path: %s", path)
+        if path != self.decode_path:  # nothing to act on for FSDP2-sharded weights: the trainer's own path
+            log.log(logging.DEBUG if "FSDP2" in path else logging.INFO, "hf engine decode path: %s", path)
             self.decode_path = path
         if reason is None:
             return LeanDecoder(self.model, past, mask, steps).step

@@ -80,6 +80,7 @@ from portarl.trainer.setup import (
     sequence_parallel,
 )
 from portarl.trainer.loop import TrainingStopped
+from portarl.trainer.phases.critic import critic_update
 from portarl.trainer.phases.update import run_update
 from portarl.trainer.run.session import train_run
 from portarl.trainer.build import build_examples, build_from_config, build_policy  # noqa: F401 (their home before)
@@ -110,6 +111,8 @@ class GRPOTrainer:
         if (why := refuse_reference_sync(self.config, model, self.dist.enabled)) is not None:
             raise ConfigError(why)
         self.sp = sequence_parallel(self.config, model, self.dist)  # this rank's Ulysses group, or None
+        # loss.advantage_estimator=gae: the value model starts from the policy as given (phases/critic.py)
+        critic_source = copy.deepcopy(model) if self.config.loss.advantage_estimator == "gae" else None
         self.model, self._initial_reference = place_model(model, self.config, self.dist, self.device)
         if (why := router_aux_refusal(self.config, self.model)) is not None:
             raise ConfigError(why)
@@ -130,6 +133,17 @@ class GRPOTrainer:
         # tools / environment: multi-turn episodes (portarl.multiturn); sets the codec's tools
         self.agent = make_agent(self.config, self.codec, self._search_dirs())
         self.rewards = self._resolve_rewards(reward_fns)
+        self.critic = None
+        if critic_source is not None:
+            from portarl.trainer.phases.critic import Critic
+
+            self.critic = Critic(self, critic_source)
+            del critic_source
+        self.teacher = None  # loss.distill: the frozen teacher (phases/distill.py), never in checkpoints
+        if self.config.loss.distill is not None:
+            from portarl.trainer.phases.distill import load_teacher
+
+            self.teacher = load_teacher(self)
         self.examples: list[Example] = list(train_data)
         # Every prompt encoded and checked now, by id(example): encoded_prompt()
         self._prompt_ids = check_examples(self.examples, self.codec, self.model, self.config, self.rewards.needs_answer,
@@ -169,6 +183,8 @@ class GRPOTrainer:
         self.partial_update = None  # the guard error that ended an iteration after some optimizer steps
         self.refused_checkpoint: str | None = None  # why the last save_checkpoint wrote nothing
         self.step = 0
+        #: experiment tracker -> its run's id (rank 0's; kept in checkpoints so --resume continues those runs)
+        self.tracker_runs: dict[str, str] = {}
         self.sft_done = self.config.train.sft_warmup_steps == 0
         self.skipped_total = 0
         self.consecutive_skips = 0
@@ -312,7 +328,13 @@ class GRPOTrainer:
             scored = score(self, phase, metrics)
             release_freed_memory()
             blackbox.note(phase="update")
-            overflow = run_update(self, scored, metrics, events)
+            if self.critic is not None and step <= self.config.critic.warmup_steps:  # value-only: the policy stays
+                metrics.update({"critic/warmup": 1.0, "grad_norm": 0.0, "loss": 0.0, "kl/value": 0.0,
+                                "update/applied_steps": 0})
+            else:
+                overflow = run_update(self, scored, metrics, events)
+            if self.critic is not None:
+                critic_update(self, scored, metrics)
         except GuardTripped as err:
             skipped = True
             record_skip(self, err, metrics, events)
@@ -351,6 +373,8 @@ class GRPOTrainer:
             return
         blackbox.note(phase="sft warm-up")
         losses = warm_up(self, logger)
+        if self.critic is not None and losses:  # the value model starts from the warmed-up policy
+            self.critic.sync_from(self.model)
         if self._initial_reference is not None and losses:  # FSDP2: the sharded copy was made before the
             with torch.no_grad():  # warm-up; one process builds its reference after it: anchor the warmed-up model
                 for ref, param in zip(self._initial_reference.parameters(), self.model.parameters(), strict=True):

@@ -38,7 +38,8 @@ def run_loop(trainer, logger, last_ckpt: Path | None) -> Path | None:
     elif trainer.uses_reference() and trainer.ref_model is None:
         trainer.ref_model = trainer.make_reference()
     samples = SampleLog(trainer.output_dir, cfg.logging.samples_every, cfg.logging.samples_count,
-                        getattr(logger, "writer", None), decode=exact_text(trainer.codec.tokenizer)) \
+                        getattr(logger, "writer", None), decode=exact_text(trainer.codec.tokenizer),
+                        trackers=getattr(logger, "trackers", None)) \
         if trainer.dist.is_main else None
     while trainer.step < cfg.train.steps:
         with forced_backend(cfg.precision.backend):

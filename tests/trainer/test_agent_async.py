@@ -86,7 +86,7 @@ def test_an_environment_that_fails_every_episode_in_the_worker_is_named_as_user_
     def generate(request):
         raise UserCodeError("environment 'agent_tools:BrokenEnv'", None, "failed in all 4 of its episodes of this step")
 
-    reply = Worker.handle(SimpleNamespace(generate=generate), {"op": "generate"})
+    reply = Worker.handle(SimpleNamespace(generate=generate, partial=None), {"op": "generate"})
     assert reply == {"op": "error", "kind": "reward",
                      "message": "environment 'agent_tools:BrokenEnv' failed in all 4 of its episodes of this step"}
 

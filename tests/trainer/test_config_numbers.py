@@ -124,10 +124,15 @@ def _bool_fields():
                 yield section, f.name
 
 
+# Switches that only make sense beside another setting: turning them on alone is refused by design.
+_FLIP_NEEDS = {"rollout.partial": ["rollout.mode=async"]}
+
+
 @pytest.mark.parametrize("section, name", list(_bool_fields()))
 def test_every_bool_field_refuses_a_non_bool_naming_the_field(section, name, tmp_path):
     with pytest.raises(ConfigError, match=rf"(GRPOConfig|{section})\.{name} must be true or false, got 'maybe'"):
         TrainConfig.load(None, [f"output_dir={tmp_path}", f"{section}.{name}=maybe"])
     flipped = not getattr(getattr(TrainConfig(), section), name)
-    loaded = TrainConfig.load(None, [f"output_dir={tmp_path}", f"{section}.{name}={str(flipped).lower()}"])
+    needs = _FLIP_NEEDS.get(f"{section}.{name}", []) if flipped else []
+    loaded = TrainConfig.load(None, [f"output_dir={tmp_path}", *needs, f"{section}.{name}={str(flipped).lower()}"])
     assert getattr(getattr(loaded, section), name) is flipped

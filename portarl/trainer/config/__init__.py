@@ -29,12 +29,22 @@ from portarl.trainer.config.fields import (  # noqa: F401  (ConfigError, apply_o
     apply_override,
 )
 from portarl.trainer.config.algorithms import REFERENCE_SYNC_LORA, EvalConfig, ReferenceConfig, ShapingConfig  # noqa: F401
+from portarl.trainer.config.critic import CriticConfig  # noqa: F401  (public here too)
 from portarl.trainer.config.lora import LORA_DEFAULT_TARGETS, LoraSection, lora_section  # noqa: F401
 from portarl.trainer.config.rewards import RewardSpec, default_rewards as _default_rewards, validate_rewards
 from portarl.trainer.config.rollout import RolloutConfig  # noqa: F401  (public here too)
 from portarl.trainer.config.safety import GuardsConfig, PrecisionConfig  # noqa: F401  (public here too)
 from portarl.trainer.config.model_data import DataConfig, ModelConfig  # noqa: F401  (public here too)
 from portarl.trainer.config.training import OptimConfig, TrainSection  # noqa: F401  (public here too)
+from portarl.trainer.config.trackers import (  # noqa: F401  (public here too)
+    SECTIONS,
+    MlflowSection,
+    SwanlabSection,
+    TrackioSection,
+    WandbSection,
+    tracker_list,
+    tracker_section,
+)
 
 
 @dataclasses.dataclass
@@ -70,8 +80,13 @@ class DistributedConfig:
 
 @dataclasses.dataclass
 class LoggingConfig:
-    #: Write TensorBoard logs under <output_dir>/tensorboard.
-    tensorboard: bool = True
+    #: Experiment trackers that get every metric of metrics.jsonl at its step, the sample tables and curves.png
+    #: (rank 0 only): any of tensorboard, wandb, swanlab, mlflow, trackio, each but tensorboard with its extra
+    #: (pip install 'portarl[wandb]'); []: metrics.jsonl alone. Their settings: logging.<tracker> below; docs/trackers.md.
+    trackers: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
+    #: TensorBoard logs under <output_dir>/tensorboard, whatever logging.trackers says: true adds, false removes
+    #: (the switch configs had before logging.trackers); null: as logging.trackers says.
+    tensorboard: bool | None = None
     #: Progress bars on stderr (false: a log line every 10 steps instead).
     progress: bool = True
     #: Write curves.png (reward, accuracy, KL, grad norm) at the end.
@@ -81,11 +96,27 @@ class LoggingConfig:
     samples_every: int = 10
     #: Rows written to samples.jsonl each time samples are logged.
     samples_count: int = 4
+    wandb: WandbSection = dataclasses.field(default_factory=WandbSection)
+    swanlab: SwanlabSection = dataclasses.field(default_factory=SwanlabSection)
+    mlflow: MlflowSection = dataclasses.field(default_factory=MlflowSection)
+    trackio: TrackioSection = dataclasses.field(default_factory=TrackioSection)
 
     def validate(self):
-        for name in ("tensorboard", "progress", "plot"):
+        for name in ("progress", "plot"):
             _check(isinstance(getattr(self, name), bool), f"logging.{name}", "must be true or false", getattr(self, name))
+        _check(self.tensorboard is None or isinstance(self.tensorboard, bool), "logging.tensorboard",
+               "must be true or false (or null: as logging.trackers says)", self.tensorboard)
+        self.trackers = tracker_list(self.trackers)
+        for name in SECTIONS:
+            setattr(self, name, tracker_section(name, getattr(self, name)))
         _positive_int(self, "logging", "samples_every", "samples_count", allow_zero=True)
+
+    def active_trackers(self) -> list[str]:
+        """The trackers this run writes to: ``trackers`` with ``tensorboard``'s true / false
+        applied (TensorBoard first, as the list's default puts it)."""
+        names = [n for n in self.trackers if n != "tensorboard"]
+        tensorboard = "tensorboard" in self.trackers if self.tensorboard is None else self.tensorboard
+        return (["tensorboard"] if tensorboard else []) + names
 
 
 def _default_loss():
@@ -120,6 +151,8 @@ class TrainConfig:
     shaping: ShapingConfig = dataclasses.field(default_factory=ShapingConfig)
     reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    #: The value model of loss.advantage_estimator=gae (PPO with a critic; docs/algorithms-menu.md).
+    critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
     #: Tools the model may call in multi-turn episodes: "module:function" strings (type hints
     #: and a Google-style docstring give each one's JSON schema). See docs/agents.md.
     tools: list[str] = dataclasses.field(default_factory=list)
@@ -134,7 +167,8 @@ class TrainConfig:
                               ("train", self.train), ("optim", self.optim), ("precision", self.precision),
                               ("guards", self.guards), ("checkpoint", self.checkpoint),
                               ("distributed", self.distributed), ("logging", self.logging),
-                              ("shaping", self.shaping), ("reference", self.reference), ("eval", self.eval)):
+                              ("shaping", self.shaping), ("reference", self.reference), ("eval", self.eval),
+                              ("critic", self.critic)):
             _coerce_numbers(section, name)
             section.validate()
         validate_rewards(self.rewards)
@@ -155,6 +189,16 @@ class TrainConfig:
         from portarl.multiturn.settings import check_agent_config
 
         check_agent_config(self)  # tools / environment: what multi-turn episodes cannot be combined with
+        if self.loss.advantage_estimator != "gae" and not self.critic.is_default():
+            raise ConfigError("critic settings are for loss.advantage_estimator=gae (PPO with a value model): set it, "
+                              "or remove the critic section")
+        if (self.loss.advantage_estimator == "gae" or self.loss.distill is not None) \
+                and self.train.sequence_parallel_size > 1:
+            raise ConfigError("per-token advantages (loss.advantage_estimator=gae, loss.distill) under sequence "
+                              "parallelism are not supported yet: set train.sequence_parallel_size=1")
+        if self.loss.advantage_estimator == "gae" and self.critic.warmup_steps >= self.train.steps:
+            raise ConfigError(f"critic.warmup_steps ({self.critic.warmup_steps}) must be below train.steps "
+                              f"({self.train.steps}): the policy would never update")
         if self.rollout.group_size < 2 and self.loss.advantage_estimator in ("grpo", "rloo"):
             raise ConfigError(f"rollout.group_size must be >= 2 for {self.loss.advantage_estimator} advantages, got {self.rollout.group_size}")
         return self
@@ -248,5 +292,5 @@ _SECTION_CLASSES = {
     "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "train": TrainSection,
     "optim": OptimConfig, "precision": PrecisionConfig, "guards": GuardsConfig,
     "checkpoint": CheckpointConfig, "distributed": DistributedConfig, "logging": LoggingConfig,
-    "shaping": ShapingConfig, "reference": ReferenceConfig, "eval": EvalConfig,
+    "shaping": ShapingConfig, "reference": ReferenceConfig, "eval": EvalConfig, "critic": CriticConfig,
 }

@@ -230,6 +230,12 @@ def estimate(cfg, arch: Arch, *, prompt_tokens: int, devices: int = 1, device_me
     state += vision.get("vision tower optimizer state", 0)
     rm_parts, rm_notes = reward_model_memory(cfg)
     parts.update(rm_parts)
+    # PPO's value model (fp32, its own AdamW; with LoRA the adapter trains) and a distillation teacher
+    # (the run's dtype, a whole copy on each device): held all run long (trainer/phases/critic.py, distill.py).
+    critic = cfg.loss.advantage_estimator == "gae"
+    parts["value model (critic)"] = 4 * n // w if critic else 0
+    parts["value model optimizer state"] = 2 * 4 * n_t // w if critic else 0
+    parts["distillation teacher"] = n * b if cfg.loss.distill is not None else 0
     parts["data set (host)"] = 0 if accelerator else examples * DATA_EXAMPLE_BYTES + data_tokens * DATA_TOKEN_BYTES
     beside("pixel cache (host)")
     held = sum(parts.values()) - (state if first_step else 0)

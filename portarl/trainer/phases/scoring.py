@@ -53,7 +53,9 @@ class Scored:
                                        # None: the update takes it from the training forward
     ref_logp: torch.Tensor | None      # [B, T] fp32 or None when no KL to a reference
     rollout_logp: torch.Tensor         # [B, T] fp32: the engine's own log-probs
-    advantages: torch.Tensor           # [B]
+    advantages: torch.Tensor           # [B], or [B, T] (gae, distillation: per token)
+    values: torch.Tensor | None = None   # [B, T] the critic's old values (loss.advantage_estimator: gae)
+    returns: torch.Tensor | None = None  # [B, T] the value targets (gae)
 
 
 def logprobs(trainer, model, batch, *, with_entropy=False):
@@ -202,13 +204,24 @@ def score(trainer, phase, metrics: dict) -> Scored:
     metrics["reward/std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
     # Dynamic sampling fills a batch short of informative groups with uniform ones: masked out.
     drop = cfg.loss.drop_zero_std_groups or cfg.rollout.dynamic_sampling
-    adv = compute_advantages(rewards, g, cfg.loss.advantage_estimator, drop_zero_std=drop,
-                             **cfg.loss.advantage_options())
+    # gae: the group statistics (adv/* metrics, kept groups) only; its advantages are the critic's, below
+    estimator = "grpo" if cfg.loss.advantage_estimator == "gae" else cfg.loss.advantage_estimator
+    adv = compute_advantages(rewards, g, estimator, drop_zero_std=drop, **cfg.loss.advantage_options())
     metrics.update({f"adv/{k}": float(v) for k, v in adv.metrics.items()})
     mine = slice(phase.offset * g, (phase.offset + len(examples)) * g)
     advantages = trainer.run_hooks("advantage", adv.advantages[mine].to(trainer.device))
     check_finite("advantage", advantages)
     trainer.last_samples["advantages"] = advantages.cpu().tolist()
+    values = returns = None
+    if cfg.loss.advantage_estimator == "gae":  # PPO: per-token advantages from the value model (phases/critic.py)
+        from portarl.trainer.phases.token_advantages import gae_advantages
+
+        advantages, values, returns = gae_advantages(trainer, batch, rewards[mine], metrics)
+    if cfg.loss.distill is not None:  # on-policy distillation: the teacher's reverse KL per token (phases/distill.py)
+        from portarl.trainer.phases.distill import distill_advantages
+
+        teacher_logp = no_grad_logprobs(trainer, trainer.teacher, batch)
+        advantages = distill_advantages(trainer, batch, advantages, old_logp, rollout_logp, teacher_logp, metrics)
     # Dropped groups (DAPO dynamic sampling) are masked out, not removed, so every rank
     # runs the same number of micro-batches (FSDP forwards are collective).
     keep = adv.keep[mine].to(trainer.device)
@@ -218,4 +231,4 @@ def score(trainer, phase, metrics: dict) -> Scored:
     batch = dataclasses.replace(batch, mask=batch.mask & keep[:, None])
     if old_routes is not None:  # R2: after the reference's forward, which routes by its own router
         batch = dataclasses.replace(batch, routing=old_routes)
-    return Scored(batch, old_logp, ref_logp, rollout_logp, advantages)
+    return Scored(batch, old_logp, ref_logp, rollout_logp, advantages, values, returns)

@@ -114,7 +114,17 @@ class _HeadPassthrough:
     """Inside the model's own forward, make the output embedding return its input (the
     hidden states) and remember its parameters as the forward sees them: under FSDP2 that
     is the root's all-gathered (unsharded) weight, kept through backward (the root does not
-    reshard after forward), so gradients reach FSDP's reduce-scatter as usual."""
+    reshard after forward), so gradients reach FSDP's reduce-scatter as usual.
+
+    The hidden states go back as a copy, not as they arrive: transformers slices them before
+    its head (``hidden_states[:, slice_indices, :]``, ``logits_to_keep``), so they arrive as
+    a view of the decoder's output, and the root module's output would be that view. FSDP2
+    warns about a view output once per rank ("returned a view tensor ... will silently drop
+    the pre-backward hook and skip the all-gather"): an in-place op on the view would skip
+    the all-gather before backward. The copy is a tensor of its own (no view whose hook an
+    in-place op could drop), holds only the kept positions, and lets the decoder's whole
+    output be freed after the forward instead of living, through the view, until backward;
+    its values are the same bits (tests/distributed/test_console.py)."""
 
     def __init__(self, model):
         self.head = model.get_output_embeddings()
@@ -126,7 +136,7 @@ class _HeadPassthrough:
         def forward(hidden):
             head.weight = head.head.weight
             head.bias = getattr(head.head, "bias", None)
-            return hidden
+            return hidden.clone()  # not a view of the decoder's output: the class docstring
 
         self.head.forward = forward
         return self

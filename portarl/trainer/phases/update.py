@@ -242,7 +242,7 @@ def optimizer_step(trainer, batch, old_logp, ref_logp, rollout_logp, advantages)
         else:
             old = rows_of(old_logp, rows, part)
         loss, metrics = compute_loss(
-            logp, old, advantages[rows], part.mask, config=loss_cfg,
+            logp, old, rows_of(advantages, rows, part), part.mask, config=loss_cfg,  # [B] or per token [B, T]
             ref_logp=rows_of(ref_logp, rows, part), rollout_logp=rows_of(rollout_logp, rows, part),
             entropy=entropy, **norms,
         )

@@ -1,4 +1,5 @@
-"""Run logging: metrics.jsonl, events.jsonl, TensorBoard, a progress bar, a summary, a plot.
+"""Run logging: metrics.jsonl, events.jsonl, TensorBoard and the other experiment trackers
+(:mod:`portarl.trainer.run.trackers`), a progress bar, a summary, a plot.
 
 ``metrics.jsonl`` holds one JSON object per step (at least ``step``, ``reward/mean``,
 ``kl``, ``grad_norm``, ``skipped``), flushed every line so a crash loses nothing written.
@@ -41,8 +42,12 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 class RunLogger:
     def __init__(self, output_dir: Path, *, total_steps: int, resume_step: int = 0, tensorboard: bool = True,
-                 progress: bool = True):
+                 progress: bool = True, trackers=None):
+        """``trackers``: the run's other experiment trackers
+        (:class:`portarl.trainer.run.trackers.fanout.Trackers`), fed every row after the file;
+        the caller finishes them (after the summary and the plot, which they get too)."""
         self.output_dir = output_dir
+        self.trackers = trackers
         self.metrics_path = output_dir / "metrics.jsonl"
         self.events_path = output_dir / "events.jsonl"
         for path in (self.metrics_path, self.events_path):  # never rewritten in place: see logfiles
@@ -87,6 +92,8 @@ class RunLogger:
             for key, value in metrics.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(key, value, metrics["step"])
+        if self.trackers is not None:  # after the file: a tracker that fails never costs a line of it
+            self.trackers.metrics(metrics)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(_postfix(metrics))

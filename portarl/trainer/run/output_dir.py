@@ -34,7 +34,8 @@ log = logging.getLogger("portarl.train")
 #: removed by ``--overwrite``).
 RUN_FILES = ("checkpoints", "metrics.jsonl", "events.jsonl", "samples.jsonl", "tensorboard", "config.yaml", "summary.txt",
              "curves.png", "best", "rollout_batches.jsonl", "rollout_worker.log", "async_weights",  # these three: async mode
-             "crash.log")  # portarl/runtime/supervisor.py
+             "crash.log",  # portarl/runtime/supervisor.py
+             "wandb", "swanlog")  # logging.trackers' own files where their settings leave them (docs/trackers.md)
 
 #: Fields (``section.field``; a trailing dot: the whole section) that ``--resume`` applies.
 MID_RUN_FIELDS = ("train.steps", "train.old_logprobs", "optim.lr", "optim.implementation", "logging.",

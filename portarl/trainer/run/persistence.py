@@ -44,6 +44,10 @@ def trainer_state(trainer) -> dict:
         # the config file's directory (not a config field): `portarl eval` looks for the run's
         # module:function rewards and tools there too
         "source_dir": getattr(trainer.config, "source_dir", None),
+        # logging.trackers: each tracker's run id (rank 0 writes the state), so --resume continues that run
+        "trackers": dict(trainer.tracker_runs),
+        # loss.advantage_estimator=gae: the value model's weights and optimizer (phases/critic.py)
+        "critic": trainer.critic.state() if trainer.critic is not None else None,
         # rollout.mode=async: the batches already generated for the next steps (waited for)
         STATE_KEY: in_flight_state(trainer.async_rollout) if trainer.async_rollout is not None else None,
     }
@@ -116,9 +120,15 @@ def resume(trainer, start_if_none: bool = False) -> int:
     trainer.step, trainer.sft_done = state["step"], state["sft_done"]
     trainer.skipped_total, trainer.consecutive_skips = state["skipped_total"], state["consecutive_skips"]
     trainer.streak_first_bad = state["streak_first_bad"]
+    trainer.tracker_runs = dict(state.get("trackers") or {})  # absent in checkpoints written before trackers
     trainer.async_in_flight = state.get(STATE_KEY)  # absent in checkpoints written before it; read by the pipeline
     if state.get("kl_ctl") is not None:  # absent in checkpoints written before the KL controller
         trainer.kl_ctl.load_state_dict(state["kl_ctl"])
+    if trainer.critic is not None:
+        if state.get("critic") is None:
+            raise CheckpointError(f"checkpoint {latest} holds no value model, but loss.advantage_estimator=gae needs "
+                                  "one: resume with the estimator the run started with")
+        trainer.critic.load(state["critic"])
     if state["ref_model"] is not None and not trainer.dist.enabled:
         trainer.ref_model = trainer.make_reference()
         trainer.ref_model.load_state_dict(state["ref_model"])

@@ -1,5 +1,6 @@
-"""Sample completions a person can read: ``samples.jsonl``, one on the console, and
-TensorBoard text, every ``logging.samples_every`` steps and at the first step.
+"""Sample completions a person can read: ``samples.jsonl``, one on the console, TensorBoard
+text and a table for each other experiment tracker, every ``logging.samples_every`` steps
+and at the first step.
 
 Metrics say *that* the reward is flat; only the text says *why* (an empty completion, the
 model writing the next user turn, an answer the reward cannot parse). Each row: step,
@@ -86,12 +87,15 @@ def _segment(role: str, ids: list[int], mask: list[bool], decode) -> dict:
 
 
 class SampleLog:
-    def __init__(self, output_dir: str | Path, every: int, count: int, writer=None, echo: bool = True, decode=None):
+    def __init__(self, output_dir: str | Path, every: int, count: int, writer=None, echo: bool = True, decode=None,
+                 trackers=None):
         """``decode``: ids -> text with the special tokens kept (:func:`exact_text`); the
         rows get their ``segments`` (and the prompt as the model saw it) when it is given
-        and the samples carry their token ids."""
+        and the samples carry their token ids. ``trackers``: the run's experiment trackers
+        (:class:`portarl.trainer.run.trackers.fanout.Trackers`), each given the rows as a table."""
         self.path = Path(output_dir) / "samples.jsonl"
         self.every, self.count, self.writer, self.echo, self.decode = every, count, writer, echo, decode
+        self.trackers = trackers
 
     def due(self, step: int) -> bool:
         return self.every > 0 and self.count > 0 and (step == 1 or step % self.every == 0)
@@ -133,6 +137,8 @@ class SampleLog:
                 f"**prompt**: `{_md(r['prompt'])}`  \n**completion**: `{_md(r['completion'])}`  \n"
                 f"rewards {r['rewards']}, advantage {r['advantage']}, finish {r['finish_reason']}" for r in rows)
             self.writer.add_text("samples", text, step)
+        if self.trackers is not None and rows:
+            self.trackers.samples(step, rows)
         return rows
 
 
