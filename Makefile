@@ -81,7 +81,7 @@ parity-report: $(VENV)/.installed
 # test that keeps its property covered; make test-full runs everything (before a release, in
 # the GPU and Ascend workflows: docs/hardware-ci.md).
 TEST_WORKERS ?= 2
-PYTEST_RUN = OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST_RUN = OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40
 test: $(VENV)/.installed
 	$(PYTEST_RUN)
 
