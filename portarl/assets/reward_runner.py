@@ -105,7 +105,7 @@ class RewardFunction:
     def check_columns(self, names) -> None:
         """A batched function must take the columns ``names`` as keyword arguments (a column
         it does not name needs ``**kwargs``; one it requires must be there). Checked before
-        the model loads with every column of the data (:mod:`portarl.trainer.preflight`) and at
+        the model loads with every column of the data (:mod:`portarl.trainer.start.preflight`) and at
         each call with the batch's. Model-based rewards take no columns."""
         if self.kind != "function":
             return

@@ -141,7 +141,7 @@ def run_shape(shape: str, device: torch.device, *, prompts: int, group: int, new
               steps: int, warmup: int, progress=lambda line: None) -> dict:
     """Both sides on one shape; per-step records and their medians."""
     from portarl.assets.data import Example, arithmetic_examples
-    import portarl.trainer.grpo as grpo_module
+    import portarl.trainer.phases.iteration as grpo_module
     from portarl.bench.step_side import timed
     from portarl.trainer import GRPOTrainer, TrainConfig
 

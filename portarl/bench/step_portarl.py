@@ -62,7 +62,7 @@ def run_portarl(steps: int, threads: int, work: Work, mode: str = "colocated") -
         if trainer.uses_reference():
             trainer.ref_model = trainer.make_reference()
         phases: dict = {}
-        import portarl.trainer.grpo as grpo_module
+        import portarl.trainer.phases.iteration as grpo_module
 
         if asynchronous:  # the engine is the worker's: building one here would start a second
             grpo_module.run_rollout = timed(phases, "rollout", grpo_module.run_rollout)

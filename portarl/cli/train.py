@@ -136,9 +136,9 @@ def claim_output_dir(args, command: str, config) -> bool:
 def _build(command: str, config, locked: bool) -> Prepared:
     """The device, data, model and tokenizer (after every check of the output directory).
     The data loads first: ``train`` checks the user's tools, environments and rewards
-    against its columns (:mod:`portarl.trainer.preflight`) before the model loads."""
+    against its columns (:mod:`portarl.trainer.start.preflight`) before the model loads."""
     from portarl.backends.device import DeviceUnavailableError, resolve_device
-    from portarl.trainer import preflight
+    from portarl.trainer.start import preflight
 
     try:
         device = resolve_device(config.device)
@@ -156,7 +156,7 @@ def _build(command: str, config, locked: bool) -> Prepared:
     from portarl.trainer.run.progress import quiet_third_party
 
     quiet_third_party()
-    from portarl.trainer.build import build_examples, build_policy
+    from portarl.trainer.start.build import build_examples, build_policy
 
     try:
         examples = build_examples(config)

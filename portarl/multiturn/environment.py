@@ -20,7 +20,7 @@ The protocol (one environment instance per episode, made by calling the factory)
 ``environment`` may also be a mapping ``{name: "module:factory"}``: each data row then names
 its environment in an ``environment`` column (TRL's dict ``environment_factory``).
 
-Checked before the model loads (:mod:`portarl.trainer.preflight`, ``portarl train``): each factory
+Checked before the model loads (:mod:`portarl.trainer.start.preflight`, ``portarl train``): each factory
 must be callable with no arguments, a class must define ``reset`` and ``step``
 (:func:`load_factories`: nothing is made), a factory *function* is called once to see what
 it returns (:func:`probe_factory`: an object with ``reset`` and ``step``, not None), and with

@@ -28,7 +28,6 @@ import copy
 import dataclasses
 import logging
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -50,27 +49,18 @@ from portarl.trainer.checkpoint import CheckpointManager
 from portarl.moe.load import router_aux_refusal
 from portarl.trainer.config import ConfigError, TrainConfig
 from portarl.core.kl_control import make_kl_controller
-from portarl.trainer.guards.detectors import DegenerateDetector, GuardTripped, SpikeDetector
-from portarl.trainer.memory.heap import release_freed_memory
+from portarl.trainer.guards.detectors import DegenerateDetector, SpikeDetector
 from portarl.trainer.phases.packing import resolve_padding_free
 from portarl.trainer.guards.hooks import FAULT_ENV, HOOK_POINTS, apply_hooks, empty_hooks, install_fault_injection
-from portarl.trainer.phases.rollout import run_rollout
 from portarl.trainer.run import persistence
 from portarl.trainer.run import lock as run_lock
 from portarl.trainer.run.shared_dir import check_shared_output_dir
 from portarl.trainer.run.logger import RunLogger
 from portarl.trainer.phases.evaluation import Evaluator
-from portarl.trainer.phases.reference import maybe_sync_reference, refuse_reference_sync
-from portarl.trainer.phases.scoring import score
+from portarl.trainer.phases.reference import refuse_reference_sync
 from portarl.trainer.phases.sft import demonstrations, warm_up
-from portarl.trainer.guards.step_guard import (
-    StepGuard,
-    finish_metrics,
-    record_bad,
-    record_clean,
-    record_skip,
-)
-from portarl.trainer.setup import (
+from portarl.trainer.guards.step_guard import StepGuard
+from portarl.trainer.start.setup import (
     check_demonstrations,
     check_examples,
     make_optimizer,
@@ -80,10 +70,9 @@ from portarl.trainer.setup import (
     sequence_parallel,
 )
 from portarl.trainer.loop import TrainingStopped
-from portarl.trainer.phases.critic import critic_update
-from portarl.trainer.phases.update import run_update
+from portarl.trainer.phases.iteration import run_iteration
 from portarl.trainer.run.session import train_run
-from portarl.trainer.build import build_examples, build_from_config, build_policy  # noqa: F401 (their home before)
+from portarl.trainer.start.build import build_examples, build_from_config, build_policy  # noqa: F401 (their home before)
 
 log = logging.getLogger("portarl.train")
 
@@ -309,62 +298,9 @@ class GRPOTrainer:
     def train_step(self) -> dict:
         """Run iteration ``self.step + 1``; returns its metrics (``skipped`` = 1 when skipped).
 
-        Phases: :func:`rollout_phase.run_rollout`, :func:`scoring.score`,
-        :func:`update.run_update`; the guards (:mod:`portarl.trainer.guards.step_guard`) run
-        through all three."""
-        step = self.step + 1
-        self.hook_step = step
-        blackbox.note(step=step, phase="rollout")  # what a supervisor names if the process dies
-        started, cpu_started = time.perf_counter(), time.process_time()
-        phase = run_rollout(self, step)
-        release_freed_memory()  # the rollout's caches, before scoring and the update allocate
-        metrics, events = phase.metrics, phase.events
-        skipped, overflow = False, False
-        self.guard.reset()
-        self.partial_update = None
-        self.last_samples = None
-        try:
-            blackbox.note(phase="scoring")
-            scored = score(self, phase, metrics)
-            release_freed_memory()
-            blackbox.note(phase="update")
-            if self.critic is not None and step <= self.config.critic.warmup_steps:  # value-only: the policy stays
-                metrics.update({"critic/warmup": 1.0, "grad_norm": 0.0, "loss": 0.0, "kl/value": 0.0,
-                                "update/applied_steps": 0})
-            else:
-                overflow = run_update(self, scored, metrics, events)
-            if self.critic is not None:
-                critic_update(self, scored, metrics)
-        except GuardTripped as err:
-            skipped = True
-            record_skip(self, err, metrics, events)
-        else:
-            if self.partial_update is not None:
-                record_bad(self, self.partial_update)
-            else:
-                record_clean(self)
-        finish_metrics(self, metrics, events, skipped, overflow)
-        if self.config.rollout.routing_replay != "off":  # MoE: how often the trainer would have routed as recorded
-            from portarl.moe.routing import take_agreement
-
-            agree, counted = take_agreement(self.model)
-            if counted:
-                metrics["rollout/routing_agreement"] = agree / counted
-        metrics["time/step_s"] = time.perf_counter() - started
-        metrics["time/step_cpu_s"] = time.process_time() - cpu_started  # this process's threads (bench async)
-        sp = getattr(self, "sp", None)
-        groups = self.dist.world_size // (sp.size if sp is not None else 1)  # data-parallel groups
-        if self.dist.enabled:
-            for key in [k for k in metrics if k == "loss" or k.endswith("/loss")]:
-                metrics[key] = metrics[key] * groups  # shares: the mean of groups x share is the sum
-            metrics = pdist.mean_metrics(self.dist, metrics)
-        if not skipped:  # after the rank mean: every rank moves its coefficient by the same global KL
-            self.kl_ctl.update(metrics["kl"], len(phase.rollout.completion_ids) * groups)
-            maybe_sync_reference(self, step, metrics)
-        metrics["kl/coef"] = self.kl_ctl.value
-        metrics["_events"] = events
-        self.step = step
-        return metrics
+        Phases (:func:`portarl.trainer.phases.iteration.run_iteration`): rollout, scoring, the
+        update (and the value model's); the guards run through all of them."""
+        return run_iteration(self)
 
     # ------------------------------------------------------------------- loop
     def warmup_sft(self, logger: RunLogger | None = None) -> None:

@@ -11,7 +11,7 @@ from portarl.runtime import blackbox
 from portarl.assets.reward_runner import RewardError
 from portarl.trainer.asynchronous.pipeline import RolloutWorkerError
 from portarl.trainer.run.samples import SampleLog, exact_text
-from portarl.trainer.setup import forced_backend
+from portarl.trainer.start.setup import forced_backend
 from portarl.trainer.run.signals import StopRequested
 from portarl.trainer.guards.step_guard import UpdateUnrecoverable
 from portarl.runtime.user_code import UserCodeError

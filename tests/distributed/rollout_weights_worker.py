@@ -55,7 +55,7 @@ def main(out: Path) -> None:
             if world > 1:
                 from portarl.runtime.distributed import shard
 
-                shard(base_model(model))  # as portarl.trainer.setup.place_model does with model.lora
+                shard(base_model(model))  # as portarl.trainer.start.setup.place_model does with model.lora
                 (out / f"{tag}-gathers-rank{rank}.json").write_text(json.dumps(gathers(model, rank == 0)))
             for name, dtype in DTYPES.items():
                 write_rollout_weights(model, dtype, out / f"{tag}-{name}.safetensors", is_main=rank == 0)

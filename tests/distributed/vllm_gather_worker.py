@@ -41,7 +41,7 @@ def received(tied: bool, sharded: bool) -> dict:
         return {k: v.contiguous() for k, v in local_weights(model)}
     from portarl.runtime.distributed import shard
 
-    shard(base_model(model))  # as portarl.trainer.setup.place_model does with model.lora
+    shard(base_model(model))  # as portarl.trainer.start.setup.place_model does with model.lora
     return {k: v.contiguous() for k, v in gathered_weights(model, dtype=torch.float32, bucket_mb=0.01)}
 
 

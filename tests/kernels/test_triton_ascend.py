@@ -59,7 +59,7 @@ def test_training_can_ask_for_the_triton_backend():
     from portarl import ops
     from portarl.backends import BackendUnavailableError
     from portarl.trainer import TrainConfig
-    from portarl.trainer.setup import forced_backend
+    from portarl.trainer.start.setup import forced_backend
 
     assert TrainConfig.load(None, ["precision.backend=triton"]).precision.backend == "triton"
     with forced_backend("triton"), pytest.raises(BackendUnavailableError, match="'cuda' backend"):

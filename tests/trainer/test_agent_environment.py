@@ -165,7 +165,7 @@ def _examples(n: int = 2, **columns) -> list:
 
 
 def test_a_factory_function_is_called_once_before_the_model_loads_and_its_object_closed():
-    from portarl.trainer import preflight
+    from portarl.trainer.start import preflight
     from agent_faulty_envs import COUNTED
 
     before = dict(COUNTED)
@@ -178,7 +178,7 @@ def test_a_factory_function_is_called_once_before_the_model_loads_and_its_object
 
 
 def test_a_factory_that_hangs_when_checked_is_named_with_its_time_limit():
-    from portarl.trainer import preflight
+    from portarl.trainer.start import preflight
 
     cfg = TrainConfig.load(None, ["environment=agent_faulty_envs:make_slowly", "rollout.tool_timeout_s=0.5"])
     with pytest.raises(ValueError, match=r"environment: 'agent_faulty_envs:make_slowly': the factory did not return "

@@ -229,7 +229,7 @@ def test_config_refuses_what_async_cannot_do():
 
 
 def test_several_ranks_take_vllm_in_either_mode():
-    from portarl.trainer.setup import check_distributed_config
+    from portarl.trainer.start.setup import check_distributed_config
 
     vllm = ["train.sft_warmup_steps=0", "rollout.engine=vllm"]
     check_distributed_config(TrainConfig.load(None, [*vllm, "rollout.mode=async"]), 2)  # one worker runs vLLM

@@ -69,7 +69,7 @@ def test_cap_hit_logs_an_event_and_masks_the_filler(make_trainer, monkeypatch):
     trainer = make_trainer("rollout.dynamic_sampling=true", "rollout.max_generation_rounds=3", rewards=[constant])
     calls = _record_seeds(trainer, monkeypatch)
     seen = {}
-    from portarl.trainer import grpo
+    from portarl.trainer.phases import iteration as grpo
 
     real_update = grpo.run_update
 

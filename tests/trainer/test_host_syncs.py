@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import portarl.trainer.grpo as grpo
+import portarl.trainer.phases.iteration as grpo
 import portarl.trainer.phases.update as update
 from portarl import ops
 from portarl.ops import _checks

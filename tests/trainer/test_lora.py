@@ -77,7 +77,7 @@ def test_lora_config_defaults_and_errors_name_the_field():
 def test_lora_passes_the_distributed_checks():
     """LoRA runs under FSDP2, colocated and async (tests/distributed/test_torchrun_options.py
     and test_async_torchrun.py train it on 2 ranks)."""
-    from portarl.trainer.setup import check_distributed_config
+    from portarl.trainer.start.setup import check_distributed_config
 
     for mode in ("colocated", "async"):
         check_distributed_config(TrainConfig.load(None, [*FAST, "model.lora.r=4", f"rollout.mode={mode}"]), 2)

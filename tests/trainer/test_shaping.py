@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from portarl.trainer import grpo
+from portarl.trainer.phases import iteration as grpo
 from portarl.trainer.config import ConfigError
 from portarl.trainer.phases.shaping import overlong_penalty
 from trainer_fast import fast_config

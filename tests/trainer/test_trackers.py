@@ -169,7 +169,7 @@ def test_a_missing_extra_is_refused_in_one_line_before_the_model_loads(tmp_path)
 def test_each_missing_package_is_one_line_from_the_cli_checks(tmp_path, monkeypatch, capsys, sets, hidden, needle):
     """The same checks in this process (the packages hidden as above); the model loader fails
     the test if it is reached."""
-    import portarl.trainer.build as build
+    import portarl.trainer.start.build as build
     from portarl.cli import train as cli_train
 
     cli_main = importlib.import_module("portarl.cli.main")  # the module (the package's ``main`` is its function)

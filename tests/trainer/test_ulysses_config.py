@@ -15,7 +15,7 @@ from portarl.trainer.config import ConfigError, TrainConfig  # noqa: E402
 from portarl.trainer.phases.micro_batches import micro_batches  # noqa: E402
 from portarl.trainer.phases.sequences import build_batch  # noqa: E402
 from portarl.trainer.phases.ulysses import kv_repeat, row_mask, row_spans, sequence_parallel_refusal  # noqa: E402
-from portarl.trainer.setup import check_distributed_config  # noqa: E402
+from portarl.trainer.start.setup import check_distributed_config  # noqa: E402
 
 
 def _cfg(size: int, **sets) -> TrainConfig:

@@ -175,7 +175,7 @@ def test_vllm_sleep_mode_is_sleep_level_1():
 
 
 def test_tensor_parallel_groups_need_colocated_vllm_under_torchrun(make_trainer):
-    from portarl.trainer.setup import check_distributed_config
+    from portarl.trainer.start.setup import check_distributed_config
 
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size > 1 is for the colocated vllm engine"):
         TrainConfig.load(None, ["rollout.tensor_parallel_size=2"])

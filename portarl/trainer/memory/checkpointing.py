@@ -9,7 +9,7 @@ How: per decoder layer, non-reentrant ``torch.utils.checkpoint``, through the mo
 switch (``activation_checkpointing_enable``, the new name of ``gradient_checkpointing_enable``,
 with ``use_reentrant=False``). Transformers checkpoints each layer's ``forward``, not its
 ``__call__``, so module hooks stay outside the checkpoint; under FSDP2 the switch is thrown
-before ``fully_shard`` (:func:`portarl.trainer.setup.place_model`): FSDP2's pre-forward /
+before ``fully_shard`` (:func:`portarl.trainer.start.setup.place_model`): FSDP2's pre-forward /
 pre-backward hooks all-gather the layer once for the forward and once for the backward, and
 the recompute runs inside the backward's all-gather instead of gathering again. This is the
 ordering torch's FSDP2 documentation gives for its own ``checkpoint_wrapper``; the model's own

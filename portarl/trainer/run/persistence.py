@@ -16,7 +16,7 @@ from portarl.trainer.asynchronous.resume import STATE_KEY, in_flight_state
 from portarl.trainer.checkpoint import CheckpointError, rng_state, set_rng_state
 from portarl.trainer.checkpoint import step_of as state_step
 from portarl.trainer.run.output_dir import no_checkpoint
-from portarl.trainer.setup import make_precision
+from portarl.trainer.start.setup import make_precision
 from portarl.trainer.guards.step_guard import checkpoint_refusal
 
 log = logging.getLogger("portarl.train")

@@ -20,7 +20,7 @@ from portarl.trainer.run.signals import StopRequested, graceful_stop
 from portarl.trainer.run.trackers import check_installed
 from portarl.trainer.run.trackers.fanout import RunInfo, Trackers
 from portarl.trainer.run.write_failure import writing
-from portarl.trainer.setup import SilentLogger
+from portarl.trainer.start.setup import SilentLogger
 
 
 def train_run(trainer, resume: bool, overwrite: bool, start_if_none: bool) -> tuple[int, Path | None, str]:

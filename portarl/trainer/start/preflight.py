@@ -22,7 +22,7 @@ returns None fails every episode of the first step, which stops the run (exit 3,
 
 API::
 
-    from portarl.trainer.preflight import check_user_code, check_worker_devices
+    from portarl.trainer.start.preflight import check_user_code, check_worker_devices
 
     check_worker_devices(config)          # ValueError naming rollout.worker_devices and the fix
     check_user_code(config, examples)     # ValueError, one line, naming the tool / environment / reward
@@ -86,7 +86,7 @@ def check_rewards(config, examples: list, columns: list[str], dirs) -> None:
     (the data's, and a multi-turn run's ``conversation`` / ``env_reward``) as keywords; the
     rows hold an answer where a per-sample reward (or the SFT warm-up) needs one."""
     from portarl.assets.reward_runner import RewardRunner
-    from portarl.trainer.setup import check_answers
+    from portarl.trainer.start.setup import check_answers
 
     with RewardRunner(config.rewards, search_dirs=dirs, timeout_s=None, load=False) as runner:
         for rf in runner.functions:
