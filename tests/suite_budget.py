@@ -147,6 +147,19 @@ FULL_ONLY: dict[str, tuple[list[str], str]] = {
     **{f"{_AOT}{test}[80]": ([f"{_AOT}{test}[90]"], "the same variants compiled for sm_90")
        for test in ("test_variants_compile_without_spills", "test_linear_tile_runs_on_tensor_cores",
                     "test_split_head_runs_on_tensor_cores")},
+    # The short chaos runs (2-4 minutes each): make test keeps every fault kind's own test and
+    # the chaos run's parts; the long runs are in docs/checkpoints.md.
+    **{f"bench/test_chaos.py::test_a_short_chaos_run_ends_equal_to_the_uninterrupted_run[{mode}]": (
+        [*covers, "bench/test_chaos.py::test_the_disk_full_hook_fails_one_write_of_its_kind_once"],
+        f"{mode}: {what}, each fault alone")
+       for mode, covers, what in (
+           ("colocated", ["trainer/test_resume.py::test_sigkill_then_resume",
+                          "trainer/test_write_failures.py::test_a_full_file_system_names_the_file_keeps_the_checkpoints_and_resumes"],
+            "a SIGKILL and a full disk then resume"),
+           ("async", [f"{_RESUME}[hang@4-_kill_between_checkpoints]", f"{_RESUME}[None-_sigterm]"],
+            "a trainer SIGKILL or SIGTERM in async mode resumes bitwise"),
+           ("torchrun", ["distributed/test_fsdp_gloo.py::test_save_on_two_ranks_resume_on_one", "distributed/test_fsdp_gloo.py::test_reward_error_on_one_rank_stops_both_with_a_checkpoint"],
+            "two ranks under torchrun"))},
 }
 
 

@@ -6,6 +6,7 @@ torch (so each case costs a fraction of a second). ``argv[2]``: the run's output
 - ``exit0``: it dies with ``os._exit(0)`` inside a recorded reward call in step 3;
 - ``sigkill``: it is SIGKILLed (the OOM killer) in step 3;
 - ``finished-then-abort``: it declares 0, then aborts (a crash at interpreter exit);
+- ``failed-then-abort``: it declares 4 (a named failure, e.g. a full disk), then aborts;
 - ``signals``: it prints ``ready``, then one line per SIGINT / SIGTERM it receives, and
   exits 0 (declared) once ``<output_dir>/done`` exists.
 """
@@ -39,6 +40,9 @@ if parent.fork():  # the child
         print("ready", flush=True)
         while not (out / "done").exists():
             time.sleep(0.01)
+    if scenario == "failed-then-abort":
+        blackbox.declare(4)
+        os.abort()
     blackbox.declare(0)
     sys.stdout.flush()
     if scenario == "finished-then-abort":

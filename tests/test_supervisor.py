@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -67,6 +68,10 @@ def test_a_crash_after_the_child_finished_keeps_its_exit_and_says_so(tmp_path):
     assert run.returncode == 0
     assert run.stderr.strip() == ("portarl train: the process was killed by SIGABRT after the run had finished (exit 0); "
                                   "nothing was lost")
+    failed = _stand_in("failed-then-abort", tmp_path)  # found by the chaos run: a SIGTERM during an exit 4
+    assert failed.returncode == 4
+    assert failed.stderr.strip() == ("portarl train: the process was killed by SIGABRT on its way out, after it ended "
+                                     "with exit 4 (the line above says why)")
 
 
 def test_stop_signals_reach_the_child_once_sent_to_the_parent_or_to_the_group(tmp_path):
@@ -146,3 +151,26 @@ def test_the_printed_command_is_one_the_cli_accepts(tmp_path, typed):
     assert not args.resume and not args.overwrite
     check_output_dir(tmp_path)
     assert newest_checkpoint(tmp_path) is None
+
+
+@pytest.mark.parametrize("form", ["--output-dir", "--output-dir=", "--set"])
+def test_a_death_during_start_up_names_the_newest_checkpoint_of_the_command_lines_directory(tmp_path, form):
+    """Found by the chaos run (portarl bench chaos): a SIGKILL while the child was still
+    importing (before it noted its output directory) said "there is no checkpoint yet" of a
+    run with one; the parent now reads the directory from the command line."""
+    from types import SimpleNamespace
+
+    from portarl.runtime.supervisor import Supervisor
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2}\n')
+    (tmp_path / "checkpoints" / "step-000002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000002" / "COMPLETE").touch()
+    named = {"--output-dir": ["--output-dir", str(tmp_path)], "--output-dir=": [f"--output-dir={tmp_path}"],
+             "--set": ["--set", f"output_dir={tmp_path}"]}[form]
+    sup = Supervisor(SimpleNamespace(command="train", argv=["train", *named, "--set", "train.steps=4"]))
+    try:
+        line = sup._next({"output_dir": ""})
+    finally:
+        shutil.rmtree(sup.dir, ignore_errors=True)
+    assert line.startswith(f"the newest checkpoint is {tmp_path / 'checkpoints' / 'step-000002'}"), line
+    assert "--resume" in line

@@ -172,6 +172,20 @@ def _cmd_bench_async(args) -> int:
     return _write_bench("async", bench_async, args)
 
 
+def _cmd_bench_chaos(args) -> int:
+    if _missing_train_extra("bench chaos"):
+        return 2
+    from portarl.bench.chaos.report import main as bench_chaos
+
+    code = _write_bench("chaos", bench_chaos, args)
+    if code == 0 and args.out:
+        import json
+        from pathlib import Path
+
+        return 0 if all(r["ok"] for r in json.loads(Path(args.out).read_text())["runs"]) else 1
+    return code
+
+
 def add_parser(commands) -> None:
     """The ``bench`` subcommand and its own subcommands, on the top-level parser's ``commands``."""
     bench = commands.add_parser(
@@ -286,6 +300,18 @@ def add_parser(commands) -> None:
     sa.add_argument("--reuse", action="store_true", help="no new runs: report on those already in --work-dir")
     sa.add_argument("--out", help="JSON output (a .md table is written beside it)")
     sa.set_defaults(func=_cmd_bench_async)
+    ch = bench_cmds.add_parser("chaos", help="a run restarted with --resume-or-start after seeded random faults "
+                               "(kills, full disk, judge outage, a failing reward), compared with the uninterrupted "
+                               "run; exit 1 when one differs or leaves a process or lock behind")
+    ch.add_argument("--mode", nargs="+", default=["colocated"],
+                    choices=["colocated", "async", "torchrun", "ulysses", "moe"], help="modes to run (default colocated)")
+    ch.add_argument("--steps", type=_int_at_least(2), default=100, help="GRPO steps of each run (default 100)")
+    ch.add_argument("--faults", type=_int_at_least(0), default=20, help="faults per chaos run (default 20)")
+    ch.add_argument("--seed", type=int, default=0, help="the fault schedule's seed (default 0)")
+    ch.add_argument("--checkpoint-every", type=_int_at_least(1), default=2, help="checkpoint.every (default 2)")
+    ch.add_argument("--work-dir", default="runs/chaos", help="where the runs and chaos.json go (default runs/chaos)")
+    ch.add_argument("--out", help="JSON output of every mode's report (a .md table beside it)")
+    ch.set_defaults(func=_cmd_bench_chaos)
     mem = bench_cmds.add_parser("memory", help="one GRPO step's measured peak RSS increase and time beside the "
                                 "memory plan's estimate (CPU; a fresh process per rank)")
     mem.add_argument("--config", help="training config YAML (default: the built-in demo config)")

@@ -229,8 +229,12 @@ class Supervisor:
         if declared is not None:
             if declared != code:  # it finished and said so, then died on its way out
                 how = f"killed by {signal.Signals(signum).name}" if signum is not None else f"exited with code {code}"
-                _log(f"portarl {self.command}: {self._who(record)}the process was {how} after the run had finished "
-                     f"(exit {declared}); nothing was lost")
+                if declared == 0:
+                    _log(f"portarl {self.command}: {self._who(record)}the process was {how} after the run had "
+                         "finished (exit 0); nothing was lost")
+                else:  # found by the chaos run: "after the run had finished" of a run that had failed
+                    _log(f"portarl {self.command}: {self._who(record)}the process was {how} on its way out, "
+                         f"after it ended with exit {declared} (the line above says why)")
             return declared
         crash = self._keep_crash_log(record, signum)
         how = self._how(signum, code, crash)
@@ -273,11 +277,29 @@ class Supervisor:
     def _next(self, record: dict) -> str:
         if self.command != "train":
             return f"nothing was saved; run it again with: {rerun_command(self.argv)}"
-        checkpoint = newest_checkpoint(record["output_dir"]) if record["output_dir"] else None
-        command = continue_command(self.argv, record["output_dir"] or None, checkpoint)
+        # A death during start-up comes before the child noted its directory: the command line's.
+        output_dir = record["output_dir"] or _output_dir_in(self.argv)
+        checkpoint = newest_checkpoint(output_dir) if output_dir else None
+        command = continue_command(self.argv, output_dir or None, checkpoint)
         if checkpoint is None:
             return f"there is no checkpoint yet; start again with: {command}"
         return f"the newest checkpoint is {checkpoint}; continue with: {command}"
+
+
+def _output_dir_in(argv: list[str]) -> str | None:
+    """The output directory a command line names (``--output-dir D``, ``--output-dir=D``,
+    ``--set output_dir=D``; the last one wins, as in the parser), else None (a config file's
+    ``output_dir`` is read only by the child)."""
+    found = None
+    for i, arg in enumerate(argv):
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if arg == "--output-dir" and nxt is not None:
+            found = nxt
+        elif arg.startswith("--output-dir="):
+            found = arg.split("=", 1)[1]
+        elif arg == "--set" and nxt is not None and nxt.startswith("output_dir="):
+            found = nxt.split("=", 1)[1]
+    return found
 
 
 #: The supervising parent's pid, in the child it forked (None elsewhere).

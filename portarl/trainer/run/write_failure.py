@@ -55,12 +55,34 @@ def os_error_of(err: BaseException) -> OSError | None:
     return None
 
 
+#: TEST ONLY (the chaos run, :mod:`portarl.bench.chaos`): a directory where a file
+#: ``disk_full.checkpoint`` or ``disk_full.weights`` makes the next write of that kind fail with
+#: ENOSPC once its bytes are down (the file is consumed), as a disk that fills mid-write.
+CHAOS_DIR_ENV = "PORTARL_CHAOS_DIR"
+
+
+def _chaos_disk_full(path) -> None:
+    chaos = os.environ.get(CHAOS_DIR_ENV)
+    if not chaos:
+        return
+    text = str(path)
+    kind = "checkpoint" if ".tmp-step-" in text else "weights" if "weights" in Path(text).name else None
+    if kind is None:
+        return
+    try:
+        os.unlink(os.path.join(chaos, f"disk_full.{kind}"))  # once: whoever unlinks it fails
+    except FileNotFoundError:
+        return
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), text)
+
+
 @contextlib.contextmanager
 def writing(path):
     """A block that writes ``path`` (a file, or a directory of files): its OS errors become
     :class:`WriteFailed` naming the file (the error's own file name when it has one)."""
     try:
         yield
+        _chaos_disk_full(path)
     except WriteFailed:
         raise
     except Exception as err:
@@ -94,5 +116,5 @@ def intact_checkpoint(trainer) -> str:
     return f"the last intact checkpoint is {latest} (step {step_of(latest)})"
 
 
-__all__ = ["EXIT_CODE", "WRITE_ERRNOS", "WriteFailed", "as_write_failure", "intact_checkpoint", "os_error_of",
+__all__ = ["CHAOS_DIR_ENV", "EXIT_CODE", "WRITE_ERRNOS", "WriteFailed", "as_write_failure", "intact_checkpoint", "os_error_of",
            "resume_command", "writing"]
