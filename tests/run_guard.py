@@ -191,6 +191,14 @@ def assert_run_trained(run: str | Path, *, end: str | Path | None = None,
 #: (tests/test_run_guard.py: a test in a run folder whose name matches RUN_COMPARISON_NAME is
 #: marked ``compares_runs`` or listed here). Keys: "folder/file.py::test_name".
 NOT_RUN_COMPARISONS: dict[str, str] = {
+    'distributed/test_console.py::test_the_head_passthrough_returns_a_tensor_of_its_own_with_the_same_bits':
+        'one forward of fixed weights, its output against the decoder\'s own: no run, nothing trains',
+    'distributed/test_slurm.py::test_the_sbatch_script_trains_on_two_nodes_and_a_requeued_job_continues':
+        'checks that the requeued job resumes from the stopped job\'s checkpoint and logs each step once; it compares '
+        'no two runs\' numbers (resume equality: trainer/test_resume.py, distributed/test_two_nodes.py)',
+    'trainer/test_trackers.py::test_every_metric_reaches_the_tracker_at_its_step_and_the_resume_continues_its_run':
+        'the tracker\'s copy of one run\'s metrics against that run\'s metrics.jsonl (every metric at its step); '
+        'no two runs are compared',
     'bench/test_stability_gap.py::test_replay_from_a_tar_trains_on_the_extracted_copy':
         'the harness is faked: checks that a .tar is extracted for --replay-from and removed after; nothing trains',
     'cli/test_first_hour_errors.py::test_resume_where_there_is_no_checkpoint_is_refused_unless_a_new_run_is_asked_for':

@@ -130,6 +130,7 @@ def test_the_memory_plan_counts_the_value_model_and_a_teacher():
     assert distill.parts["distillation teacher"] == n * 4  # fp32 demo model
 
 
+@pytest.mark.compares_runs
 def test_with_lora_the_critic_trains_its_own_adapter_and_head_and_nothing_else(make_trainer):
     """model.lora: the value model gets an adapter of its own and a trainable head; its base
     weights stay frozen (tried once by hand: with the head left frozen by LoRA, this test fails)."""
