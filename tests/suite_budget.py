@@ -147,6 +147,13 @@ FULL_ONLY: dict[str, tuple[list[str], str]] = {
     **{f"{_AOT}{test}[80]": ([f"{_AOT}{test}[90]"], "the same variants compiled for sm_90")
        for test in ("test_variants_compile_without_spills", "test_linear_tile_runs_on_tensor_cores",
                     "test_split_head_runs_on_tensor_cores")},
+    # The sbatch script's own two-"node" run and requeue (2 minutes): make test keeps the script
+    # as the docs show it, and the two-node torchrun job it launches resuming as uninterrupted.
+    "distributed/test_slurm.py::test_the_sbatch_script_trains_on_two_nodes_and_a_requeued_job_continues": (
+        ["distributed/test_slurm.py::test_the_docs_show_the_script_as_shipped",
+         "distributed/test_two_nodes.py::test_two_nodes_train_save_sharded_checkpoints_and_resume_as_the_uninterrupted_run",
+         "trainer/test_resume.py::test_sigkill_then_resume"],
+        "the script's text; two nodes of torchrun ranks save and resume bitwise; --resume-or-start after a kill"),
     # The short chaos runs (2-4 minutes each): make test keeps every fault kind's own test and
     # the chaos run's parts; the long runs are in docs/checkpoints.md.
     **{f"bench/test_chaos.py::test_a_short_chaos_run_ends_equal_to_the_uninterrupted_run[{mode}]": (
