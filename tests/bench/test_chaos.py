@@ -74,3 +74,19 @@ def test_a_short_chaos_run_ends_equal_to_the_uninterrupted_run(tmp_path, mode):
     assert report["ok"], {k: report[k] for k in ("findings", "launches", "injections") if k in report}
     # A fault due in the last step may find the run already finished (timing, not a finding).
     assert sum(report["faults_by_kind"].values()) >= kinds - 2 and report["restarts"] >= 2, report["injections"]
+
+
+def test_a_fault_file_left_armed_requeues_only_the_last_fault_that_armed_it():
+    """Found by the long MoE chaos run: two disk-full faults armed in one launch share their
+    file; when the launch ended before a write consumed it, both went back to the queue, so every
+    later launch armed it twice and the run looped at one step until the launch limit."""
+    from portarl.bench.chaos.runner import _requeue
+    from portarl.bench.chaos.schedule import Fault
+
+    first, second, other = (Fault(0, "disk_full_checkpoint", 14, 0.1), Fault(1, "disk_full_checkpoint", 16, 0.2),
+                            Fault(2, "sigkill_trainer", 17, 0.3))
+    report = {"injections": [{"fault": f.index, "launch": 3} for f in (first, second, other)]}
+    pending: list = []
+    _requeue(["disk_full.checkpoint"], [first, second, other], pending, report, 3)
+    assert pending == [second]
+    assert [i["fault"] for i in report["injections"]] == [0, 2]

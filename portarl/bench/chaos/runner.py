@@ -40,6 +40,17 @@ SETTLE_S = 60.0
 POLL_S = 0.05
 
 
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _stop(signum, frame):
+    """SIGTERM of the chaos run itself: unwind, so the job it runs is killed on the way out."""
+    raise KeyboardInterrupt(f"chaos run stopped by {signal.Signals(signum).name}")
+
+
 def _lock_free(run: Path) -> bool:
     path = run / ".portarl.lock"
     if not path.exists():
@@ -142,7 +153,7 @@ def _reference(mode, reference: Path, sets, env, steps: int) -> dict:
     seconds per step, which scale the faults' delays."""
     t0 = time.monotonic()
     proc = subprocess.Popen(command(mode, reference, sets, resume=False), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     first = None
     try:
         watch = _Progress(reference)
@@ -151,8 +162,8 @@ def _reference(mode, reference: Path, sets, env, steps: int) -> dict:
             time.sleep(POLL_S)
         out, _ = proc.communicate()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # stopped from outside: the whole job, not its top process only
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     total = time.monotonic() - t0
     if proc.returncode != 0:
@@ -160,6 +171,17 @@ def _reference(mode, reference: Path, sets, env, steps: int) -> dict:
     first = first or time.monotonic()
     return {"uninterrupted_s": round(total, 2), "start_up_s": round(first - t0, 2),
             "step_s": round(max(total - (first - t0), 0.01) / max(steps - 1, 1), 3)}
+
+
+def _requeue(unconsumed: list[str], injected: list, pending: list, report: dict, launch: int) -> None:
+    """Faults armed in a file that no write or reward reached before the launch ended go back
+    to the head of the queue: one per file left, the last to arm it (two faults of a kind armed
+    in one launch share the file; requeueing both made each launch arm it twice, forever)."""
+    for name in unconsumed:
+        fault = next(f for f in reversed(injected) if inject.ARMED.get(f.kind) == name)
+        pending.insert(0, fault)
+        report["injections"] = [i for i in report["injections"]
+                                if not (i["fault"] == fault.index and i["launch"] == launch)]
 
 
 def _due(pending: list, launch_start_step: int, logged: int | None):
@@ -191,6 +213,7 @@ def run_chaos(mode_name: str, *, steps: int, faults: int, seed: int, work_dir: P
               "schedule": [f.as_json() for f in schedule], "injections": [], "launches": [], "findings": []}
     was_reaper = process_tree.set_subreaper(True)
     procs: list = []
+    previous = signal.signal(signal.SIGTERM, _stop) if _main_thread() else None
     try:
         with ChaosJudge() as judge:
             sets = base_sets(steps, checkpoint_every, judge.url)
@@ -235,11 +258,7 @@ def run_chaos(mode_name: str, *, steps: int, faults: int, seed: int, work_dir: P
                 code = proc.returncode
                 leftovers = _settle(before)
                 unconsumed = inject.disarm(chaos_dir)
-                for fault in injected:  # armed but never reached (the launch ended first): again, next launch
-                    if inject.ARMED.get(fault.kind) in unconsumed:
-                        pending.insert(0, fault)
-                        report["injections"] = [i for i in report["injections"]
-                                                if not (i["fault"] == fault.index and i["launch"] == n)]
+                _requeue(unconsumed, injected, pending, report, n)
                 end_step = max(compare.step_rows(run), default=0)
                 said = _named_lines(work_dir / f"launch-{n}.log")
                 launch = {"launch": n, "exit": code, "from_step": start_step, "to_step": end_step,
@@ -280,6 +299,8 @@ def run_chaos(mode_name: str, *, steps: int, faults: int, seed: int, work_dir: P
             log.close()
         if was_reaper is not None:
             process_tree.set_subreaper(was_reaper)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     kinds: dict[str, int] = {}
     for item in report["injections"]:
         kinds[item["kind"]] = kinds.get(item["kind"], 0) + 1
