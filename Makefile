@@ -20,7 +20,7 @@ TRITON_ASCEND_VENV := .venv-triton-ascend
 TRITON_ASCEND_PYTHON ?= $(PYTHON)
 TRITON_ASCEND_SPEC ?= triton-ascend==3.2.0
 
-.PHONY: demo agents-demo vlm-demo test test-full docs docs-numbers config-reference test-vllm test-hardware hardware-check-quick parity-report check-triton-ascend clean
+.PHONY: demo agents-demo vlm-demo test test-full docs docs-numbers config-reference test-vllm test-hardware hardware-check-quick parity-report check-triton-ascend chaos clean
 
 # Each step says what it does: the torch download alone is a minute or two of silence otherwise.
 $(VENV)/.installed: pyproject.toml Makefile
@@ -68,6 +68,13 @@ vlm-demo: $(VENV)/.installed
 # rewrites the quotes and the committed results). Exit 1 when a quoted number moved.
 docs-numbers: $(VENV)/.installed
 	$(PY) tools/docs_numbers.py $(ARGS)
+
+# The chaos run (docs/checkpoints.md): 100 steps and 20 seeded faults per mode, restarted with
+# --resume-or-start after each, compared with the uninterrupted run (about an hour on 2 cores).
+CHAOS_MODES ?= colocated async torchrun ulysses moe
+chaos: $(VENV)/.installed
+	$(VENV)/bin/portarl bench chaos --mode $(CHAOS_MODES) --steps 100 --faults 20 --seed 0 --work-dir runs/chaos \
+		--out runs/chaos/report.json
 
 # The parity sweep on the best available device (fused ops vs float64, every backend and dtype).
 parity-report: $(VENV)/.installed
