@@ -121,6 +121,36 @@ class PartialPool:
                     s.done = True
         self._collect()
 
+    def expire(self, oldest_allowed: int) -> int:
+        """Restart every sample, done or not, holding a token older than ``oldest_allowed``
+        (the batch of step k may hold no token older than version k - 1 - max_staleness); a
+        complete group with such a sample goes back in flight, in arrival order. Returns how
+        many restarted.
+
+        Why: :meth:`on_version` bounds the versions a sequence spans, counted from the worker's
+        newest version, and never looked at done samples; but a batch can be handed while the
+        worker's version itself lags the step by up to max_staleness, and a group that completed
+        early waits in :attr:`complete`. Such a batch came out too stale, the trainer dropped it
+        and asked for its step again, and the worker (owing the next step first) never answered:
+        the run hung with long-tailed lengths (found by ``bench async --lengths tail:4:96``)."""
+        restarted = 0
+        back = []
+        for group in [*self.groups, *self.complete]:
+            for s in group.samples:
+                if s.versions and s.versions[0] < oldest_allowed:
+                    self.stats["restarted"] += 1
+                    self.stats["discarded_tokens"] += len(s.tokens)
+                    s.tokens, s.logprobs, s.versions = [], [], []
+                    s.finished = s.done = False
+                    s.restarts += 1
+                    restarted += 1
+            if not group.done and group in self.complete:
+                back.append(group)
+        if back:
+            self.complete = [g for g in self.complete if g not in back]
+            self.groups = sorted([*self.groups, *back], key=lambda g: g.order)
+        return restarted
+
     def _collect(self) -> None:
         """Move the groups whose every sample is done to :attr:`complete`, in arrival order."""
         still = []

@@ -22,6 +22,7 @@ from it (``pool_restore``), so the resumed run goes on exactly as the uninterrup
 
 from __future__ import annotations
 
+import bisect
 import os
 import time
 
@@ -49,8 +50,8 @@ class PartialSchedule:
         mode = "constant" if worker.fault == "constant_seed" else self.seed_mode
         seeds = request_seeds(self.run_seed, step, len(prompts), self.group_size, mode)
         self.pool.add(step, prompts, request["examples"], request["indices"], seeds, self.group_size)
-        if step not in self.owed:
-            self.owed.append(step)
+        if step not in self.owed:  # in step order: a step asked again (a dropped batch) is owed first
+            bisect.insort(self.owed, step)
         self.read_through = max(self.read_through, step)
         replies = []
         while self.owed and self.read_through >= min(self.owed[0] + self.staleness, self.last_step):
@@ -71,6 +72,7 @@ class PartialSchedule:
         blackbox.note(step=step, phase="rollout")
         idle = time.perf_counter() - worker.idle_since
         started = time.perf_counter()
+        self.pool.expire((step - 1) - self.staleness)  # no token of the batch older than the trainer allows
         stats = self.pool.decode(worker.engine, worker.sampling, worker.version, self.per_step)
         groups = self.pool.take(self.per_step)
         if len(groups) < self.per_step:

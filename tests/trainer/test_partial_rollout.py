@@ -113,6 +113,60 @@ def test_a_call_takes_whole_groups_up_to_max_rows_and_the_state_round_trips():
     assert json.dumps(restored.state()) == json.dumps(pool.state())
 
 
+def test_a_sample_too_old_for_the_batch_is_restarted_even_when_done_and_its_group_goes_back():
+    """The batch of step k may hold no token older than version k - 1 - max_staleness. A group
+    that completed early waits in the pool's complete list with its old tokens; expire()
+    restarts such samples (tried once by hand: without expire() in the schedule's batch, the
+    tail-length run below hung after step 4, as the same run from the CLI did)."""
+    pool, engine = _pool([(2, 2), (15, 15)], staleness=1)
+    pool.decode(engine, SamplingParams(max_new_tokens=20), version=0, need=1)
+    assert [g.index for g in pool.complete] == [0] and pool.groups[0].index == 1
+    assert pool.expire(0) == 0 and [g.index for g in pool.complete] == [0]  # version 0 still allowed
+    assert pool.expire(1) == 4  # both groups' samples hold version-0 tokens
+    assert not pool.complete and [g.index for g in pool.groups] == [0, 1]  # back, in arrival order
+    assert all(not s.done and not s.tokens and s.restarts == 1 for g in pool.groups for s in g.samples)
+
+
+def test_a_step_asked_again_is_owed_before_the_later_ones(monkeypatch):
+    """A batch the trainer dropped as too stale is asked for again after the next step's
+    request: the worker owes it first (it appended it last and waited for a request that
+    never came: the same hang)."""
+    from types import SimpleNamespace
+
+    from portarl.rollout.partial_schedule import PartialSchedule
+
+    r = SimpleNamespace(max_new_tokens=8, max_staleness=1, partial_overflow="restart", partial_segment=64,
+                        max_batch_size=None, group_size=2, seed_mode="per_sample")
+    schedule = PartialSchedule(SimpleNamespace(rollout=r, train=SimpleNamespace(prompts_per_step=1, steps=10, seed=0)))
+    handed = []
+    monkeypatch.setattr(schedule, "batch", lambda worker, step: handed.append(step) or {"op": "batch", "step": step})
+    worker = SimpleNamespace(fault=None)
+
+    def ask(step):
+        return schedule.request(worker, {"step": step, "prompts": [[1]], "examples": [{}], "indices": [0]})
+
+    assert ask(1) == [] and ask(2) == [{"op": "batch", "step": 1}]
+    ask(3), ask(4), ask(5), ask(6)
+    assert handed == [1, 2, 3, 4, 5]
+    assert ask(5) == [{"op": "batch", "step": 5}]  # asked again: owed before 6, and due at once
+
+
+def test_long_tailed_lengths_never_hand_out_a_batch_too_stale_to_train():
+    """Found by ``portarl bench async --lengths tail:4:96``: early-completed groups carried a
+    token two versions old into a later batch, the trainer dropped it, and the run hung."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tail"
+        _finish(_start(out, "train.steps=8", "rollout.max_new_tokens=24", "rollout.partial=true", VARIED,
+                       "rollout.timeout_s=120", **{LENGTHS_ENV: "tail:4:24"}))
+        rows = _jsonl(out / "metrics.jsonl")
+        events = (out / "events.jsonl").read_text() if (out / "events.jsonl").exists() else ""
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert "stale_batch_dropped" not in events
+    assert max(r["rollout/token_staleness_max"] for r in rows) <= 1.0
+
+
 # ------------------------------------------------------------------------------- runs
 def _finish(proc) -> None:
     _, err = proc.communicate(timeout=600)
