@@ -4,7 +4,11 @@ or read a running command's output line by line."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
+import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -35,6 +39,29 @@ def children(pid: int) -> list[int]:
             if int(fields[1]) == pid:
                 found.append(int(entry.name))
     return found
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and every process below it, parents first."""
+    found = [pid]
+    for child in children(pid):
+        found += tree(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and everything it started, as a machine's power going off would
+    (torchrun starts its ranks in sessions of their own, so a process group is not enough)."""
+    for each in tree(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous or a stand-in server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def supervised(pid: int) -> int:

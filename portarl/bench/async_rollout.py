@@ -4,10 +4,13 @@ wall-clock budget of GRPO steps, compared two ways.
 Each run is ``portarl train`` in a fresh process (same config and ``--set`` overrides) until
 the sum of its steps' ``time/step_s`` (the first GRPO step, which in async mode includes
 the worker's start-up, left out) reaches ``--budget-s``; then it gets SIGTERM (it finishes
-the step and saves) and the next run starts. Three runs, with T = ``--threads``:
+the step and saves) and the next run starts. The runs, with T = ``--threads``:
 
 * ``colocated``: T threads, the trainer's process alone;
 * ``async``: T threads in the trainer and T in the rollout worker (two processes);
+* ``partial`` and ``partial_carry``: async with ``rollout.partial`` at the config's
+  ``max_staleness`` and at 2 (tokens carried into later batches), as ``async``
+  (``--no-partial`` leaves them out);
 * ``colocated_same_cores``: 2T threads, i.e. the cores the two async processes use, given
   to colocated mode's intra-op parallelism (``--no-same-cores`` leaves it out).
 
@@ -44,9 +47,14 @@ from pathlib import Path
 
 #: The runs: (name, rollout.mode, threads per process as a multiple of --threads, extra settings).
 RUNS = (("colocated", "colocated", 1, ()), ("async", "async", 1, ()),
-        ("partial", "async", 1, ("rollout.partial=true",)), ("colocated_same_cores", "colocated", 2, ()))
+        ("partial", "async", 1, ("rollout.partial=true",)),
+        ("partial_carry", "async", 1, ("rollout.partial=true", "rollout.max_staleness=2")),
+        ("colocated_same_cores", "colocated", 2, ()))
 #: The runs with a rollout worker (its threads are the trainer's again).
-WORKER_RUNS = ("async", "partial")
+WORKER_RUNS = ("async", "partial", "partial_carry")
+#: The partial-rollout runs: at the config's max_staleness (1 by default: no token carried
+#: into a later batch) and at 2 (carry-over: portarl/rollout/partial_schedule.py).
+PARTIAL_RUNS = ("partial", "partial_carry")
 QUIET = ["logging.progress=false", "logging.tensorboard=false", "logging.plot=false", "logging.samples_every=0",
          "checkpoint.every=1000000", "train.steps=1000000"]
 
@@ -164,9 +172,10 @@ def comparisons(summaries: dict) -> dict:
         out["cpu_of_ideal"] = out["speedup_cpu"] / out["speedup_ideal_cpu"]
     if "colocated_same_cores" in summaries:
         out["speedup_same_cores"] = asy["samples_per_s"] / summaries["colocated_same_cores"]["samples_per_s"]
-    if "partial" in summaries:  # partial rollouts against today's async mode, the same processes and cores
-        out["partial_vs_async"] = summaries["partial"]["samples_per_s"] / asy["samples_per_s"]
-        out["partial_vs_colocated"] = summaries["partial"]["samples_per_s"] / col["samples_per_s"]
+    for name in PARTIAL_RUNS:  # partial rollouts against today's async mode, the same processes and cores
+        if name in summaries:
+            out[f"{name}_vs_async"] = summaries[name]["samples_per_s"] / asy["samples_per_s"]
+            out[f"{name}_vs_colocated"] = summaries[name]["samples_per_s"] / col["samples_per_s"]
     return out
 
 
@@ -186,9 +195,9 @@ def main(args, progress=print) -> tuple[dict, str]:
         raise ValueError("--reuse reports on the runs in --work-dir: give --work-dir")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="portarl-bench-async-"))
     runs = [r for r in RUNS if (r[0] != "colocated_same_cores" or getattr(args, "same_cores", True))
-            and (r[0] != "partial" or getattr(args, "partial", True))]
+            and (r[0] not in PARTIAL_RUNS or getattr(args, "partial", True))]
     if args.reuse:  # an older work dir may hold no same-cores or partial run
-        runs = [r for r in runs if r[0] not in ("colocated_same_cores", "partial") or (work / r[0] / "run").exists()]
+        runs = [r for r in runs if r[0] not in ("colocated_same_cores", *PARTIAL_RUNS) or (work / r[0] / "run").exists()]
     results, threads = {}, {}
     for name, mode, times, extra in runs:
         (work / name).mkdir(parents=True, exist_ok=True)
@@ -276,10 +285,12 @@ def table(res: dict) -> str:
                       f"({res['cpu_of_ideal']:.2f} of it; colocated step {col['step_cpu_s_median']:.3f} s with "
                       f"rollout {col['rollout_cpu_s_median']:.3f} s; async trainer step "
                       f"{res['async']['step_cpu_s_median']:.3f} s, worker batch {res['async']['worker_cpu_s_median']:.3f} s).")
-    if "partial_vs_async" in res:
-        part = res["partial"]
-        lines += ["", f"**Partial rollouts** (rollout.partial, {res['threads']} + {res['threads']} threads): "
-                  f"{res['partial_vs_async']:.2f}x async's samples per second and {res['partial_vs_colocated']:.2f}x "
+    for name, what in (("partial", "rollout.partial"), ("partial_carry", "rollout.partial, max_staleness 2")):
+        if f"{name}_vs_async" not in res:
+            continue
+        part = res[name]
+        lines += ["", f"**Partial rollouts, {name}** ({what}, {res['threads']} + {res['threads']} threads): "
+                  f"{res[f'{name}_vs_async']:.2f}x async's samples per second and {res[f'{name}_vs_colocated']:.2f}x "
                   f"colocated's ({part['samples_per_s']:.2f} against {res['async']['samples_per_s']:.2f} and "
                   f"{col['samples_per_s']:.2f}); reward per sample {part['reward_mean']:.3f} against async's "
                   f"{res['async']['reward_mean']:.3f}; mean token staleness {part['token_staleness_mean']:.2f}."]

@@ -292,7 +292,7 @@ def add_parser(commands) -> None:
     sa.add_argument("--no-same-cores", dest="same_cores", action="store_false",
                     help="leave out the colocated run on the async run's cores (2 x --threads threads)")
     sa.add_argument("--no-partial", dest="partial", action="store_false",
-                    help="leave out the partial-rollout run (rollout.partial)")
+                    help="leave out the partial-rollout runs (rollout.partial, at the config's max_staleness and at 2)")
     sa.add_argument("--lengths", metavar="SPEC",
                     help="completion lengths set by the benchmark, the same for every run: tail:MIN:MAX (a heavy tail "
                     "drawn from each sample's seed) or even:N (PORTARL_BENCH_LENGTHS; hf engine)")

@@ -294,7 +294,7 @@ class Worker:
             if op == "weights":
                 return self.load_weights(int(request["version"]), request.get("path"))
             if op == "generate" and self.partial is not None:  # into the pool; the batches owed that can go, go
-                return self.partial.request(self, request)
+                return _replied_one_by_one(op, self.partial.request(self, request))
             if op == "generate":
                 reply = self.generate(request)
                 self.idle_since = time.perf_counter()
@@ -304,6 +304,15 @@ class Worker:
             return {"op": "error", "kind": "worker", "message": f"unknown request {op!r}"}
         except Exception as err:  # noqa: BLE001  (a reply: failed_reply says whose fault)
             return failed_reply(op, err)
+
+
+def _replied_one_by_one(op: str, replies):
+    """The replies of a request, each written as soon as it is made; an error raised while
+    making one becomes its reply (as :meth:`Worker.handle` does for a single one)."""
+    try:
+        yield from replies
+    except Exception as err:  # noqa: BLE001
+        yield failed_reply(op, err)
 
 
 def failed_reply(op: str, err: Exception) -> dict:
@@ -372,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             request = json.loads(line)
             if request.get("op") == "stop":
                 break
-            replies = worker.handle(request)  # partial rollouts: none, or the batches owed that are ready
-            for reply in replies if isinstance(replies, list) else [replies]:
+            replies = worker.handle(request)  # partial rollouts: none, or the batches owed that are ready, one by one
+            for reply in [replies] if isinstance(replies, (dict, Deferred)) else replies:
                 if pending is not None:  # the batch before this one is replied to first
                     pending.join()
                     pending = None

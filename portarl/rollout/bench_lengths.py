@@ -6,8 +6,10 @@ sample). ``portarl bench async --lengths tail:8:512`` and the tests set this var
 each sample then ends at a length drawn from its seed alone, the same in every mode (hf
 engine): ``tail:MIN:MAX`` draws ``MIN * (MAX / MIN) ** (u ** 3)`` for u uniform in [0, 1)
 (most samples short, a few near MAX: a heavy tail); ``even:N`` makes every sample N tokens.
-The sample's last token is then the end-of-sequence token, its log-prob the model's for
-it, so the trainer and the engine agree on it as on any other token. Benchmark and test
+The sample's last token is then the end-of-sequence token and no stop token is drawn
+before it (a trained model's own early ends would otherwise cut the tail short); every
+token's log-prob is the model's own for it, so the trainer and the engine agree on it as on
+any other token. Benchmark and test
 instrumentation only: never set in a real run.
 """
 

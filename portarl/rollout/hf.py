@@ -234,7 +234,7 @@ class HFRollout(RolloutEngine):
             banned = None if media is None or not media.unsampleable else \
                 torch.tensor(media.unsampleable, dtype=torch.long, device=device)
             past, logits, mask, next_pos = self._prefill(prompts, device, media)
-            decode = self._decoder(past, mask, params.max_new_tokens - 1, vision=media is not None)
+            decode, keep = self._decoder(past, mask, params.max_new_tokens - 1, vision=media is not None)
             n = len(prompts)
             tokens = torch.full((n, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
             logps = torch.zeros((n, params.max_new_tokens), dtype=torch.float32, device=device)
@@ -247,23 +247,30 @@ class HFRollout(RolloutEngine):
             vocab = logits.shape[-1]
             span = max(1, NOISE_WORDS_PER_CALL // (n * -(-vocab // 4)))
             noise, pending = None, []
+            # The rows this step decodes: every row, or with partial rollouts (stop_when) the
+            # rows not yet done once a quarter of them are (their KV cache rows dropped): a
+            # pool decodes its long samples without carrying the finished rows along.
+            rows, compact = slice(None), stop_when is not None and keep is not None
             for t in range(params.max_new_tokens):
                 if not params.greedy and t % span == 0:
                     noise = uniform_span(keys, t, min(span, params.max_new_tokens - t), vocab)
-                tok = sample_tokens(logits if banned is None else logits.index_fill(-1, banned, float("-inf")),
-                                    keys, t, temperature=params.temperature, top_k=params.top_k,
+                z = logits if banned is None else logits.index_fill(-1, banned, float("-inf"))
+                if ends is not None:  # benchmark lengths: no stop token before the row's length (nor the model's own)
+                    z = z.clone()
+                    z[:, stops] = torch.where((length[rows] + 1 < ends[rows])[:, None], float("-inf"), z[:, stops])
+                tok = sample_tokens(z, keys, t, temperature=params.temperature, top_k=params.top_k,
                                     top_p=params.top_p, greedy=params.greedy,
                                     u=None if params.greedy else noise[:, t % span])
                 if ends is not None:  # benchmark lengths: the row's last token is the end-of-sequence token
-                    tok = torch.where(length + 1 == ends, torch.full_like(tok, self.eos_token_id), tok)
-                tokens[:, t] = tok
+                    tok = torch.where(length[rows] + 1 == ends[rows], torch.full_like(tok, self.eos_token_id), tok)
+                tokens[rows, t] = tok
                 pending.append(logits)
                 if len(pending) >= span:
-                    self._score(pending, tokens, logps, t + 1, params.temperature)
-                length += (~done).long()
-                done |= (tok[:, None] == stops).any(-1)
+                    self._score(pending, tokens, logps, t + 1, params.temperature, rows)
+                length[rows] += (~done[rows]).long()
+                done[rows] |= (tok[:, None] == stops).any(-1)
                 if limits is not None:
-                    at_limit |= ~done & (length >= limits)
+                    at_limit[rows] |= ~done[rows] & (length[rows] >= limits[rows])
                     done |= at_limit
                 # The last position's token needs no forward after it (nothing samples from
                 # its logits); every rank skips it alike, so lock-step ranks stay matched.
@@ -271,9 +278,16 @@ class HFRollout(RolloutEngine):
                     break
                 if stop_when is not None and stop_when(done):
                     break
+                if compact and 4 * int(done[rows].sum()) >= done[rows].numel():
+                    self._score(pending, tokens, logps, t + 1, params.temperature, rows)
+                    kept = (~done[rows]).nonzero().squeeze(1)
+                    keep(kept)
+                    rows = kept if isinstance(rows, slice) else rows[kept]
+                    tok, next_pos, keys = tok[kept], next_pos[kept], keys[kept]
+                    noise = None if noise is None else noise[kept]
                 logits = decode(tok[:, None], next_pos)
                 next_pos = next_pos + 1
-            self._score(pending, tokens, logps, t + 1, params.temperature)
+            self._score(pending, tokens, logps, t + 1, params.temperature, rows)
             # One host transfer each, then plain list slicing (no per-row tensor ops).
             tokens, logps, length, done = tokens.tolist(), logps.tolist(), length.tolist(), (done & ~at_limit).tolist()
             completions = [row[:k] for row, k in zip(tokens, length)]
@@ -283,8 +297,9 @@ class HFRollout(RolloutEngine):
             model.train(was_training)
 
     def _decoder(self, past, mask, steps: int, vision: bool = False):
-        """``step(tokens [B, 1], positions [B, 1]) -> logits [B, V]`` for up to ``steps``
-        tokens after the prefill: the lean step (:mod:`portarl.rollout.lean_decode`) where
+        """(``step(tokens [B, 1], positions [B, 1]) -> logits [B, V]`` for up to ``steps``
+        tokens after the prefill, ``keep(rows)``: from now on decode only those rows, or None
+        where the cache cannot drop rows): the lean step (:mod:`portarl.rollout.lean_decode`) where
         it reproduces the model and ``lean_decode`` is on, else the Hugging Face forward.
         ``decode_path`` says which, and why not lean (logged when it changes)."""
         reason = (unsupported_reason(self.model, mask.shape[1] + steps) if self.lean_decode
@@ -296,7 +311,8 @@ class HFRollout(RolloutEngine):
             log.log(logging.DEBUG if "FSDP2" in path else logging.INFO, "hf engine decode path: %s", path)
             self.decode_path = path
         if reason is None:
-            return LeanDecoder(self.model, past, mask, steps).step
+            lean = LeanDecoder(self.model, past, mask, steps)
+            return lean.step, lean.keep
         state = {"past": past, "mask": mask}
         cache_name = _cache_argument(self.model)
 
@@ -307,7 +323,11 @@ class HFRollout(RolloutEngine):
             state["past"] = _cache_of(out)
             return out.logits[:, -1]
 
-        return hf_step
+        def hf_keep(rows: torch.Tensor) -> None:
+            state["past"].reorder_cache(rows)
+            state["mask"] = state["mask"][rows]
+
+        return hf_step, (hf_keep if callable(getattr(past, "reorder_cache", None)) else None)
 
     def _prefill(self, prompts, device, media=None):
         """The prompts' forward: (KV cache, last-position logits, attention mask, next
@@ -353,7 +373,8 @@ class HFRollout(RolloutEngine):
         return _cache_of(out), out.logits[:, -1], mask, following
 
     @staticmethod
-    def _score(pending: list, tokens: torch.Tensor, logps: torch.Tensor, end: int, temperature: float) -> None:
+    def _score(pending: list, tokens: torch.Tensor, logps: torch.Tensor, end: int, temperature: float,
+               rows=slice(None)) -> None:
         """Log-probs of the tokens at positions end - len(pending) .. end - 1, one
         :func:`portarl.ops.logprobs` call for those positions (row-wise, so the same values
         as one call per position); empties ``pending``."""
@@ -361,5 +382,5 @@ class HFRollout(RolloutEngine):
             return
         start = end - len(pending)
         logits = pending[0][:, None] if len(pending) == 1 else torch.stack(pending, dim=1)
-        logps[:, start:end] = ops.logprobs(logits, tokens[:, start:end], temperature=temperature).float()
+        logps[rows, start:end] = ops.logprobs(logits, tokens[rows, start:end], temperature=temperature).float()
         pending.clear()

@@ -145,6 +145,12 @@ class LeanDecoder:
         self.t = t + 1
         return self.head(inner.norm(x))[:, -1]
 
+    def keep(self, rows: torch.Tensor) -> None:
+        """Decode only ``rows`` (indices into the current rows) from the next step on."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.valid = self.valid[rows]
+
     def _sdpa(self, q, keys, values, mask, scale):
         groups = q.shape[1] // keys.shape[1]
         extra = {}

@@ -1,11 +1,17 @@
 """When the async worker hands out a batch in partial-rollout mode, and what the batch says
 (``rollout.partial``; the pool itself is :mod:`portarl.rollout.partial`).
 
-The trainer sends, before it waits for the batch of step k, the weights it has and the
-requests up to step ``k + max_staleness`` (:mod:`portarl.trainer.asynchronous.pipeline`).
-So the worker owes the batch of step k once it has read the request of step ``min(k +
-max_staleness, train.steps)``: everything it decodes for that batch is then decided by the
-message stream, never by timing. Each request's groups join the pool at once; the batch of
+The trainer sends, at the start of step t, the weights of version t - 1 and then the
+requests up to step ``t + max_staleness`` (:mod:`portarl.trainer.asynchronous.pipeline`).
+The worker owes the batch of step k once it has read the request of step ``min(k + lead,
+train.steps)``, ``lead = max(max_staleness - 1, 0)``: everything it decodes for that batch
+is then decided by the message stream, never by timing. With ``max_staleness`` >= 1 that
+request comes at the start of step k - 1, after version k - 2: the worker decodes batch k
+while the trainer learns from batch k - 1 (one step ahead, as plain async mode), and the
+tokens carried from earlier decodes (versions down to k - 1 - max_staleness) are still
+young enough for it: they carry across ``max_staleness - 1`` batches. (Owed at ``k +
+max_staleness``, the batch came due when the trainer already waited for it: the two
+processes took turns.) Each request's groups join the pool at once; the batch of
 step k is the first ``prompts_per_step`` groups to complete, whichever request they came
 from.
 
@@ -30,6 +36,11 @@ from portarl.rollout.base import RolloutBatch
 from portarl.rollout.partial import PartialPool
 
 
+def partial_lead(max_staleness: int) -> int:
+    """The batch of step k is owed once the request of step k + this is read (module doc)."""
+    return max(max_staleness - 1, 0)
+
+
 class PartialSchedule:
     def __init__(self, cfg):
         r = cfg.rollout
@@ -37,12 +48,15 @@ class PartialSchedule:
                                 max_rows=r.max_batch_size)
         self.group_size, self.per_step = r.group_size, cfg.train.prompts_per_step
         self.staleness, self.last_step, self.run_seed = r.max_staleness, cfg.train.steps, cfg.train.seed
+        self.lead = partial_lead(r.max_staleness)
         self.seed_mode = r.seed_mode
         self.owed: list[int] = []  # steps whose batch is owed, oldest first
         self.read_through = 0      # the newest step requested
 
-    def request(self, worker, request: dict) -> list:
-        """A generate request: its groups join the pool; returns the batches now due."""
+    def request(self, worker, request: dict):
+        """A generate request: its groups join the pool; yields the batches now due, each as
+        soon as it is made (at the last steps several come due at once: the first must not
+        wait for the later ones)."""
         from portarl.rollout import request_seeds
 
         step = int(request["step"])
@@ -53,10 +67,8 @@ class PartialSchedule:
         if step not in self.owed:  # in step order: a step asked again (a dropped batch) is owed first
             bisect.insort(self.owed, step)
         self.read_through = max(self.read_through, step)
-        replies = []
-        while self.owed and self.read_through >= min(self.owed[0] + self.staleness, self.last_step):
-            replies.append(self.batch(worker, self.owed.pop(0)))
-        return replies
+        while self.owed and self.read_through >= min(self.owed[0] + self.lead, self.last_step):
+            yield self.batch(worker, self.owed.pop(0))
 
     def batch(self, worker, step: int):
         from portarl.assets.data import example_from_json
@@ -104,4 +116,4 @@ class PartialSchedule:
         return {"op": "restored", "owed": list(self.owed)}
 
 
-__all__ = ["PartialSchedule"]
+__all__ = ["PartialSchedule", "partial_lead"]

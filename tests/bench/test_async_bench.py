@@ -74,8 +74,11 @@ def test_the_partial_run_is_compared_with_async_and_colocated(tmp_path):
     _write_run(tmp_path / "colocated" / "run", [5.0] + [1.0] * 6, rollout_s=0.4, rewards=[0.1] * 7)
     _write_run(tmp_path / "async" / "run", [5.0] + [0.8] * 8, rewards=[0.2] * 9)
     _write_run(tmp_path / "partial" / "run", [5.0] + [0.5] * 12, rewards=[0.2] * 13)
+    _write_run(tmp_path / "partial_carry" / "run", [5.0] + [1.0] * 6, rewards=[0.2] * 7)
     result, table = main(_args(tmp_path, partial=True, lengths="tail:8:512"), progress=lambda _: None)
     assert result["partial_vs_async"] == pytest.approx((12 / 6.0) / (7 / 5.6))
     assert result["partial_vs_colocated"] == pytest.approx((12 / 6.0) / (6 / 6.0))
-    assert "**Partial rollouts**" in table and "1.60x async's samples per second" in table
+    assert result["partial_carry_vs_async"] == pytest.approx((6 / 6.0) / (7 / 5.6))
+    assert "**Partial rollouts, partial** (rollout.partial, 1 + 1" in table and "1.60x async's samples per second" in table
+    assert "**Partial rollouts, partial_carry** (rollout.partial, max_staleness 2" in table and "0.80x async's" in table
     assert "(completion lengths tail:8:512, set by the benchmark)" in table

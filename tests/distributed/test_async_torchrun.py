@@ -400,7 +400,7 @@ def test_lora_async_on_two_ranks_matches_one_process(tmp_path):
 def test_partial_rollouts_on_two_ranks_match_one_process(tmp_path):
     """``rollout.partial`` under torchrun (issue 60): rank 0's worker keeps the pool, every
     rank trains on its whole groups of each batch the pool completes. With benchmark lengths
-    (a heavy tail) groups are carried across steps and versions; the batches (which prompts,
+    (a heavy tail) and max_staleness 2 groups are carried across steps and versions; the batches (which prompts,
     asked for at which step, from which version) are the same for 2 ranks and 1 process, and
     the update agrees to the reduction-order tolerance."""
     from portarl.rollout.bench_lengths import ENV
@@ -408,14 +408,14 @@ def test_partial_rollouts_on_two_ranks_match_one_process(tmp_path):
     single, double = tmp_path / "single", tmp_path / "double"
     for out, ranks in ((single, 1), (double, 2)):
         proc = _train(out, ranks, "train.steps=3", ASYNC, "rollout.partial=true", "rollout.max_new_tokens=24",
-                      "train.share_prompt=false", env=_env(**{ENV: "tail:2:24"}))
+                      "rollout.max_staleness=2", "train.share_prompt=false", env=_env(**{ENV: "tail:2:24"}))
         assert proc.returncode == 0, proc.stderr[-4000:]
     assert_trained(single, double)
     batches = _jsonl(single / "rollout_batches.jsonl")
     assert batches == _jsonl(double / "rollout_batches.jsonl")
     assert any(asked != b["step"] for b in batches for asked in b["asked_at"]), "no group was carried"
     for a, b in zip(_rows(single), _rows(double)):
-        assert a["reward/mean"] == b["reward/mean"] and b["rollout/token_staleness_max"] <= 1
+        assert a["reward/mean"] == b["reward/mean"] and b["rollout/token_staleness_max"] <= 2
     a, b = _rows(single)[0], _rows(double)[0]
     for key in ("loss", "pg/loss", "grad_norm"):
         assert b[key] == pytest.approx(a[key], rel=RTOL, abs=ATOL), key

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from proc_tree import children  # noqa: E402
+from proc_tree import children, free_port, kill_tree  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find each node's task"),
               pytest.mark.skipif(shutil.which("bash") is None, reason="the sbatch script is a bash script")]
@@ -77,19 +76,6 @@ print("\\n".join(sys.argv[3].split(",")))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tree(pid: int) -> list[int]:
-    found = [pid]
-    for child in children(pid):
-        found += _tree(child)
-    return found
-
-
 class Job:
     """One submission of the sbatch script: bash runs it with Slurm's variables set."""
 
@@ -104,7 +90,7 @@ class Job:
                 (stubs / tool).chmod(0o755)
         env = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "SRUN_LOG_DIR": str(self.logs),
                "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "portarl", "SLURM_NNODES": "2",
-               "SLURM_JOB_NODELIST": "localhost,127.0.0.1", "MASTER_PORT": str(_free_port()),
+               "SLURM_JOB_NODELIST": "localhost,127.0.0.1", "MASTER_PORT": str(free_port()),
                "CONFIG": str(root / "config.yaml"), "OUTPUT_DIR": str(root / "run"), "DEVICE": "cpu",
                "NPROC_PER_NODE": "2", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
                "HOME": str(root / "home"), "TRACKIO_DIR": str(root / "trackio")}
@@ -127,9 +113,7 @@ class Job:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            for pid in reversed(_tree(self.proc.pid)):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            kill_tree(self.proc.pid)
             self.proc.wait()
 
 

@@ -19,7 +19,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -33,7 +32,7 @@ pytest.importorskip("transformers")
 
 import run_guard  # noqa: E402
 from portarl.trainer.checkpoint import CheckpointManager  # noqa: E402
-from proc_tree import children  # noqa: E402
+from proc_tree import free_port, kill_tree, tree  # noqa: E402
 from test_fsdp_gloo import FAST, _env, _params_from, _rows  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find each node's rank")
@@ -45,34 +44,12 @@ COMPARED = ("reward/mean", "loss", "grad_norm", "kl", "completion/len_mean")
 RUN_LIMIT_S = 400
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tree(pid: int) -> list[int]:
-    """``pid`` and every process below it, parents first."""
-    found = [pid]
-    for child in children(pid):
-        found += _tree(child)
-    return found
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and everything it started, as a node's power going off would (torchrun
-    starts its ranks in sessions of their own, so the agent's process group is not enough)."""
-    for each in _tree(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(each, signal.SIGKILL)
-
-
 class Agents:
     """Two torchrun agents, one rank each, joined by a c10d rendezvous on localhost; node 0's
     agent keeps the rendezvous store (``is_host``), as the endpoint's node does on a cluster."""
 
     def __init__(self, logs: Path, outs: list[Path], *sets: str, resume: bool = False, node1: tuple[str, ...] = ()):
-        port, self.procs, self.logs = _free_port(), [], []
+        port, self.procs, self.logs = free_port(), [], []
         self.started = time.monotonic()
         try:
             for node, out in enumerate(outs):
@@ -105,7 +82,7 @@ class Agents:
     def rank_of(self, node: int) -> tuple[int, int]:
         """The rank and node number (``GROUP_RANK``) the rendezvous gave agent ``node``'s
         worker: c10d numbers both by arrival, not by the order the agents were started."""
-        for pid in _tree(self.procs[node].pid)[1:]:
+        for pid in tree(self.procs[node].pid)[1:]:
             with contextlib.suppress(OSError):
                 env = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
                 if b"RANK" in env:
@@ -115,7 +92,7 @@ class Agents:
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
-                _kill_tree(proc.pid)
+                kill_tree(proc.pid)
             proc.wait()
 
 
@@ -190,7 +167,7 @@ def test_a_node_that_dies_stops_the_other_within_the_timeout_naming_it(tmp_path,
         # loaded machine both stretch alike, so load slows the test but cannot fail it.
         margin = max(10.0, time.monotonic() - job.started)
         (lost, lost_node), survivor = job.rank_of(dead), job.procs[1 - dead]
-        _kill_tree(job.procs[dead].pid)
+        kill_tree(job.procs[dead].pid)
         killed = time.monotonic()
         survivor.wait(timeout=RUN_LIMIT_S)
         took = time.monotonic() - killed

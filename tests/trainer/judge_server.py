@@ -13,9 +13,9 @@ connection closes unanswered and the server stops itself: later requests are ref
 
 from __future__ import annotations
 
-import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from portarl.bench.chaos.judge import JSONHandler, chat_reply, threaded_server
 
 SLOW_S = 600.0
 
@@ -31,15 +31,12 @@ class JudgeServer:
         self.stopper: threading.Thread | None = None
         owner = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # quiet
-                pass
-
+        class Handler(JSONHandler):
             def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                body = self.read_json()
                 if self.path == "/release":
                     owner.released.set()
-                    return self._send(b"{}")
+                    return self.send_json(b"{}")
                 with owner.lock:
                     owner.requests.append({"path": self.path, **body})
                     count = len(owner.requests)
@@ -54,23 +51,10 @@ class JudgeServer:
                     owner.release.wait(SLOW_S)
                     return
                 if fault == "garbage":
-                    return self._send(b"<html>502 oops</html>")
-                content = body["messages"][0]["content"]
-                text = "I cannot rate this." if fault == "words" else f"Score: {sum(map(ord, content)) % 7}"
-                self._send(json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode())
+                    return self.send_json(b"<html>502 oops</html>")
+                self.send_json(chat_reply(body, "I cannot rate this." if fault == "words" else None))
 
-            def _send(self, data: bytes):
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = False
-        self.server.block_on_close = True  # server_close joins the handler threads
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
-                                       name="judge-server")
+        self.server, self.thread = threaded_server(Handler, "judge-server")
         self.thread.start()
 
     @property

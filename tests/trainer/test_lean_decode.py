@@ -117,3 +117,51 @@ def test_models_it_cannot_reproduce_keep_the_forward_and_say_why(build, why):
     out = engine.generate(PROMPTS, request_seeds(3, 1, 4, 1), SamplingParams(max_new_tokens=6))
     assert engine.decode_path.startswith("hf (") and why in engine.decode_path
     assert all(len(c) >= 1 for c in out.completion_ids)
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "hf"])
+def test_a_partial_call_drops_done_rows_and_samples_what_the_whole_batch_samples(lean, monkeypatch):
+    """Partial rollouts (``stop_when``): rows that are done leave the decode batch (their
+    KV-cache rows dropped) once a quarter of the rows are done; every row still gets the
+    tokens and log-probs a call decoding every row to the end gives it."""
+    model = _model("qwen2")
+    prompts, seeds = PROMPTS * 2, request_seeds(3, 1, 8, 1)
+    ends = [2, 9, 1, 5, 12, 3, 12, 7]  # benchmark lengths (PORTARL_BENCH_LENGTHS' end_at): rows end apart
+    params = SamplingParams(max_new_tokens=12, temperature=0.9)
+    widths = []
+    real_step = LeanDecoder.step
+    monkeypatch.setattr(LeanDecoder, "step", lambda self, tok, pos: widths.append(tok.shape[0]) or real_step(self, tok, pos))
+    whole = HFRollout(model, TOK.eos_token_id, TOK.pad_token_id, lean_decode=lean)
+    want = whole.generate(prompts, seeds, params, end_at=ends)
+    dropped = HFRollout(model, TOK.eos_token_id, TOK.pad_token_id, lean_decode=lean)
+    rows = []
+    got = dropped.generate(prompts, seeds, params, end_at=ends, row_limits=[12] * 8,
+                           stop_when=lambda done: rows.append(int((~done).sum())) and False)
+    assert dropped.decode_path == ("lean" if lean else whole.decode_path)
+    assert [len(c) for c in got.completion_ids] == ends
+    assert got.completion_ids == want.completion_ids and got.finished == want.finished
+    for a, b in zip(got.logprobs, want.logprobs):
+        _assert_close(torch.tensor(a), torch.tensor(b), "log-probs of a row decoded in a smaller batch")
+    if lean:  # the decode batch shrank as rows ended (the whole call kept all 8 to the end)
+        assert widths[:11] == [8] * 11 and min(widths[11:]) < 8 and widths[-1] == 2, widths
+
+
+def test_benchmark_lengths_hold_even_where_the_model_would_stop_at_once():
+    """``end_at`` (``PORTARL_BENCH_LENGTHS``): a row ends at its length exactly; the model's
+    own stop token is not drawn before it (a model that ends at once shows it)."""
+    model = _model("qwen2")
+    head = torch.nn.Linear(model.config.hidden_size, len(TOK), bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
+        head.bias[TOK.eos_token_id] = 50.0  # the end-of-sequence token, always, unless it is masked
+    model.lm_head = head
+    prompts, seeds = PROMPTS * 2, request_seeds(3, 1, 8, 1)
+    engine = HFRollout(model, TOK.eos_token_id, TOK.pad_token_id)
+    params = SamplingParams(max_new_tokens=12, temperature=0.9)
+    assert [len(c) for c in engine.generate(prompts, seeds, params).completion_ids] == [1] * 8
+    ends = [2, 9, 1, 5, 12, 3, 12, 7]
+    out = engine.generate(prompts, seeds, params, end_at=ends)
+    assert [len(c) for c in out.completion_ids] == ends
+    assert all(c[-1] == TOK.eos_token_id and TOK.eos_token_id not in c[:-1] for c in out.completion_ids)
+    assert out.finished == [True] * 8

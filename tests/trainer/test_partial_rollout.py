@@ -7,7 +7,7 @@ different times and some are carried into the next step.
   groups per call, restart and cut across versions, its state round-tripping JSON;
 - a run at staleness 0: every token sampled by the weights it is trained on, the engine's
   log-probs equal the trainer's within ``ROLLOUT_FP32_ATOL`` (colocated-equivalent);
-- a run at staleness 1: groups mix steps, samples span versions, no token older than 1;
+- a run at staleness 2: groups mix steps, samples span versions, no token older than 2;
 - SIGKILL of the trainer with sequences in flight, then ``--resume``: the run ends with the
   uninterrupted run's metrics, batches and weights, bitwise (no sample lost or repeated).
 """
@@ -36,6 +36,11 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 
 TAIL = {LENGTHS_ENV: "tail:2:40"}
 SETS = ("train.steps=6", "rollout.max_new_tokens=40", "rollout.partial=true", VARIED)
+#: Tokens carry from one batch's decode into the next from max_staleness 2 on (the batch of
+#: step k is decoded one step ahead, under version k - 2: portarl/rollout/partial_schedule.py).
+#: 7 steps: the batches of the last steps come due together (the requests stop at the last
+#: step), so the SIGKILL test's hang at step 6 comes after checkpoint 4 only with a step 7.
+STALE2 = ("rollout.max_staleness=2", "train.steps=7")
 
 
 # ------------------------------------------------------------------------------- the pool
@@ -135,7 +140,7 @@ def test_a_step_asked_again_is_owed_before_the_later_ones(monkeypatch):
 
     from portarl.rollout.partial_schedule import PartialSchedule
 
-    r = SimpleNamespace(max_new_tokens=8, max_staleness=1, partial_overflow="restart", partial_segment=64,
+    r = SimpleNamespace(max_new_tokens=8, max_staleness=2, partial_overflow="restart", partial_segment=64,
                         max_batch_size=None, group_size=2, seed_mode="per_sample")
     schedule = PartialSchedule(SimpleNamespace(rollout=r, train=SimpleNamespace(prompts_per_step=1, steps=10, seed=0)))
     handed = []
@@ -143,7 +148,7 @@ def test_a_step_asked_again_is_owed_before_the_later_ones(monkeypatch):
     worker = SimpleNamespace(fault=None)
 
     def ask(step):
-        return schedule.request(worker, {"step": step, "prompts": [[1]], "examples": [{}], "indices": [0]})
+        return list(schedule.request(worker, {"step": step, "prompts": [[1]], "examples": [{}], "indices": [0]}))
 
     assert ask(1) == [] and ask(2) == [{"op": "batch", "step": 1}]
     ask(3), ask(4), ask(5), ask(6)
@@ -174,9 +179,9 @@ def _finish(proc) -> None:
 
 
 @pytest.fixture(scope="module")
-def stale1(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("partial-s1")
-    _finish(_start(out, *SETS, "checkpoint.every=2", "checkpoint.keep_last=5", **TAIL))
+def stale2(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("partial-s2")
+    _finish(_start(out, *SETS, *STALE2, "checkpoint.every=2", "checkpoint.keep_last=5", **TAIL))
     return out
 
 
@@ -191,20 +196,20 @@ def test_at_staleness_0_every_token_is_the_trained_policys_and_matches_the_train
         assert r["mismatch/abs_diff_max"] <= ROLLOUT_FP32_ATOL, (r["step"], r["mismatch/abs_diff_max"])
 
 
-def test_at_staleness_1_groups_mix_steps_and_samples_span_versions(stale1):
-    rows = _jsonl(stale1 / "metrics.jsonl")
-    batches = _jsonl(stale1 / "rollout_batches.jsonl")
-    assert [b["step"] for b in batches] == [1, 2, 3, 4, 5, 6]
-    assert max(r["rollout/token_staleness_max"] for r in rows) == 1.0
+def test_at_staleness_2_groups_mix_steps_and_samples_span_versions(stale2):
+    rows = _jsonl(stale2 / "metrics.jsonl")
+    batches = _jsonl(stale2 / "rollout_batches.jsonl")
+    assert [b["step"] for b in batches] == [1, 2, 3, 4, 5, 6, 7]
+    assert max(r["rollout/token_staleness_max"] for r in rows) == 2.0
     assert any(r["rollout/versions_per_sample"] > 1 for r in rows), "no sample went on under newer weights"
     assert any(a != b["step"] for b in batches for a in b["asked_at"]), "every group was its own step's"
-    assert sum(len(b["prompts"]) for b in batches) == 6 * 4
+    assert sum(len(b["prompts"]) for b in batches) == 7 * 4
 
 
 @pytest.mark.compares_runs
-def test_sigkill_with_sequences_in_flight_then_resume_loses_and_repeats_no_sample(tmp_path, stale1):
+def test_sigkill_with_sequences_in_flight_then_resume_loses_and_repeats_no_sample(tmp_path, stale2):
     out = tmp_path / "killed"
-    proc = _start(out, *SETS, "checkpoint.every=2", "checkpoint.keep_last=5", **TAIL, **{FAULT_ENV: "hang@5"})
+    proc = _start(out, *SETS, *STALE2, "checkpoint.every=2", "checkpoint.keep_last=5", **TAIL, **{FAULT_ENV: "hang@6"})
     try:
         _wait_rows(proc, out, 4)
         manager = CheckpointManager(out)
@@ -212,7 +217,7 @@ def test_sigkill_with_sequences_in_flight_then_resume_loses_and_repeats_no_sampl
         while manager.latest() is None or manager.latest().name != "step-000004":  # it holds the pool
             assert proc.poll() is None and time.monotonic() < limit, "checkpoint 4 never came"
             time.sleep(0.05)
-        proc.kill()  # step 5's batch never comes: killed with sequences in flight
+        proc.kill()  # step 6's batch never comes: killed with step 5's made and sequences in flight
         proc.wait()
     finally:
         proc.kill()
@@ -220,15 +225,17 @@ def test_sigkill_with_sequences_in_flight_then_resume_loses_and_repeats_no_sampl
     state = CheckpointManager.load_state(out / "checkpoints" / "step-000004")
     pool = state["async_in_flight"]["partial_pool"]["pool"]
     assert pool["groups"] or pool["complete"], "the checkpoint of step 4 holds no sequence in flight"
-    _finish(_start(out, *SETS, "checkpoint.every=2", "checkpoint.keep_last=5", resume=True, **TAIL))
-    run_guard.assert_run_trained(stale1, what="the uninterrupted partial run")
+    # the worker decodes one step ahead: step 5's batch was made before checkpoint 4 and is in it
+    assert [b["step"] for b in state["async_in_flight"]["batches"]] == [5]
+    _finish(_start(out, *SETS, *STALE2, "checkpoint.every=2", "checkpoint.keep_last=5", resume=True, **TAIL))
+    run_guard.assert_run_trained(stale2, what="the uninterrupted partial run")
     run_guard.assert_run_trained(out, what="the resumed partial run")
-    want, got = _jsonl(stale1 / "metrics.jsonl"), _jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    want, got = _jsonl(stale2 / "metrics.jsonl"), _jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6, 7]
     for a, b in zip(want, got):  # every number but the timings
         differ = {k: (v, b.get(k)) for k, v in a.items() if not k.endswith("_s") and b.get(k) != v}
         assert not differ, f"step {a['step']}: uninterrupted vs resumed {differ}"
-    assert _jsonl(out / "rollout_batches.jsonl") == _jsonl(stale1 / "rollout_batches.jsonl")
-    final = "checkpoints/step-000006/model.safetensors"
-    a, b = load_file(stale1 / final), load_file(out / final)
+    assert _jsonl(out / "rollout_batches.jsonl") == _jsonl(stale2 / "rollout_batches.jsonl")
+    final = "checkpoints/step-000007/model.safetensors"
+    a, b = load_file(stale2 / final), load_file(out / final)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []

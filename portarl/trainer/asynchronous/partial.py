@@ -73,6 +73,8 @@ def restore_pool(pipeline, saved) -> bool:
     while not pipeline.restored:
         pipeline._receive("the rollout worker to restore its pool", pipeline.client)
     pipeline.next_request = max(pipeline.trainer.step, int(state["read_through"])) + 1
+    for entry in saved.get("batches", []):  # made before the checkpoint, not yet trained on
+        pipeline.batches[int(entry["step"])] = entry["reply"]
     return True
 
 

@@ -35,14 +35,15 @@ STATE_KEY = "async_in_flight"
 log = logging.getLogger("portarl.train")
 
 
-def _wait_in_flight(pipeline) -> list[dict] | None:
-    """Rank 0: every batch requested beyond the trainer's step, waited for and kept for
-    the steps that train on them; ``None`` once the pipeline has failed."""
+def _wait_in_flight(pipeline, last: int | None = None) -> list[dict] | None:
+    """Rank 0: every batch requested beyond the trainer's step (up to step ``last``), waited
+    for and kept for the steps that train on them; ``None`` once the pipeline has failed."""
     if pipeline.failure is not None:
         return None
     saved = []
+    last = pipeline.next_request - 1 if last is None else last
     try:
-        for step in range(pipeline.trainer.step + 1, pipeline.next_request):
+        for step in range(pipeline.trainer.step + 1, last + 1):
             pipeline.batches[step] = reply = pipeline._await_batch(step)
             saved.append({"step": step, "prompts": [pipeline.index.get(id(ex)) for ex in pipeline.trainer_prompts(step)],
                           "reply": reply})
@@ -59,7 +60,7 @@ def in_flight_state(pipeline) -> list[dict] | None:
     timeout covers rank 0's waits): the batches in flight, as the checkpoint stores them."""
     if pipeline.client is None:
         saved = None
-    elif pipeline.partial:  # the worker's pool holds the steps in flight (portarl.trainer.asynchronous.partial)
+    elif pipeline.partial:  # the batches the worker already made, then its pool (portarl.trainer.asynchronous.partial)
         saved = _pool_or_none(pipeline)
     else:
         saved = _wait_in_flight(pipeline)
@@ -67,12 +68,18 @@ def in_flight_state(pipeline) -> list[dict] | None:
 
 
 def _pool_or_none(pipeline):
+    from portarl.rollout.partial_schedule import partial_lead
     from portarl.trainer.asynchronous.partial import pool_state
 
     if pipeline.failure is not None:
         return None
+    # The worker owes the batch of step k once it read the request of step k + lead: those
+    # already due were handed out of the pool, so they are kept here, as in plain async mode.
+    made = _wait_in_flight(pipeline, last=pipeline.next_request - 1 - partial_lead(pipeline.max_staleness))
+    if made is None:
+        return None
     try:
-        return pool_state(pipeline)
+        return {**pool_state(pipeline), "batches": made}
     except Exception as err:  # as _wait_in_flight: raised again at the step that needs the worker
         pipeline.failure = err
         log.warning("the checkpoint of step %d does not hold the partial-rollout pool (%s): a resume from it "

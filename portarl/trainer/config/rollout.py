@@ -99,8 +99,10 @@ class RolloutConfig:
     #: for in one pool and hands the trainer a step's batch as soon as prompts_per_step groups
     #: are complete; the others stay in flight, their tokens kept, and go on under the newer
     #: weights (re-prefilled: every later token is the new policy's). Each token carries the
-    #: version that sampled it; the mismatch correction weighs it (docs/async.md). Peers:
-    #: verl partial_rollout, slime --partial-rollout, OpenRLHF partial_rollout_enable.
+    #: version that sampled it; the mismatch correction weighs it (docs/async.md). Tokens
+    #: carry into later batches from max_staleness 2 on (the worker decodes one step ahead);
+    #: at 1 the finished rows only leave the decode batch early. Peers: verl
+    #: partial_rollout, slime --partial-rollout, OpenRLHF partial_rollout_enable.
     partial: bool = False
     #: rollout.partial: a sequence that would span more than max_staleness + 1 weight versions
     #: is "restart"ed (its tokens dropped; sampled again from its prompt with the new weights:
