@@ -218,14 +218,16 @@ def main(args, progress=print) -> tuple[dict, str]:
               "load_avg_1m": {name: _load(work / name) for name in results},
               "samples_per_step": samples_per_step, **summaries, **comparisons(summaries),
               "curve_steps": common, "curve": {m: curve(results[m]["rows"], common) for m in results},
-              "reward_per_step": {m: [r["reward/mean"] for r in results[m]["rows"]] for m in results}}
+              "reward_per_step": {m: [r["reward/mean"] for r in results[m]["rows"]] for m in results},
+              "step_s_per_step": {m: [r["time/step_s"] for r in results[m]["rows"]] for m in results}}
     if args.out:
         plot(result, Path(args.out).with_suffix(".png"))
     return result, table(result)
 
 
 def plot(result: dict, path: Path) -> None:
-    """reward/mean against samples trained, both modes (a moving mean over 10 steps)."""
+    """Left: samples trained against seconds of steps (the speed); right: reward/mean against
+    samples trained (a moving mean over 10 steps), every run."""
     try:
         import matplotlib
 
@@ -233,15 +235,23 @@ def plot(result: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, (speed, ax) = plt.subplots(1, 2, figsize=(11, 3.8))
     n = result["samples_per_step"]
+    for mode, times in result.get("step_s_per_step", {}).items():  # the first step (start-up) not counted
+        clock = [sum(times[1:i + 1]) for i in range(len(times))]
+        speed.plot(clock, [(i + 1) * n for i in range(len(times))], label=mode)
+    speed.set_xlabel("seconds of GRPO steps")
+    speed.set_ylabel("samples trained")
+    speed.set_title("speed")
+    speed.legend(fontsize=8)
     for mode, values in result["reward_per_step"].items():
         window = [statistics.fmean(values[max(0, i - 9):i + 1]) for i in range(len(values))]
         ax.plot([(i + 1) * n for i in range(len(values))], window, label=mode)
     ax.set_xlabel("samples trained")
     ax.set_ylabel("reward/mean (10-step mean)")
-    ax.set_title(f"{result['config']}: {result['budget_s']:g} s per mode")
-    ax.legend()
+    ax.set_title(f"{result['config']}: {result['budget_s']:g} s per mode"
+                 + (f", lengths {result['lengths']}" if result.get("lengths") else ""))
+    ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
