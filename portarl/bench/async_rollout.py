@@ -180,7 +180,9 @@ def comparisons(summaries: dict) -> dict:
 
 
 def curve(rows: list[dict], steps: int, chunks: int = 5) -> list[float]:
-    """reward/mean averaged over ``chunks`` equal spans of the first ``steps`` steps."""
+    """reward/mean averaged over ``chunks`` equal spans of the first ``steps`` steps (fewer
+    spans when there are fewer steps than spans)."""
+    rows = rows[:steps]
     size = max(1, steps // chunks)
     return [statistics.fmean(r["reward/mean"] for r in rows[i:i + size]) for i in range(0, size * chunks, size)
             if rows[i:i + size]]

@@ -33,6 +33,7 @@ def test_budget_leaves_out_the_first_step_and_stops_inside_the_budget(tmp_path):
     s = summarize(rows, samples_per_step=10)
     assert s["samples"] == 40 and s["samples_per_s"] == pytest.approx(30 / 3.0)
     assert curve(rows, 4, chunks=2) == [pytest.approx(15.5), pytest.approx(1.0)]
+    assert len(curve(rows, 3, chunks=5)) == 3  # fewer common steps than spans: one span a step, no more
 
 
 def _args(tmp_path, **kw):
