@@ -232,8 +232,8 @@ def test_decoding_n_tokens_takes_one_prefill_and_n_minus_1_forwards(lean):
     make = engine._decoder
 
     def counting_decoder(*args, **kwargs):
-        step = make(*args, **kwargs)
-        return lambda tokens, positions: steps.append(1) or step(tokens, positions)
+        step, keep = make(*args, **kwargs)
+        return (lambda tokens, positions: steps.append(1) or step(tokens, positions)), keep
 
     engine._decoder = counting_decoder
     hook = engine.model.register_forward_pre_hook(
